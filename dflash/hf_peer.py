@@ -1,0 +1,48 @@
+"""The in-process peer: transformers' own DFlash drafter (``MuseGlimmerAssistantModel``).
+
+transformers 5.x drives DFlash through ``generate(..., assistant_model=..., speculation_type=
+"dflash")``. Its drafter has the same network as z-lab's with other names. This module loads a
+z-lab checkpoint into it (renames ``fc`` -> ``encoder.fc``, ``hidden_norm`` ->
+``encoder.output_norm_enc``; lifts ``dflash_config`` keys to the top level; explicit
+``layer_types``; rope settings as ``rope_parameters``) so that parity tests and ``dflash bench``
+can compare against it with identical weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash.config import DrafterConfig
+
+RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+
+
+def load_peer_drafter(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Return a ``MuseGlimmerAssistantModel`` holding the z-lab drafter at ``path``.
+
+    Raises ImportError when the installed transformers has no DFlash support.
+    """
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    cfg = DrafterConfig.from_pretrained(path)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    hcfg = MuseGlimmerAssistantConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope_parameters=rope,
+        max_position_embeddings=cfg.max_position_embeddings,
+        sliding_window=int(cfg.sliding_window or cfg.max_position_embeddings),
+        layer_types=list(cfg.layer_types), block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = MuseGlimmerAssistantModel(hcfg)
+    state = {RENAMES.get(k, k): v for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
