@@ -1,0 +1,66 @@
+"""Protobuf <-> domain conversions shared by the services (symmetric to/from pairs).
+
+Tensors go through :mod:`dflash.wire`; everything else that two services both speak lives here.
+"""
+
+from __future__ import annotations
+
+from dflash.proposer import DrafterCard
+from dflash.sampling import InvalidParam, Sampling
+from dflash.stats import AcceptanceCounter
+from dflash.v1 import common_pb2, drafter_pb2
+
+FINISH = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+}
+FINISH_NAME = {v: k for k, v in FINISH.items()}
+
+
+def card_to_proto(c: DrafterCard) -> drafter_pb2.DrafterCard:
+    return drafter_pb2.DrafterCard(
+        name=c.name, version=c.version, block_size=c.block_size, mask_token_id=c.mask_token_id,
+        target_layer_ids=list(c.target_layer_ids), hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size, dtype=c.dtype, target_fingerprint=c.target_fingerprint,
+        num_hidden_layers=c.num_hidden_layers, rope_theta=c.rope_theta)
+
+
+def card_from_proto(m: drafter_pb2.DrafterCard) -> DrafterCard:
+    return DrafterCard(
+        name=m.name, version=m.version, block_size=m.block_size, mask_token_id=m.mask_token_id,
+        target_layer_ids=tuple(m.target_layer_ids), hidden_size=m.hidden_size,
+        vocab_size=m.vocab_size, dtype=m.dtype, target_fingerprint=m.target_fingerprint,
+        num_hidden_layers=m.num_hidden_layers, rope_theta=m.rope_theta)
+
+
+def sampling_to_proto(s: Sampling) -> common_pb2.SamplingParams:
+    m = common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    if s.seed is not None:
+        m.seed = s.seed
+    return m
+
+
+def sampling_from_proto(m: common_pb2.SamplingParams) -> Sampling:
+    """Validate; raises InvalidParam naming the field. ``top_p`` 0 means disabled (1.0)."""
+    top_p = m.top_p if m.top_p != 0 else 1.0
+    if m.top_p < 0:
+        raise InvalidParam("top_p", f"must be in (0, 1], got {m.top_p}")
+    return Sampling(temperature=float(m.temperature), top_k=int(m.top_k), top_p=float(top_p),
+                    seed=m.seed if m.HasField("seed") else None)
+
+
+def stats_to_proto(s: AcceptanceCounter) -> common_pb2.AcceptanceStats:
+    return common_pb2.AcceptanceStats(
+        drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+        accepted_per_position=list(s.accepted_per_position),
+        mean_acceptance_length=s.mean_acceptance_length, fallback_steps=s.fallback_steps,
+        draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds)
+
+
+def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
+    return AcceptanceCounter(
+        drafts=m.drafts, draft_tokens=m.draft_tokens, accepted_tokens=m.accepted_tokens,
+        accepted_per_position=list(m.accepted_per_position), fallback_steps=m.fallback_steps,
+        draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds)

@@ -1,0 +1,70 @@
+"""Acceptance statistics: one object, several sinks (response, log line, Prometheus, spans).
+
+Definitions (written once; the same meaning as vLLM's spec-decoding counters):
+
+* ``drafts``: verify steps that carried a draft block (vLLM ``num_drafts``).
+* ``draft_tokens``: proposed tokens in those blocks (vLLM ``num_draft_tokens``).
+* ``accepted_tokens``: proposed tokens accepted *and emitted*; an EOS / stop / max_tokens cut
+  inside an accepted block ends the count there (vLLM ``num_accepted_tokens``).
+* ``accepted_per_position[i]``: steps whose draft position ``i + 1`` was accepted.
+* mean acceptance length ``tau = 1 + accepted_tokens / drafts`` (the bonus token included;
+  DFlash paper's tau, SGLang's ``accept len``).
+* per-position acceptance rate ``i = accepted_per_position[i] / drafts``.
+* draft acceptance rate ``= accepted_tokens / draft_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class AcceptanceCounter:
+    """Running counts; ``record`` one verify step at a time."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    fallback_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One step that verified ``num_draft_tokens`` drafts of which the first ``num_accepted``
+        were accepted and emitted. Steps with no drafts are not drafts (tau ignores them)."""
+        if num_draft_tokens <= 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += num_draft_tokens
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "AcceptanceCounter") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
+        for i, v in enumerate(other.accepted_per_position):
+            a[i] += v
+        self.accepted_per_position = a
+        self.fallback_steps += other.fallback_steps
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau = 1 + accepted / drafts (1.0 when nothing was drafted)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -1,0 +1,140 @@
+"""Training data: the target answers synthetic prompts; we store its taps for the drafter.
+
+For each batch of prompts (chat-formatted with :func:`dflash.humaneval.format_prompt`) the target
+answers greedily (batched ``generate``, left padding). Then one batched forward over prompt +
+response (right padding, so positions are plain ``arange``) gives the tapped hidden states.
+
+Shard layout (safetensors, ``<out>/shard_00000.safetensors``), T = total tokens of the shard:
+  ``input_ids`` int64 [T]; ``loss_mask`` uint8 [T] (1 on response tokens, including the final
+  ``<|im_end|>``); ``offsets`` int64 [S+1] (sequence s is ``[offsets[s], offsets[s+1])``);
+  ``taps`` bfloat16 [T, len(target_layer_ids) * H].
+``<out>/meta.json`` records target dir, layer ids, counts and throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.humaneval import encode_prompt
+from dflash.taps import hidden_state_indices, tap_features
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenConfig:
+    target_dir: str
+    out_dir: str
+    target_layer_ids: tuple[int, ...]
+    num_prompts: int = 2000
+    batch_size: int = 32
+    max_new_tokens: int = 224
+    seed: int = 0
+    time_budget_min: float | None = None   # stop after the batch that crosses it
+
+
+@dataclass
+class Sequence:
+    input_ids: list[int]      # [n] prompt + response
+    loss_mask: list[int]      # [n] 1 on response tokens
+
+
+def load_target(target_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return model, tok
+
+
+@torch.no_grad()
+def answer_batch(model, tok, prompts: list[str], max_new_tokens: int) -> list[Sequence]:
+    """Greedy target answers for a batch of problem prompts (left-padded batched generate)."""
+    enc = [encode_prompt(tok, p) for p in prompts]
+    pad = tok.pad_token_id
+    width = max(map(len, enc))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+    attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    seqs = []
+    for e, row in zip(enc, out[:, width:].tolist()):
+        if tok.eos_token_id in row:
+            row = row[:row.index(tok.eos_token_id) + 1]
+        seqs.append(Sequence(input_ids=e + row, loss_mask=[0] * len(e) + [1] * len(row)))
+    return seqs
+
+
+@torch.no_grad()
+def batch_taps(model, seqs: list[Sequence], layer_ids: tuple[int, ...]) -> list[torch.Tensor]:
+    """Tap features ``[n_i, len(ids)*H]`` (bfloat16) per sequence, one right-padded forward."""
+    width = max(len(s.input_ids) for s in seqs)
+    ids = torch.tensor([s.input_ids + [0] * (width - len(s.input_ids)) for s in seqs])
+    attn = torch.tensor([[1] * len(s.input_ids) + [0] * (width - len(s.input_ids)) for s in seqs])
+    out = model(input_ids=ids, attention_mask=attn, output_hidden_states=hidden_state_indices(layer_ids),
+                logits_to_keep=1)
+    feats = tap_features(out.hidden_states, layer_ids)           # [b, width, k*H]
+    return [feats[i, :len(s.input_ids)].to(torch.bfloat16) for i, s in enumerate(seqs)]
+
+
+def write_shard(path: Path, seqs: list[Sequence], taps: list[torch.Tensor]) -> None:
+    lens = torch.tensor([0] + [len(s.input_ids) for s in seqs])
+    save_file({
+        "input_ids": torch.tensor([t for s in seqs for t in s.input_ids], dtype=torch.int64),
+        "loss_mask": torch.tensor([m for s in seqs for m in s.loss_mask], dtype=torch.uint8),
+        "offsets": torch.cumsum(lens, 0).to(torch.int64),
+        "taps": torch.cat(taps).contiguous(),
+    }, str(path))
+
+
+def read_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
+    """Per-sequence dicts ``{input_ids [n], loss_mask [n], taps [n, k*H]}`` from all shards."""
+    seqs = []
+    for p in sorted(Path(data_dir).glob("shard_*.safetensors")):
+        d = load_file(str(p))
+        off = d["offsets"].tolist()
+        for a, b in zip(off, off[1:]):
+            seqs.append({"input_ids": d["input_ids"][a:b], "loss_mask": d["loss_mask"][a:b],
+                         "taps": d["taps"][a:b]})
+    return seqs
+
+
+def generate_dataset(cfg: GenConfig, prompts: list[str]) -> dict:
+    """Answer ``prompts`` in batches and write shards; resumes after existing shards."""
+    from tqdm import tqdm
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_target(cfg.target_dir)
+    batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+    t0 = time.time()
+    n_resp_tokens = n_seqs = 0
+    bar = tqdm(total=len(prompts), desc="datagen", unit="prompt")
+    for bi, batch in enumerate(batches):
+        shard = out / f"shard_{bi:05d}.safetensors"
+        bar.update(len(batch))
+        if shard.exists():
+            continue
+        seqs = answer_batch(model, tok, batch, cfg.max_new_tokens)
+        taps = batch_taps(model, seqs, cfg.target_layer_ids)
+        write_shard(shard, seqs, taps)
+        n_seqs += len(seqs)
+        n_resp_tokens += sum(sum(s.loss_mask) for s in seqs)
+        dt = time.time() - t0
+        bar.set_postfix(resp_tok_s=f"{n_resp_tokens / dt:.0f}", prompts_s=f"{n_seqs / dt:.2f}")
+        if cfg.time_budget_min and dt > cfg.time_budget_min * 60:
+            print(f"[datagen] time budget reached after {bi + 1} batches", flush=True)
+            break
+    bar.close()
+    dt = time.time() - t0
+    meta = {"target_dir": cfg.target_dir, "target_layer_ids": list(cfg.target_layer_ids),
+            "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+            "new_sequences": n_seqs, "new_response_tokens": n_resp_tokens, "seconds": round(dt, 1),
+            "response_tokens_per_s": round(n_resp_tokens / max(dt, 1e-9), 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"[datagen] {meta}", flush=True)
+    return meta

@@ -1,0 +1,3 @@
+from drafter_svc.server import main
+
+main()

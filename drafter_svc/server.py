@@ -1,0 +1,59 @@
+"""Drafter process: load the checkpoint, warm up, serve, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from dflash.server import create_server, run_until_signal
+from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+from drafter_svc.servicer import DrafterServicer
+
+SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+def build(engine, bind: str):
+    """An unstarted server for ``engine`` bound to ``bind`` (tests use "127.0.0.1:0")."""
+    servicer = DrafterServicer(engine)
+    rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                       (SERVICE,))
+    rt.servicer = servicer
+    return rt
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m drafter_svc", description="DFlash drafter service")
+    p.add_argument("--drafter", default=env("DFLASH_DRAFTER"), required=env("DFLASH_DRAFTER") is None,
+                   help="z-lab format drafter directory (config.json + model.safetensors) [DFLASH_DRAFTER]")
+    p.add_argument("--target", default=env("DFLASH_TARGET"), required=env("DFLASH_TARGET") is None,
+                   help="target model directory; only embed_tokens/lm_head are read [DFLASH_TARGET]")
+    p.add_argument("--bind", default=env("DFLASH_DRAFTER_BIND", "127.0.0.1:50061"),
+                   help="host:port to listen on [DFLASH_DRAFTER_BIND]")
+    p.add_argument("--dtype", default=env("DFLASH_DTYPE", "float32"), help="compute dtype [DFLASH_DTYPE]")
+    p.add_argument("--name", default=env("DFLASH_DRAFTER_NAME"), help="override the card name")
+    p.add_argument("--version", default=env("DFLASH_DRAFTER_VERSION"), help="override the card version")
+    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
+                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
+    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
+                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from drafter_svc.engine import DrafterEngine
+
+    logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args(argv)
+    rt = build(None, a.bind)  # health answers NOT_SERVING while weights load
+    rt.server.start()
+    logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
+    engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
+                                           version=a.version)
+    engine.warmup()
+    rt.servicer.engine = engine
+    rt.set_serving(True)
+    logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)
+    run_until_signal(rt, a.grace)

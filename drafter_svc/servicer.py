@@ -1,0 +1,77 @@
+"""gRPC servicer of the Drafter service: protobuf in -> one engine call -> protobuf out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from dflash import wire
+from dflash.convert import card_to_proto, sampling_from_proto
+from dflash.proposer import DraftError, Proposal, ProposalRequest
+from dflash.sampling import InvalidParam
+from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("dflash.drafter")
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """Serves one engine implementing the Proposer protocol (DFlash, or a test double)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _ready(self, context) -> None:
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading")
+
+    def Describe(self, request, context):
+        self._ready(context)
+        return card_to_proto(self.engine.card)
+
+    def Draft(self, request_iterator, context):
+        self._ready(context)
+        seen: set[str] = set()
+        try:
+            for batch in request_iterator:
+                if batch.release_sessions:
+                    self.engine.release(list(batch.release_sessions))
+                    seen.difference_update(batch.release_sessions)
+                t0 = time.perf_counter()
+                reqs, results = [], [None] * len(batch.items)
+                for i, item in enumerate(batch.items):
+                    try:
+                        reqs.append((i, _request(item)))
+                        seen.add(item.session_id)
+                    except (wire.WireError, InvalidParam) as e:
+                        results[i] = drafter_pb2.DraftResult(session_id=item.session_id,
+                                                             error=f"bad_request: {e}")
+                if reqs:
+                    outs = self.engine.propose([r for _, r in reqs])
+                    for (i, r), out in zip(reqs, outs):
+                        results[i] = _result(r.session_id, out)
+                yield drafter_pb2.DraftBatchResult(batch_id=batch.batch_id, results=results,
+                                                   draft_seconds=time.perf_counter() - t0)
+        finally:
+            # The verifier on the other end is gone: its sessions' context is useless now.
+            if seen:
+                self.engine.release(sorted(seen))
+
+
+def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
+    if not item.session_id:
+        raise InvalidParam("session_id", "must not be empty")
+    return ProposalRequest(session_id=item.session_id, context_start=item.context_start,
+                           context=wire.from_proto(item.context, "context"),
+                           anchor_token=item.anchor_token, block_size=item.block_size,
+                           sampling=sampling_from_proto(item.sampling))
+
+
+def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:
+    if isinstance(out, DraftError):
+        return drafter_pb2.DraftResult(session_id=session_id, error=str(out))
+    r = drafter_pb2.DraftResult(session_id=session_id, tokens=out.tokens.tolist())
+    if out.probs is not None:
+        r.probs.CopyFrom(wire.to_proto(out.probs.float()))
+    return r

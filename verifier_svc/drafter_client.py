@@ -1,0 +1,158 @@
+"""Client side of the verifier <-> drafter stream: a ``Proposer`` backed by a remote drafter.
+
+One long-lived bidirectional ``Draft`` stream per drafter address multiplexes every session of
+this verifier. Requests carry a ``batch_id``; a reader thread resolves the waiting caller when
+the reply with that id arrives. Every failure (unreachable, stream broken, deadline exceeded,
+an error string) becomes a ``DraftError`` for that step, never an exception into the decode
+loop; a broken stream is reopened on a later call after a short back-off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+import grpc
+
+from dflash import wire
+from dflash.convert import card_from_proto, sampling_to_proto
+from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
+from dflash.server import channel_options
+from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("dflash.verifier.drafter_client")
+
+
+def describe(address: str, timeout_s: float = 5.0) -> DrafterCard:
+    """Fetch the drafter card at ``address``. Raises grpc.RpcError when unreachable."""
+    with grpc.insecure_channel(address) as ch:
+        return card_from_proto(drafter_pb2_grpc.DrafterStub(ch).Describe(
+            drafter_pb2.DescribeDrafterRequest(), timeout=timeout_s))
+
+
+class RemoteProposer:
+    """``Proposer`` over the Draft stream of the drafter at ``address``.
+
+    Args:
+        address: host:port of a Drafter service.
+        card: its card (already checked against the target by the caller).
+        timeout_s: deadline for one draft step; past it the step runs without speculation.
+        reconnect_backoff_s: after a broken stream, calls fail fast for this long.
+        wire_dtype: dtype of context features on the wire (float32 keeps tests bit-exact).
+    """
+
+    def __init__(self, address: str, card: DrafterCard, *, timeout_s: float = 2.0,
+                 reconnect_backoff_s: float = 0.5, wire_dtype=None):
+        self.address = address
+        self.card = card
+        self.timeout_s = timeout_s
+        self.backoff_s = reconnect_backoff_s
+        self.wire_dtype = wire_dtype
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._queue: queue.Queue | None = None
+        self._broken_at = 0.0
+        self.last_wire_bytes = 0
+
+    # ------------------------------------------------------------------ stream management
+    def _open_locked(self) -> queue.Queue | None:
+        if self._queue is not None:
+            return self._queue
+        if time.monotonic() - self._broken_at < self.backoff_s:
+            return None
+        q: queue.Queue = queue.Queue()
+
+        def requests():
+            while (item := q.get()) is not None:
+                yield item
+
+        call = self._stub.Draft(requests())
+        threading.Thread(target=self._read, args=(call, q), daemon=True,
+                         name=f"drafter-reader-{self.address}").start()
+        self._queue = q
+        return q
+
+    def _read(self, call, q: queue.Queue) -> None:
+        try:
+            for resp in call:
+                with self._lock:
+                    fut = self._pending.pop(resp.batch_id, None)
+                if fut is not None:
+                    fut.set_result(resp)
+        except grpc.RpcError as e:
+            log.warning("drafter stream %s broken: %s", self.address, e.code())
+        finally:
+            with self._lock:
+                if self._queue is q:
+                    self._queue = None
+                    self._broken_at = time.monotonic()
+                pending, self._pending = self._pending, {}
+            q.put(None)
+            for fut in pending.values():
+                fut.set_exception(DraftError("unavailable", "drafter stream closed"))
+
+    # ------------------------------------------------------------------ Proposer
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
+        items = []
+        nbytes = 0
+        for r in requests:
+            ctx = r.context if self.wire_dtype is None else r.context.to(self.wire_dtype)
+            t = wire.to_proto(ctx)
+            nbytes += len(t.data)
+            items.append(drafter_pb2.DraftItem(
+                session_id=r.session_id, context_start=r.context_start, context=t,
+                anchor_token=r.anchor_token, block_size=r.block_size,
+                sampling=sampling_to_proto(r.sampling)))
+        self.last_wire_bytes = nbytes
+        bid = next(self._ids)
+        fut: Future = Future()
+        with self._lock:
+            q = self._open_locked()
+            if q is None:
+                return [DraftError("unavailable", "drafter stream reconnect back-off")] * len(requests)
+            self._pending[bid] = fut
+        q.put(drafter_pb2.DraftBatch(batch_id=bid, items=items))
+        try:
+            resp = fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._pending.pop(bid, None)
+            return [DraftError("timeout", f"no draft within {self.timeout_s}s")] * len(requests)
+        except DraftError as e:
+            return [e] * len(requests)
+        if len(resp.results) != len(requests):
+            return [DraftError("malformed_block", "result count mismatch")] * len(requests)
+        return [self._convert(r) for r in resp.results]
+
+    @staticmethod
+    def _convert(r: drafter_pb2.DraftResult) -> Proposal | DraftError:
+        import torch
+
+        if r.error:
+            reason = r.error.split(":", 1)[0] or "error"
+            return DraftError(reason if reason.isidentifier() else "error", r.error)
+        try:
+            probs = wire.from_proto(r.probs, "probs") if r.HasField("probs") else None
+        except wire.WireError as e:
+            return DraftError("malformed_probs", str(e))
+        return Proposal(tokens=torch.tensor(list(r.tokens), dtype=torch.int64), probs=probs)
+
+    def release(self, session_ids: list[str]) -> None:
+        with self._lock:
+            q = self._queue
+        if q is not None and session_ids:
+            q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
+
+    def close(self) -> None:
+        with self._lock:
+            q, self._queue = self._queue, None
+        if q is not None:
+            q.put(None)
+        self._channel.close()

@@ -1,0 +1,96 @@
+"""Verifier process: load the target, warm up, serve, expire idle sessions, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+
+from dflash.server import create_server, run_until_signal
+from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc.servicer import DrafterPool, VerifierServicer
+
+SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+log = logging.getLogger("dflash.verifier")
+
+
+def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None):
+    """An unstarted server for ``engine`` (None while loading) bound to ``bind``."""
+    pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype) if engine else None
+    servicer = VerifierServicer(engine, pool)
+    rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                       (SERVICE,))
+    rt.servicer = servicer
+    return rt
+
+
+def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None) -> None:
+    rt.servicer.engine = engine
+    rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m verifier_svc", description="DFlash verifier (target) service")
+    p.add_argument("--target", default=env("DFLASH_TARGET"), required=env("DFLASH_TARGET") is None,
+                   help="Hugging Face model directory (safetensors) [DFLASH_TARGET]")
+    p.add_argument("--bind", default=env("DFLASH_VERIFIER_BIND", "127.0.0.1:50051"),
+                   help="host:port to listen on [DFLASH_VERIFIER_BIND]")
+    p.add_argument("--dtype", default=env("DFLASH_DTYPE", "float32"), help="model dtype [DFLASH_DTYPE]")
+    p.add_argument("--draft-timeout", type=float, default=float(env("DFLASH_DRAFT_TIMEOUT_S", "2.0")),
+                   help="deadline per draft step, seconds; past it the step runs without "
+                        "speculation [DFLASH_DRAFT_TIMEOUT_S]")
+    p.add_argument("--wire-dtype", default=env("DFLASH_WIRE_DTYPE", ""),
+                   help="dtype of context features sent to drafters (default: the target's) "
+                        "[DFLASH_WIRE_DTYPE]")
+    p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
+                   help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
+                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
+    p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
+                   help="torch CPU threads, 0 = torch default [DFLASH_TORCH_THREADS]")
+    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
+                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import torch
+
+    from dflash.checkpoint import torch_dtype
+    from verifier_svc.engine import VerifierEngine
+    from verifier_svc.target import TargetModel
+
+    logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rt = build(None, a.bind)
+    rt.server.start()
+    log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
+    engine = VerifierEngine(TargetModel(a.target, dtype=a.dtype), session_ttl_s=a.session_ttl)
+    _warmup(engine)
+    attach(rt, engine, draft_timeout_s=a.draft_timeout,
+           wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)
+    stop = threading.Event()
+
+    def sweeper():
+        while not stop.wait(min(30.0, a.session_ttl / 2)):
+            n = engine.expire_sessions()
+            if n:
+                log.info("expired %d idle sessions", n)
+
+    threading.Thread(target=sweeper, daemon=True, name="session-sweeper").start()
+    rt.set_serving(True)
+    log.info("SERVING %s on port %d", a.target, rt.port)
+    run_until_signal(rt, a.grace, on_stop=stop.set)
+
+
+def _warmup(engine) -> None:
+    from verifier_svc.engine import Request
+
+    for _ in engine.generate(Request(request_id="warmup", prompt=[0, 1, 2], max_tokens=2,
+                                     ignore_eos=True)):
+        pass

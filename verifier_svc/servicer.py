@@ -1,0 +1,145 @@
+"""gRPC servicer of the Verifier service: protobuf in -> one engine call -> protobuf out."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import grpc
+
+from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
+from dflash.sampling import InvalidParam
+from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc.drafter_client import RemoteProposer, describe
+from verifier_svc.engine import PreconditionError, Request, VerifierEngine, check_drafter_card
+
+log = logging.getLogger("dflash.verifier")
+
+
+class DrafterPool:
+    """One checked ``RemoteProposer`` per drafter address, created on first use.
+
+    ``get`` raises PreconditionError when the drafter does not fit the target, and
+    ``grpc.RpcError`` when it cannot be reached.
+    """
+
+    def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None):
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.wire_dtype = wire_dtype
+        self._proposers: dict[str, RemoteProposer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> RemoteProposer:
+        with self._lock:
+            p = self._proposers.get(address)
+        if p is not None:
+            return p
+        card = describe(address)
+        for w in check_drafter_card(card, self.engine.target):
+            log.warning("drafter %s at %s: %s", card.label, address, w)
+        with self._lock:
+            p = self._proposers.setdefault(address, RemoteProposer(
+                address, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype))
+        return p
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._proposers.values():
+                p.close()
+            self._proposers.clear()
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine | None, pool: DrafterPool | None, metrics=None):
+        self.engine = engine
+        self.pool = pool
+        self.metrics = metrics
+
+    def _ready(self, context) -> VerifierEngine:
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading")
+        return self.engine
+
+    def Describe(self, request, context):
+        t = self._ready(context).target
+        return verifier_pb2.TargetCard(
+            model=str(t.path), hidden_size=t.hidden_size, num_hidden_layers=t.num_layers,
+            vocab_size=t.vocab_size, max_position_embeddings=t.max_positions,
+            fingerprint=t.fingerprint, eos_token_ids=sorted(t.eos_token_ids),
+            dtype=str(t.dtype).replace("torch.", ""), rope_theta=t.rope_theta)
+
+    def CheckDrafter(self, request, context):
+        engine = self._ready(context)
+        try:
+            if request.WhichOneof("drafter") == "address":
+                card = describe(request.address)
+            elif request.WhichOneof("drafter") == "card":
+                card = card_from_proto(request.card)
+            else:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drafter: give a card or an address")
+            check_drafter_card(card, engine.target)
+        except PreconditionError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except grpc.RpcError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"address: drafter unreachable ({e.code()})")
+        return verifier_pb2.CheckDrafterResponse(card=card_to_proto(card))
+
+    def CloseSession(self, request, context):
+        return verifier_pb2.CloseSessionResponse(
+            existed=self._ready(context).close_session(request.session_id))
+
+    def Generate(self, request, context):
+        engine = self._ready(context)
+        try:
+            req = self._request(request)
+            proposer = self._proposer(request, context)
+            req.proposer = proposer
+            events = engine.generate(req, cancelled=lambda: not context.is_active())
+            first = next(events)  # validation errors surface here, before anything is streamed
+        except InvalidParam as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PreconditionError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        prompt_tokens, cached = first.prompt_tokens, first.cached_prompt_tokens
+        try:
+            for ev in _chain(first, events):
+                chunk = verifier_pb2.VerifierGenerateChunk(token_ids=ev.tokens, accepted=ev.accepted,
+                                                           drafted=ev.drafted)
+                if ev.finish:
+                    chunk.finish_reason = FINISH[ev.finish]
+                    chunk.stats.CopyFrom(stats_to_proto(ev.stats))
+                    chunk.prompt_tokens = prompt_tokens
+                    chunk.cached_prompt_tokens = cached
+                yield chunk
+        finally:
+            events.close()  # a cancelled stream frees the session now, not at garbage collection
+
+    def _request(self, m: verifier_pb2.VerifierGenerateRequest) -> Request:
+        stops = frozenset(int(t) for t in m.stop_token_ids)
+        return Request(request_id=m.request_id or uuid.uuid4().hex, session_id=m.session_id,
+                       prompt=list(m.prompt_token_ids), sampling=sampling_from_proto(m.sampling),
+                       max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
+                       block_size=m.speculation.block_size)
+
+    def _proposer(self, m, context):
+        spec = m.speculation
+        if not spec.enabled:
+            return None
+        if not spec.drafter_address:
+            raise InvalidParam("speculation.drafter_address", "required when speculation is enabled")
+        try:
+            return self.pool.get(spec.drafter_address)
+        except grpc.RpcError as e:
+            # A drafter failure never fails a request: run without speculation.
+            log.warning("drafter %s unreachable (%s): request %s runs without speculation",
+                        spec.drafter_address, e.code(), m.request_id)
+            if self.metrics:
+                self.metrics.fallback("unavailable", "unknown")
+            return None
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

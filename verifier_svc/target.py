@@ -1,0 +1,83 @@
+"""The target model: any transformers causal LM, loaded from safetensors only.
+
+One call, :meth:`TargetModel.forward`, runs new tokens through the model with a KV cache and
+returns the logits and the tapped hidden states (``dflash.taps`` convention).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from dflash.checkpoint import target_fingerprint, torch_dtype
+from dflash.taps import hidden_state_indices
+
+
+class TargetModel:
+    """A loaded target plus its card fields.
+
+    Args:
+        path: Hugging Face model directory (config.json + safetensors). ``trust_remote_code`` is
+            never set and ``use_safetensors=True`` refuses pickled weights.
+        dtype: "float32" | "bfloat16" | "float16".
+    Raises:
+        FileNotFoundError / OSError: no loadable checkpoint at ``path``.
+    """
+
+    def __init__(self, path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
+        self.config = self.model.config
+        raw = json.loads((self.path / "config.json").read_text())
+        text = raw.get("text_config", raw)
+        self.hidden_size: int = self.config.hidden_size
+        self.num_layers: int = self.config.num_hidden_layers
+        self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
+        self.max_positions: int = getattr(self.config, "max_position_embeddings", 1 << 30)
+        rp = getattr(self.config, "rope_parameters", None) or {}
+        self.rope_theta = float(rp.get("rope_theta", getattr(self.config, "rope_theta", 0.0)) or 0.0)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.config.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(
+            [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        embed = self.model.get_input_embeddings().weight
+        self.fingerprint = target_fingerprint(text, embed.detach().cpu())
+        # One forward at a time: torch on CPU already uses every core for one call.
+        self.lock = threading.Lock()
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], cache: DynamicCache, layer_ids: tuple[int, ...] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` at positions ``cache.get_seq_length() ..`` and append them to ``cache``.
+
+        Returns:
+            logits: float32 [n, vocab].
+            taps: [n, len(layer_ids) * hidden] in the model dtype, or None when no layer ids.
+        """
+        ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+        want = hidden_state_indices(layer_ids) if layer_ids else False
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                         output_hidden_states=want)
+        logits = out.logits[0].float()
+        taps = None
+        if layer_ids:
+            taps = torch.cat([out.hidden_states[j][0] for j in want], dim=-1)
+        return logits, taps
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Keep the first ``length`` positions (transformers 5: crop takes a negative count)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
