@@ -51,7 +51,7 @@ def make_drafter(tiny_target, tmp_path_factory):
     cache = {}
 
     def make(**kw):
-        key = tuple(sorted(kw.items()))
+        key = repr(sorted(kw.items()))
         if key not in cache:
             d = tmp_path_factory.mktemp("drafter")
             cache[key] = make_tiny_drafter(d, tiny_target, **kw)

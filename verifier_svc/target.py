@@ -67,7 +67,7 @@ class TargetModel:
         """
         ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
         want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+        out = self.model(input_ids=ids, cache=cache, use_cache=True,
                          output_hidden_states=want)
         logits = out.logits[0].float()
         taps = None
