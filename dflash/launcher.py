@@ -1,0 +1,142 @@
+"""Start drafter(s), verifier and gateway as separate local processes (``dflash up``).
+
+The same topology as docker-compose.yml, without Docker: each service is its own
+``python -m <service>`` process with flags, logs to ``<run_dir>/<name>.log``, and is health
+checked through ``grpc.health.v1`` before the next one starts. A process that exits while
+starting fails the launch at once with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash.server import wait_healthy
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(kw_only=True)
+class DrafterSpec:
+    path: str
+    port: int
+    name: str | None = None
+    version: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class StackConfig:
+    """Everything ``dflash up`` needs; ports are on 127.0.0.1 unless ``host`` says otherwise."""
+
+    target: str
+    drafters: list[DrafterSpec]
+    host: str = "127.0.0.1"
+    gateway_port: int = 50050
+    verifier_port: int = 50051
+    dtype: str = "float32"
+    run_dir: str = "runs/up"
+    metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    health_timeout_s: float = 600.0
+    verifier_args: list[str] = dataclasses.field(default_factory=list)
+
+
+class LocalStack:
+    """Context manager owning the service processes."""
+
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.run_dir = Path(cfg.run_dir)
+
+    @property
+    def gateway_addr(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.gateway_port}"
+
+    @property
+    def verifier_addr(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.verifier_port}"
+
+    def drafter_addr(self, i: int = 0) -> str:
+        return f"{self.cfg.host}:{self.cfg.drafters[i].port}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.run_dir / f"{name}.log", "w")
+        env = {**os.environ, **self.cfg.extra_env}
+        if name in self.cfg.metrics_ports:
+            env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def _wait(self, name: str, addr: str) -> None:
+        deadline = time.monotonic() + self.cfg.health_timeout_s
+        p = self.procs[name]
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise LaunchError(f"{name} exited with code {p.returncode} while starting:\n"
+                                  f"{self.log_tail(name)}")
+            if wait_healthy(addr, 1.0):
+                return
+        raise LaunchError(f"{name} at {addr} not healthy after {self.cfg.health_timeout_s}s:\n"
+                          f"{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.run_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def start(self) -> "LocalStack":
+        c = self.cfg
+        try:
+            for i, d in enumerate(c.drafters):
+                args = ["--drafter", d.path, "--target", c.target, "--bind", f"{c.host}:{d.port}",
+                        "--dtype", c.dtype]
+                if d.name:
+                    args += ["--name", d.name]
+                if d.version:
+                    args += ["--version", d.version]
+                self._spawn(f"drafter{i}", "drafter_svc", args)
+            self._spawn("verifier", "verifier_svc", ["--target", c.target, "--bind", self.verifier_addr,
+                                                      "--dtype", c.dtype, *c.verifier_args])
+            for i in range(len(c.drafters)):
+                self._wait(f"drafter{i}", self.drafter_addr(i))
+            self._wait("verifier", self.verifier_addr)
+            gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr]
+            for i in range(len(c.drafters)):
+                gw += ["--drafter", self.drafter_addr(i)]
+            self._spawn("gateway", "gateway", gw)
+            self._wait("gateway", self.gateway_addr)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process (they drain), then SIGKILL what is left after ``grace_s``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,102 @@
+"""End to end with separate processes: `dflash up` (drafter, verifier, gateway), `dflash generate`,
+health checking, and a clean stop on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dflash.server import wait_healthy
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def health(addr, service=""):
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+@pytest.mark.slow
+def test_dflash_up_generate_and_clean_stop(tmp_path, tiny_target, make_drafter, hf_target, tokenizer):
+    gw, ver, dr = free_ports(3)
+    env = {**os.environ, "DFLASH_LOG_LEVEL": "INFO"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "dflash.cli", "up", "--target", str(tiny_target),
+         "--drafter", str(make_drafter(block_size=8)), "--gateway-port", str(gw),
+         "--verifier-port", str(ver), "--drafter-port", str(dr), "--run-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert wait_healthy(f"127.0.0.1:{gw}", 120), up.stdout.read() if up.poll() is not None else "timeout"
+        for addr, svc in ((f"127.0.0.1:{ver}", "dflash.v1.Verifier"),
+                          (f"127.0.0.1:{dr}", "dflash.v1.Drafter"),
+                          (f"127.0.0.1:{gw}", "dflash.v1.Gateway")):
+            assert health(addr, svc) == health_pb2.HealthCheckResponse.SERVING
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash.cli", "generate", "Hello", "--raw", "--max-tokens", "20",
+             "--gateway", f"127.0.0.1:{gw}"], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        assert "tau" in out.stderr and "tiny-drafter@1" in out.stderr
+        import torch
+
+        ids = tokenizer.encode("Hello")
+        want = hf_target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):]
+        assert out.stdout.rstrip("\n") == tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert up.returncode == 0
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
+    assert set(logs) == {"drafter0.log", "verifier.log", "gateway.log"}
+    for name, text in logs.items():
+        assert "stopped" in text, f"{name} did not drain and stop:\n{text[-2000:]}"
+    for port in (gw, ver, dr):  # every service is gone
+        with pytest.raises(grpc.RpcError):
+            health(f"127.0.0.1:{port}")
+
+
+@pytest.mark.slow
+def test_verifier_not_serving_until_loaded_and_drains_on_sigterm(tmp_path, tiny_target):
+    (port,) = free_ports(1)
+    p = subprocess.Popen([sys.executable, "-m", "verifier_svc", "--target", str(tiny_target),
+                          "--bind", f"127.0.0.1:{port}", "--grace", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                statuses.append(health(f"127.0.0.1:{port}"))
+                if statuses[-1] == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        assert statuses and statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+        assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING  # answered while loading
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        assert "NOT_SERVING, draining" in p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
