@@ -173,11 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
     s.set_defaults(func=lambda a: (_default_target(), 0)[1])
-    try:
-        from dflash import bench
-        bench.add_parser(sub)
-    except ImportError:
-        pass
+    from dflash import bench
+
+    bench.add_parser(sub)
     a = p.parse_args(argv)
     return a.func(a)
 

