@@ -48,7 +48,8 @@ def _on_cuda(*tensors: torch.Tensor) -> bool:
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.reference.greedy_accept`."""
-    if _on_cuda(draft_tokens, target_logits) and (ops := triton_kernels()) is not None:
+    if (_on_cuda(draft_tokens, target_logits) and (ops := triton_kernels()) is not None
+            and ops.greedy.supports(draft_tokens, target_logits)):
         return ops.greedy.greedy_accept(draft_tokens, target_logits)
     return reference.greedy_accept(draft_tokens, target_logits)
 

@@ -67,7 +67,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     recover_from = torch.cat([residual, target_probs[:, k:]], dim=1)    # [b, K+1, V]
     sampled = (recover_from / exp_noise).argmax(dim=2)                  # [b, K+1]
     pos = torch.arange(k + 1, device=draft_tokens.device)[None, :]
-    drafts_ext = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    drafts_ext = torch.cat([draft_tokens, draft_tokens.new_zeros(b, 1)], dim=1)     # [b, K+1]
     output = torch.where(pos < accepted[:, None], drafts_ext,
                          torch.where(pos == accepted[:, None], sampled, torch.full_like(sampled, -1)))
     return accepted, output
@@ -89,5 +89,9 @@ def pack_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 
 def unpack_features(buffer: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_features`: ``[N, C]`` + offsets -> list of ``[n_i, C]`` views."""
-    return [buffer[int(offsets[i]):int(offsets[i + 1])] for i in range(len(offsets) - 1)]
+    """Inverse of :func:`pack_features`: ``[N, C]`` + offsets -> list of ``[n_i, C]`` views.
+
+    The views alias ``buffer`` (no copy). ``offsets`` is read to the host once.
+    """
+    bounds = offsets.tolist()
+    return [buffer[start:end] for start, end in zip(bounds[:-1], bounds[1:])]

@@ -152,11 +152,12 @@ def test_rejection_large_vocab(tk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 @pytest.mark.parametrize("lengths", [[5], [3, 0, 9, 1]])
-def test_pack_matches_reference_and_round_trips(tk, dtype, lengths):
+@pytest.mark.parametrize("columns", [slice(None), slice(5, 42)], ids=["aligned", "window"])
+def test_pack_matches_reference_and_round_trips(tk, dtype, lengths, columns):
     g = torch.Generator().manual_seed(len(lengths))
-    hidden = (torch.randn(len(lengths), 12, 50, generator=g) * 100).to(dtype)  # [b, T, taps*C]
-    # Committed rows of each sequence, a column window of the taps: row-strided views.
-    features = [hidden[i, :n, 5:42] for i, n in enumerate(lengths)]
+    hidden = (torch.randn(len(lengths), 12, 48, generator=g) * 100).to(dtype)  # [b, T, taps*C]
+    # Committed rows of each sequence (all columns: 16-byte aligned rows; a window: unaligned).
+    features = [hidden[i, :n, columns] for i, n in enumerate(lengths)]
     buffer, offsets = tk.pack.pack_features(features, block_r=2, block_c=16)
     assert_same((buffer, offsets), ref.pack_features(features))
     assert offsets.device.type == "cpu"
@@ -213,11 +214,15 @@ def test_cuda_dispatch_routes_to_kernels(monkeypatch):
                 ref.greedy_accept(*greedy_case(1, 2, 8, seed=0)))
 
 
-def test_rejection_supports_only_float32(tk):
+def test_kernels_decline_inputs_they_cannot_match(tk):
     args = list(rejection_case(1, 2, 8, seed=0))
     assert tk.rejection.supports(*args)
-    args[2] = args[2].to(torch.bfloat16)
+    args[2] = args[2].to(torch.bfloat16)  # torch rounds bf16 arithmetic differently
     assert not tk.rejection.supports(*args)
+    drafts, logits = greedy_case(1, 2, 8, seed=0)
+    assert all(tk.greedy.supports(drafts, logits.to(t))
+               for t in (torch.float32, torch.float16, torch.bfloat16))
+    assert not tk.greedy.supports(drafts, logits.double())  # fp32 partials could make ties
 
 
 # ------------------------------------------------------------ reference sampler statistics
