@@ -69,7 +69,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
 def cmd_up(a) -> int:
     from dflash.launcher import LocalStack
 
-    stack = LocalStack(_stack_config(a))
+    new_stack = LocalStack
+    if a.prometheus:  # /metrics on every service + a local Prometheus (dflash/local_prometheus.py)
+        from dflash.local_prometheus import PrometheusStack
+        new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
+    stack = new_stack(_stack_config(a))
     print("starting drafter(s), verifier, gateway ...", flush=True)
     stack.start()
     for i, d in enumerate(stack.cfg.drafters):
@@ -159,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the stack as local processes")
     _add_stack_args(up)
+    up.add_argument("--prometheus", action="store_true",
+                    help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
     up.set_defaults(func=cmd_up)
     g = sub.add_parser("generate", help="stream one generation from a running gateway")
     g.add_argument("prompt")
