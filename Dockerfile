@@ -59,7 +59,7 @@ ENV DFLASH_DRAFTER_BIND=0.0.0.0:50061 \
     DFLASH_METRICS_PORT=9461
 EXPOSE 50061 9461
 # hadolint ignore=DL3025
-HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=5 \
+HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
   CMD python -m dflash.healthcheck "$DFLASH_DRAFTER_BIND" dflash.v1.Drafter
 CMD ["python", "-m", "drafter_svc"]
 
@@ -68,7 +68,7 @@ ENV DFLASH_VERIFIER_BIND=0.0.0.0:50051 \
     DFLASH_METRICS_PORT=9451
 EXPOSE 50051 9451
 # hadolint ignore=DL3025
-HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=5 \
+HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
   CMD python -m dflash.healthcheck "$DFLASH_VERIFIER_BIND" dflash.v1.Verifier
 CMD ["python", "-m", "verifier_svc"]
 
@@ -77,6 +77,6 @@ ENV DFLASH_GATEWAY_BIND=0.0.0.0:50050 \
     DFLASH_METRICS_PORT=9450
 EXPOSE 50050 9450
 # hadolint ignore=DL3025
-HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=5 \
+HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
   CMD python -m dflash.healthcheck "$DFLASH_GATEWAY_BIND" dflash.v1.Gateway
 CMD ["python", "-m", "gateway"]
