@@ -1,0 +1,110 @@
+"""CLI: ``python -m dflash.train {datagen,train,pipeline} ...``.
+
+``pipeline`` = target setup (idempotent) + data generation (time budgeted) + training (time
+budgeted, resumable) + final save. Threads default to 1: on this shared 2-core machine, 2 OpenMP
+threads under oversubscription made decode steps 5-7x slower (measured 84 s vs 12-17 s for 16
+steps of batch 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+
+def _gen_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--num-prompts", type=int, default=4000)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--gen-budget-min", type=float, default=25.0)
+    ap.add_argument("--reverse", action="store_true",
+                    help="generate batches last-to-first (a second writer next to a running one)")
+
+
+def _train_args(ap: argparse.ArgumentParser) -> None:
+    from dflash.train.trainer import TrainConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    ap.add_argument("--block-size", type=int, default=d["block_size"])
+    ap.add_argument("--gamma", type=float, default=None)
+    ap.add_argument("--num-layers", type=int, default=d["num_layers"])
+    ap.add_argument("--lr", type=float, default=d["lr"])
+    ap.add_argument("--max-steps", type=int, default=d["max_steps"])
+    ap.add_argument("--time-budget-min", type=float, default=None)
+    ap.add_argument("--seqs-per-step", type=int, default=d["seqs_per_step"])
+    ap.add_argument("--anchors-per-seq", type=int, default=d["anchors_per_seq"])
+    ap.add_argument("--full-vocab", action="store_true", help="train the softmax over all ids")
+    ap.add_argument("--ckpt-every-min", type=float, default=d["ckpt_every_min"])
+    ap.add_argument("--log-every", type=int, default=d["log_every"])
+    ap.add_argument("--seed", type=int, default=d["seed"])
+    ap.add_argument("--out-dir", default=None, help="final bf16 drafter directory")
+    ap.add_argument("--resume", action="store_true")
+
+
+def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
+    from dflash.train.trainer import TrainConfig
+
+    return TrainConfig(data_dir=data_dir, target_dir=target_dir, run_dir=run_dir,
+                       out_dir=args.out_dir, block_size=args.block_size, gamma=args.gamma,
+                       num_layers=args.num_layers, lr=args.lr, max_steps=args.max_steps,
+                       time_budget_min=args.time_budget_min, seqs_per_step=args.seqs_per_step,
+                       anchors_per_seq=args.anchors_per_seq, vocab_subset=not args.full_vocab,
+                       ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed)
+
+
+def _datagen(args, target_dir: str, data_dir: str) -> None:
+    from dflash.config import default_target_layer_ids
+    from dflash.train.data import GenConfig, generate_dataset
+    from dflash.train.prompts import make_prompts
+
+    cfg = GenConfig(target_dir=target_dir, out_dir=data_dir,
+                    target_layer_ids=tuple(default_target_layer_ids(30, 5)),
+                    num_prompts=args.num_prompts, batch_size=args.gen_batch,
+                    max_new_tokens=args.max_new_tokens, time_budget_min=args.gen_budget_min,
+                    reverse=args.reverse)
+    generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash.train")
+    ap.add_argument("--threads", type=int, default=1)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("datagen", "train", "pipeline"):
+        p = sub.add_parser(name)
+        p.add_argument("--run-dir", default="runs/train")
+        p.add_argument("--target-dir", default=None, help="default: dflash.target_setup directory")
+        p.add_argument("--cache-dir", default=None)
+        if name in ("datagen", "pipeline"):
+            _gen_args(p)
+        if name in ("train", "pipeline"):
+            _train_args(p)
+        if name == "pipeline":
+            p.add_argument("--train-until", default=None,
+                           help="UTC HH:MM; the training budget ends then (overrides --time-budget-min)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from dflash.target_setup import setup_target
+
+    target_dir = args.target_dir or str(setup_target(args.cache_dir))
+    data_dir = str(Path(args.run_dir) / "data")
+    if args.cmd in ("datagen", "pipeline"):
+        _datagen(args, target_dir, data_dir)
+    if args.cmd in ("train", "pipeline"):
+        if getattr(args, "train_until", None):
+            hh, mm = map(int, args.train_until.split(":"))
+            now = time.gmtime()
+            left = (hh * 60 + mm) - (now.tm_hour * 60 + now.tm_min + now.tm_sec / 60)
+            args.time_budget_min = max(1.0, left - 2.0)   # leave time for the final save
+            print(f"[pipeline] training budget {args.time_budget_min:.1f} min", flush=True)
+        from dflash.train.trainer import Trainer
+
+        Trainer(_train_config(args, data_dir, target_dir, args.run_dir)).train(resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

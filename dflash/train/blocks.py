@@ -1,0 +1,106 @@
+"""Training blocks for DFlash: anchors, block inputs, the block attention mask, labels, weights.
+
+Recipe (dflash.md section 5; SpecForge ``dflash_family_model.py``): per sequence, anchors are
+sampled among positions p with ``loss_mask[p]`` and ``loss_mask[p+1]`` both 1. Block j at anchor
+``a_j`` is ``[token a_j, MASK x (B-1)]`` at positions ``a_j .. a_j+B-1``. Its queries see context
+positions strictly before ``a_j`` and every position of their own block, never other blocks.
+Block position k (k >= 1) predicts the token at ``a_j + k`` (excluded beyond the sequence or
+where ``loss_mask`` is 0), with loss weight ``exp(-(k-1)/gamma)``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p with loss_mask[p] and loss_mask[p+1] (int64 [m])."""
+    m = loss_mask.bool()
+    return torch.nonzero(m[:-1] & m[1:]).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num: int, rng: random.Random) -> list[int]:
+    """Up to ``num`` distinct valid anchors, sorted."""
+    cand = valid_anchors(loss_mask).tolist()
+    return sorted(rng.sample(cand, min(num, len(cand))))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] loss weight per block position: 0 for k=0, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class BlockBatch:
+    """N blocks per sequence, b sequences, padded (q = N*B queries per sequence)."""
+
+    ctx_features: torch.Tensor    # [b, n, k*H] taps of positions 0..n-1 (zero padded)
+    ctx_positions: torch.Tensor   # [b, n] int64
+    block_ids: torch.Tensor       # [b, q] int64 [anchor, MASK, ...] per block
+    block_positions: torch.Tensor  # [b, q] int64 anchor + k
+    mask: torch.Tensor            # [b, 1, q, n + q] bool, True = may attend
+    labels: torch.Tensor          # [b, q] int64, -100 = excluded
+    weights: torch.Tensor         # [b, q] float32 loss weight (0 where excluded)
+
+
+def block_mask(anchors: list[int], ctx_len: int, block_size: int, num_blocks: int) -> torch.Tensor:
+    """Bool [q, ctx_len + q] for one sequence's blocks (q = num_blocks * B; missing blocks padded).
+
+    Query rows of block j see context columns c < anchors[j] and the B columns of block j. Rows of
+    padding blocks (j >= len(anchors)) see only their own block (kept finite, weight 0).
+    """
+    q = num_blocks * block_size
+    m = torch.zeros(q, ctx_len + q, dtype=torch.bool)
+    for j in range(num_blocks):
+        rows = slice(j * block_size, (j + 1) * block_size)
+        if j < len(anchors):
+            m[rows, :anchors[j]] = True
+        m[rows, ctx_len + j * block_size: ctx_len + (j + 1) * block_size] = True
+    return m
+
+
+def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *, block_size: int,
+                mask_token_id: int, gamma: float) -> BlockBatch:
+    """Assemble a :class:`BlockBatch` from sequences (``input_ids``, ``loss_mask``, ``taps``)."""
+    B = block_size
+    nb = max(1, max(len(a) for a in anchors))
+    # Context only needs positions < the last anchor of each sequence.
+    ctx_len = max(1, max((max(a) if a else 1) for a in anchors))
+    b, kh = len(seqs), seqs[0]["taps"].shape[-1]
+    feats = torch.zeros(b, ctx_len, kh, dtype=seqs[0]["taps"].dtype)
+    ids = torch.full((b, nb * B), mask_token_id, dtype=torch.int64)
+    pos = torch.zeros(b, nb * B, dtype=torch.int64)
+    labels = torch.full((b, nb * B), -100, dtype=torch.int64)
+    weights = torch.zeros(b, nb * B)
+    mask = torch.zeros(b, 1, nb * B, ctx_len + nb * B, dtype=torch.bool)
+    w = position_weights(B, gamma)
+    for i, (s, anc) in enumerate(zip(seqs, anchors)):
+        n = len(s["input_ids"])
+        m = min(n, ctx_len)
+        feats[i, :m] = s["taps"][:m]
+        mask[i, 0] = block_mask(anc, ctx_len, B, nb)
+        for j, a in enumerate(anc):
+            base = j * B
+            ids[i, base] = s["input_ids"][a]
+            pos[i, base:base + B] = torch.arange(a, a + B)
+            for k in range(1, B):
+                t = a + k
+                if t < n and s["loss_mask"][t]:
+                    labels[i, base + k] = s["input_ids"][t]
+                    weights[i, base + k] = w[k]
+        for j in range(len(anc), nb):   # padding blocks: harmless positions
+            pos[i, j * B:(j + 1) * B] = torch.arange(B)
+    ctx_pos = torch.arange(ctx_len).expand(b, ctx_len).contiguous()
+    return BlockBatch(feats, ctx_pos, ids, pos, mask, labels, weights)
+
+
+def weight_sum(block_size: int, gamma: float) -> float:
+    """Sum of the weights of a full block (for reference in logs)."""
+    return sum(math.exp(-(k - 1) / gamma) for k in range(1, block_size))

@@ -1,0 +1,355 @@
+"""DFlash drafter trainer (CPU-friendly, resumable, time-budgeted).
+
+The target's embedding and LM head are frozen (:class:`dflash.modeling.TargetHead`); only the
+drafter trains. Each step takes ``seqs_per_step`` sequences (an epoch is a fresh permutation) and
+``anchors_per_seq`` fresh random anchors per sequence (:mod:`dflash.train.blocks`). Loss: CE
+weighted by ``exp(-(k-1)/gamma)`` normalised by the weight sum. AdamW, linear warmup then cosine
+decay; with a time budget the schedule runs on elapsed training time, so a budgeted run always
+finishes its decay. Checkpoints (drafter + optimizer + step + RNG) go to ``<run_dir>/ckpt.pt``.
+
+The LM head (49152 x 576) dominates the cost. ``vocab_subset`` restricts the training softmax to
+the token ids that occur in the training data (an approximation: ids never seen are not pushed
+down); evaluation always uses the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dflash.checkpoint import load_target_head, save_drafter, target_fingerprint
+from dflash.config import DrafterConfig, default_target_layer_ids
+from dflash.modeling import DFlashDrafter, TargetHead
+from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data_dir: str
+    target_dir: str
+    run_dir: str
+    out_dir: str | None = None          # final bf16 drafter (save_drafter); None = skip
+    block_size: int = 16
+    gamma: float | None = None          # default 7 for B=16, 4 for B=8
+    num_layers: int = 1
+    intermediate_size: int = 1536
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    num_taps: int = 5
+    mask_token_id: int = 4              # SmolLM2 "<reponame>" (see dflash.target_setup)
+    lr: float = 8e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.04
+    max_steps: int = 1000
+    time_budget_min: float | None = None
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    grad_clip: float = 1.0
+    vocab_subset: bool = True
+    logit_chunk: int = 1024
+    log_every: int = 10
+    ckpt_every_min: float = 4.0
+    reload_every_min: float = 5.0       # pick up shards written meanwhile by a datagen process
+    seed: int = 0
+    name: str = "smollm2-dflash"
+    version: str = "1"
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else (7.0 if self.block_size >= 16 else 4.0)
+
+
+def drafter_config(cfg: TrainConfig, tcfg: dict, head: TargetHead) -> DrafterConfig:
+    """Drafter architecture for the target described by ``tcfg`` (its config.json dict)."""
+    rope = (tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0))
+    return DrafterConfig(
+        hidden_size=tcfg["hidden_size"], intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
+        max_position_embeddings=tcfg.get("max_position_embeddings", 32768),
+        vocab_size=tcfg["vocab_size"], block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+        target_layer_ids=tuple(default_target_layer_ids(tcfg["num_hidden_layers"], cfg.num_taps)),
+        num_target_layers=tcfg["num_hidden_layers"], name=cfg.name, version=cfg.version,
+        target_fingerprint=target_fingerprint(tcfg, head.embed))
+
+
+def weighted_ce(hidden: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of weighted CE and argmax predictions, logits computed ``chunk`` rows at a time.
+
+    hidden [M, H]; head_w [V', H]; labels [M] in [0, V'); weights [M].
+    Returns (sum_m w_m * CE_m, predictions [M]). Chunks are recomputed in backward
+    (activation checkpointing), so peak memory holds one chunk of logits.
+    """
+    def part(h, y, w):
+        logits = F.linear(h, head_w).float()
+        return (F.cross_entropy(logits, y, reduction="none") * w).sum(), logits.argmax(-1)
+
+    total, preds = hidden.new_zeros((), dtype=torch.float32), []
+    for i in range(0, hidden.shape[0], chunk):
+        sl = slice(i, i + chunk)
+        if torch.is_grad_enabled():
+            loss, p = checkpoint(part, hidden[sl], labels[sl], weights[sl], use_reentrant=False)
+        else:
+            loss, p = part(hidden[sl], labels[sl], weights[sl])
+        total, preds = total + loss, preds + [p]
+    return total, torch.cat(preds) if preds else labels.new_zeros(0)
+
+
+def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head_w: torch.Tensor,
+               label_map: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor, dict]:
+    """Normalised weighted loss for one :class:`BlockBatch` and accuracy statistics."""
+    ctx_kv = drafter.context_kv(batch.ctx_features.float(), batch.ctx_positions)
+    out = drafter(head.embed_tokens(batch.block_ids), batch.block_positions, ctx_kv, batch.mask)
+    sel = batch.labels >= 0                                             # [b, q]
+    labels = batch.labels[sel]
+    if label_map is not None:
+        labels = label_map[labels]
+    w = batch.weights[sel]
+    loss_sum, preds = weighted_ce(out[sel], head_w, labels, w, chunk)
+    loss = loss_sum / w.sum().clamp_min(1e-9)
+    # per-position accuracy and accepted prefix length (drafts accepted per block)
+    B = drafter.cfg.block_size
+    correct = torch.zeros_like(batch.labels, dtype=torch.bool)
+    correct[sel] = preds == labels
+    correct = correct.view(correct.shape[0], -1, B)[:, :, 1:]           # [b, N, B-1]
+    valid = sel.view(sel.shape[0], -1, B)[:, :, 1:]
+    has_block = valid[:, :, 0]
+    acc_pos = (correct & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)
+    accepted = torch.cumprod(correct.int(), dim=-1).sum(-1)[has_block].float()
+    stats = {"acc_pos": acc_pos.tolist(), "accept_len": accepted.mean().item() if accepted.numel() else 0.0}
+    return loss, stats
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.seqs: list[dict[str, torch.Tensor]] = []
+        self.shards: list[str] = []         # shard file names in load order (seqs index order)
+        self.vocab = torch.zeros(0, dtype=torch.int64)
+        self.add_shards()
+        if not self.seqs:
+            raise RuntimeError(f"no usable training sequences in {cfg.data_dir}")
+        self.tcfg = json.loads((Path(cfg.target_dir) / "config.json").read_text())
+        self.head = load_target_head(cfg.target_dir)
+        self.dcfg = drafter_config(cfg, self.tcfg, self.head)
+        meta = Path(cfg.data_dir) / "meta.json"
+        if meta.is_file():
+            ids = json.loads(meta.read_text()).get("target_layer_ids")
+            if ids and tuple(ids) != self.dcfg.target_layer_ids:
+                raise RuntimeError(f"data taps {ids} != drafter taps {self.dcfg.target_layer_ids}")
+        torch.manual_seed(cfg.seed)
+        self.drafter = DFlashDrafter(self.dcfg)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.rng = random.Random(cfg.seed)
+        self.step, self.elapsed, self.epoch, self.order = 0, 0.0, 0, []
+        self._update_vocab()
+        n_tok = sum(int(s["loss_mask"].sum()) for s in self.seqs)
+        print(f"[train] {len(self.seqs)} sequences, {n_tok} response tokens; drafter "
+              f"{sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M params, "
+              f"{cfg.num_layers} layer(s), B={cfg.block_size}, gamma={cfg.loss_gamma}, taps "
+              f"{list(self.dcfg.target_layer_ids)}, softmax over {self.head_w.shape[0]} ids", flush=True)
+
+    # ----------------------------------------------------------------- data loading
+    def add_shards(self, names: list[str] | None = None) -> int:
+        """Load shards not loaded yet (``names`` first, in that order). Returns sequences added."""
+        from dflash.train.data import read_shards, shard_paths
+
+        data = Path(self.cfg.data_dir)
+        present = {p.name for p in shard_paths(data)}
+        todo = [n for n in (names or []) if n in present and n not in self.shards]
+        todo += sorted(present - set(self.shards) - set(todo))
+        before = len(self.seqs)
+        for name in todo:
+            self.seqs += [s for s in read_shards(data, [data / name]) if len(valid_anchors(s["loss_mask"]))]
+            self.shards.append(name)
+        if hasattr(self, "head"):
+            self._update_vocab()
+        return len(self.seqs) - before
+
+    def _update_vocab(self) -> None:
+        """Softmax ids for ``vocab_subset``: ids seen in the data, new ids appended at the end."""
+        if not self.cfg.vocab_subset:
+            self.label_map, self.head_w = None, self.head.lm_head
+            return
+        seen = torch.unique(torch.cat([s["input_ids"] for s in self.seqs]))
+        new = seen[~torch.isin(seen, self.vocab)]
+        if len(new) or not hasattr(self, "label_map"):
+            self.vocab = torch.cat([self.vocab, new])
+            self.label_map = torch.full((self.head.vocab_size,), -1, dtype=torch.int64)
+            self.label_map[self.vocab] = torch.arange(len(self.vocab))
+            self.head_w = self.head.lm_head[self.vocab].contiguous()
+
+    # ----------------------------------------------------------------- schedule
+    def progress(self) -> float:
+        if self.cfg.time_budget_min:
+            return min(1.0, self.elapsed / (self.cfg.time_budget_min * 60))
+        return min(1.0, self.step / max(1, self.cfg.max_steps))
+
+    def lr_now(self) -> float:
+        p, wu = self.progress(), self.cfg.warmup_ratio
+        if p < wu:
+            return self.cfg.lr * max(p / wu, 0.02)
+        return self.cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (p - wu) / (1 - wu))))
+
+    def done(self) -> bool:
+        if self.cfg.time_budget_min:
+            return self.elapsed >= self.cfg.time_budget_min * 60
+        return self.step >= self.cfg.max_steps
+
+    # ----------------------------------------------------------------- data
+    def next_batch(self) -> BlockBatch:
+        picked = []
+        for _ in range(self.cfg.seqs_per_step):
+            if not self.order:
+                self.order = list(range(len(self.seqs)))
+                self.rng.shuffle(self.order)
+                self.epoch += 1
+            picked.append(self.seqs[self.order.pop()])
+        anchors = [sample_anchors(s["loss_mask"], self.cfg.anchors_per_seq, self.rng) for s in picked]
+        return build_batch(picked, anchors, block_size=self.cfg.block_size,
+                           mask_token_id=self.cfg.mask_token_id, gamma=self.cfg.loss_gamma)
+
+    # ----------------------------------------------------------------- checkpoint
+    def save_checkpoint(self) -> None:
+        state = {"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
+                 "step": self.step, "elapsed": self.elapsed, "epoch": self.epoch,
+                 "order": list(self.order), "py_rng": self.rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.cfg),
+                 "shards": list(self.shards), "vocab": self.vocab}
+        tmp = self.run_dir / "ckpt.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.run_dir / "ckpt.pt")
+
+    def load_checkpoint(self) -> bool:
+        path = self.run_dir / "ckpt.pt"
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=True)
+        if state.get("shards") and state["shards"] != self.shards[:len(state["shards"])]:
+            self.seqs, self.shards = [], []           # reload in the checkpoint's order
+            self.vocab = state["vocab"]
+            del self.label_map
+            self.add_shards(state["shards"])
+        self.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed, self.epoch = state["step"], state["elapsed"], state["epoch"]
+        self.order = list(state["order"])
+        self.rng.setstate(_tuplify(state["py_rng"]))
+        torch.set_rng_state(state["torch_rng"])
+        print(f"[train] resumed at step {self.step} ({self.elapsed / 60:.1f} min trained)", flush=True)
+        return True
+
+    def save_final(self) -> Path | None:
+        if not self.cfg.out_dir:
+            return None
+        save_drafter(self.drafter, self.cfg.out_dir, dtype=torch.bfloat16, cfg=self.dcfg)
+        return Path(self.cfg.out_dir)
+
+    # ----------------------------------------------------------------- loop
+    def train(self, resume: bool = False, stop_at_step: int | None = None) -> dict:
+        """Train until the step/time budget is spent (or ``stop_at_step``: an interruption,
+        checkpointed but without the final save), then checkpoint and save the drafter."""
+        from tqdm import tqdm
+
+        if resume:
+            self.load_checkpoint()
+        log_path = self.run_dir / "train_log.csv"
+        B = self.cfg.block_size
+        fields = ["step", "epoch", "elapsed_s", "lr", "loss", "accept_len"] + [f"acc_k{k}" for k in range(1, B)]
+        new_log = not log_path.exists() or not resume
+        logf = open(log_path, "w" if new_log else "a", newline="")
+        writer = csv.writer(logf)
+        if new_log:
+            writer.writerow(fields)
+        total = self.cfg.max_steps if not self.cfg.time_budget_min else None
+        bar = tqdm(total=total, initial=self.step, desc="train", unit="step", mininterval=5)
+        last_ckpt, last_reload, acc = time.time(), time.time(), []
+        self.drafter.train()
+        while not self.done() and (stop_at_step is None or self.step < stop_at_step):
+            t0 = time.time()
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_now()
+            batch = self.next_batch()
+            loss, stats = batch_loss(self.drafter, self.head, batch, self.head_w, self.label_map,
+                                     self.cfg.logit_chunk)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+            self.opt.step()
+            self.step += 1
+            self.elapsed += time.time() - t0
+            acc.append((loss.item(), stats))
+            bar.update(1)
+            if self.step % self.cfg.log_every == 0:
+                ls = sum(a[0] for a in acc) / len(acc)
+                al = sum(a[1]["accept_len"] for a in acc) / len(acc)
+                pos = [sum(a[1]["acc_pos"][k] for a in acc) / len(acc) for k in range(B - 1)]
+                writer.writerow([self.step, self.epoch, round(self.elapsed, 1), f"{self.lr_now():.3e}",
+                                 f"{ls:.4f}", f"{al:.3f}"] + [f"{p:.3f}" for p in pos])
+                logf.flush()
+                bar.set_postfix(loss=f"{ls:.3f}", acc1=f"{pos[0]:.2f}", accept=f"{al:.2f}",
+                                lr=f"{self.lr_now():.1e}", s_step=f"{self.elapsed / self.step:.2f}")
+                acc = []
+            if time.time() - last_reload > self.cfg.reload_every_min * 60:
+                added = self.add_shards()
+                if added:
+                    print(f"\n[train] step {self.step}: +{added} sequences from new shards "
+                          f"({len(self.seqs)} total, softmax over {self.head_w.shape[0]} ids)", flush=True)
+                last_reload = time.time()
+            if time.time() - last_ckpt > self.cfg.ckpt_every_min * 60:
+                self.save_checkpoint()
+                plot_log(log_path, self.run_dir / "train_loss.png")
+                last_ckpt = time.time()
+        bar.close()
+        logf.close()
+        self.save_checkpoint()
+        plot_log(log_path, self.run_dir / "train_loss.png")
+        if stop_at_step is not None and not self.done():
+            return {"steps": self.step, "interrupted": True}
+        out = self.save_final()
+        summary = {"steps": self.step, "epochs": self.epoch, "minutes": round(self.elapsed / 60, 2),
+                   "s_per_step": round(self.elapsed / max(1, self.step), 3),
+                   "out_dir": str(out) if out else None}
+        (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"[train] done: {summary}", flush=True)
+        return summary
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def plot_log(csv_path: Path, png_path: Path) -> None:
+    """Loss and accepted-prefix curves from the CSV log (no-op if the log is empty)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(csv_path)))
+    if not rows:
+        return
+    steps = [int(r["step"]) for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].plot(steps, [float(r["loss"]) for r in rows])
+    ax[0].set_xlabel("step"), ax[0].set_ylabel("weighted CE"), ax[0].set_yscale("log")
+    ax[1].plot(steps, [float(r["accept_len"]) for r in rows], label="accepted drafts / block")
+    ax[1].plot(steps, [float(r["acc_k1"]) for r in rows], label="acc k=1")
+    ax[1].set_xlabel("step"), ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=80)
+    plt.close(fig)
