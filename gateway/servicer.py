@@ -75,10 +75,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return ""
         with self._lock:
             s = self._sessions.get(r.session_id) if r.session_id else None
-        if s is not None and not r.drafter and s.drafter:
-            entry = self.registry.resolve(s.drafter)
-        else:
-            entry = self.registry.resolve(r.drafter)
+        if s is not None and not r.drafter and s.drafter and self.registry.get(s.drafter):
+            return s.drafter  # sticky while it stays registered
+        entry = self.registry.resolve(r.drafter)
         return entry.label if entry else ""
 
     def expire_sessions(self) -> int:
@@ -105,9 +104,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.GatewayCloseSessionResponse(existed=self._close(request.session_id))
 
     def ListDrafters(self, request, context):
-        return gateway_pb2.ListDraftersResponse(drafters=[
-            gateway_pb2.DrafterEntry(name=e.name, version=e.version, address=e.address, is_default=d)
-            for e, d in self.registry.entries()])
+        from gateway.admin import list_proto
+
+        return list_proto(self.registry)
 
     def Generate(self, request, context):
         t0 = time.perf_counter()
@@ -117,7 +116,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             label = self._drafter(request)
         except InvalidParam as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        entry = self.registry.resolve(label) if label else None
+        entry = self.registry.get(label) if label else None
         if request.session_id:
             with self._lock:
                 self._sessions[request.session_id] = _Session(label, time.monotonic())

@@ -15,8 +15,10 @@ PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12
 MAX_NEW = 40
 
 
-def reference(hf_target, prompt, n=MAX_NEW):
-    out = hf_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+def reference(hf_target, prompt, n=MAX_NEW, ignore_eos=False):
+    """The target's own greedy ``generate()`` continuation (the ground truth)."""
+    kw = {"eos_token_id": hf_target.config.vocab_size + 1} if ignore_eos else {}  # an id never produced
+    out = hf_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
     return out[0, len(prompt):].tolist()
 
 

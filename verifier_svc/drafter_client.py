@@ -9,6 +9,7 @@ loop; a broken stream is reopened on a later call after a short back-off.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -22,9 +23,20 @@ from dflash import wire
 from dflash.convert import card_from_proto, sampling_to_proto
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.server import channel_options
+from dflash.tracing import inject_context
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("dflash.verifier.drafter_client")
+MAX_WIRE_STATS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class WireStat:
+    """A session's last successful draft call as the verifier saw it (for metrics and spans)."""
+
+    context_bytes: int           # hidden-state bytes sent for this session
+    round_trip_seconds: float    # request queued -> reply received (the whole batch)
+    drafter_seconds: float       # the drafter's own compute (DraftBatchResult.draft_seconds)
 
 
 def describe(address: str, timeout_s: float = 5.0) -> DrafterCard:
@@ -52,7 +64,10 @@ class RemoteProposer:
         self.timeout_s = timeout_s
         self.backoff_s = reconnect_backoff_s
         self.wire_dtype = wire_dtype
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        # Reconnect quickly after a drafter restart (gRPC's default back-off grows to minutes).
+        self._channel = grpc.insecure_channel(address, options=channel_options() + [
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -60,6 +75,7 @@ class RemoteProposer:
         self._queue: queue.Queue | None = None
         self._broken_at = 0.0
         self.last_wire_bytes = 0
+        self.wire_stats: dict[str, WireStat] = {}   # session id -> last call (take_wire_stat)
 
     # ------------------------------------------------------------------ stream management
     def _open_locked(self) -> queue.Queue | None:
@@ -67,6 +83,18 @@ class RemoteProposer:
             return self._queue
         if time.monotonic() - self._broken_at < self.backoff_s:
             return None
+        if self._broken_at:
+            try:  # the drafter came back: it may be another version at the same address
+                card = card_from_proto(self._stub.Describe(drafter_pb2.DescribeDrafterRequest(),
+                                                           timeout=self.timeout_s))
+            except grpc.RpcError:
+                self._broken_at = time.monotonic()
+                return None
+            if card.target_layer_ids != self.card.target_layer_ids or card.hidden_size != self.card.hidden_size:
+                log.warning("drafter at %s changed taps/hidden size; not using it", self.address)
+                self._broken_at = time.monotonic()
+                return None
+            self.card = card
         q: queue.Queue = queue.Queue()
 
         def requests():
@@ -102,6 +130,7 @@ class RemoteProposer:
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         items = []
         nbytes = 0
+        trace_context = inject_context()  # the caller's step span; the stream is shared
         for r in requests:
             ctx = r.context if self.wire_dtype is None else r.context.to(self.wire_dtype)
             t = wire.to_proto(ctx)
@@ -109,8 +138,9 @@ class RemoteProposer:
             items.append(drafter_pb2.DraftItem(
                 session_id=r.session_id, context_start=r.context_start, context=t,
                 anchor_token=r.anchor_token, block_size=r.block_size,
-                sampling=sampling_to_proto(r.sampling)))
+                sampling=sampling_to_proto(r.sampling), trace_context=trace_context))
         self.last_wire_bytes = nbytes
+        t_send = time.perf_counter()
         bid = next(self._ids)
         fut: Future = Future()
         with self._lock:
@@ -129,7 +159,21 @@ class RemoteProposer:
             return [e] * len(requests)
         if len(resp.results) != len(requests):
             return [DraftError("malformed_block", "result count mismatch")] * len(requests)
+        self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
         return [self._convert(r) for r in resp.results]
+
+    def _record_wire(self, items, round_trip_s: float, drafter_s: float) -> None:
+        with self._lock:
+            for it in items:
+                self.wire_stats.pop(it.session_id, None)
+                self.wire_stats[it.session_id] = WireStat(len(it.context.data), round_trip_s, drafter_s)
+            while len(self.wire_stats) > MAX_WIRE_STATS:
+                self.wire_stats.pop(next(iter(self.wire_stats)), None)
+
+    def take_wire_stat(self, session_id: str) -> WireStat | None:
+        """The session's last successful draft call, once (None when the step sent nothing)."""
+        with self._lock:
+            return self.wire_stats.pop(session_id, None)
 
     @staticmethod
     def _convert(r: drafter_pb2.DraftResult) -> Proposal | DraftError:
@@ -147,6 +191,8 @@ class RemoteProposer:
     def release(self, session_ids: list[str]) -> None:
         with self._lock:
             q = self._queue
+            for s in session_ids:
+                self.wire_stats.pop(s, None)
         if q is not None and session_ids:
             q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
 

@@ -90,16 +90,51 @@ class ListDraftersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterEntry(_message.Message):
-    __slots__ = ("name", "version", "address", "is_default")
+    __slots__ = ("name", "version", "address", "is_default", "weight")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     address: str
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., is_default: _Optional[bool] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class RegisterDrafterRequest(_message.Message):
+    __slots__ = ("address", "name", "version", "weight", "make_default")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAKE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    version: str
+    weight: float
+    make_default: bool
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., weight: _Optional[float] = ..., make_default: _Optional[bool] = ...) -> None: ...
+
+class DrafterRef(_message.Message):
+    __slots__ = ("drafter",)
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    def __init__(self, drafter: _Optional[str] = ...) -> None: ...
+
+class SetDrafterWeightsRequest(_message.Message):
+    __slots__ = ("weights",)
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ListDraftersResponse(_message.Message):
     __slots__ = ("drafters",)

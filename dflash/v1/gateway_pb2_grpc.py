@@ -184,3 +184,255 @@ class Gateway:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class GatewayAdminStub:
+    """Operator API: register, retire and weigh drafter versions without restarting anything.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterDrafter = channel.unary_unary(
+                '/dflash.v1.GatewayAdmin/RegisterDrafter',
+                request_serializer=dflash_dot_v1_dot_gateway__pb2.RegisterDrafterRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+                _registered_method=True)
+        self.DeregisterDrafter = channel.unary_unary(
+                '/dflash.v1.GatewayAdmin/DeregisterDrafter',
+                request_serializer=dflash_dot_v1_dot_gateway__pb2.DrafterRef.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+                _registered_method=True)
+        self.SetDefaultDrafter = channel.unary_unary(
+                '/dflash.v1.GatewayAdmin/SetDefaultDrafter',
+                request_serializer=dflash_dot_v1_dot_gateway__pb2.DrafterRef.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+                _registered_method=True)
+        self.SetDrafterWeights = channel.unary_unary(
+                '/dflash.v1.GatewayAdmin/SetDrafterWeights',
+                request_serializer=dflash_dot_v1_dot_gateway__pb2.SetDrafterWeightsRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.FromString,
+                _registered_method=True)
+        self.ListDrafters = channel.unary_unary(
+                '/dflash.v1.GatewayAdmin/ListDrafters',
+                request_serializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.FromString,
+                _registered_method=True)
+
+
+class GatewayAdminServicer:
+    """Operator API: register, retire and weigh drafter versions without restarting anything.
+    """
+
+    def RegisterDrafter(self, request, context):
+        """Calls the drafter's Describe through the verifier's CheckDrafter: FAILED_PRECONDITION
+        naming the field when it does not fit the target, UNAVAILABLE when unreachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterDrafter(self, request, context):
+        """New requests and sessions stop using it; requests in flight finish on it (or continue
+        without speculation if it is stopped), sessions pinned to it move to the default.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetDefaultDrafter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetDrafterWeights(self, request, context):
+        """Weighted split for requests that name no drafter; weights of unnamed entries become 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDrafters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GatewayAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterDrafter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterDrafter,
+                    request_deserializer=dflash_dot_v1_dot_gateway__pb2.RegisterDrafterRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.SerializeToString,
+            ),
+            'DeregisterDrafter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterDrafter,
+                    request_deserializer=dflash_dot_v1_dot_gateway__pb2.DrafterRef.FromString,
+                    response_serializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.SerializeToString,
+            ),
+            'SetDefaultDrafter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDefaultDrafter,
+                    request_deserializer=dflash_dot_v1_dot_gateway__pb2.DrafterRef.FromString,
+                    response_serializer=dflash_dot_v1_dot_gateway__pb2.DrafterEntry.SerializeToString,
+            ),
+            'SetDrafterWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDrafterWeights,
+                    request_deserializer=dflash_dot_v1_dot_gateway__pb2.SetDrafterWeightsRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.SerializeToString,
+            ),
+            'ListDrafters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDrafters,
+                    request_deserializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dflash.v1.GatewayAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dflash.v1.GatewayAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GatewayAdmin:
+    """Operator API: register, retire and weigh drafter versions without restarting anything.
+    """
+
+    @staticmethod
+    def RegisterDrafter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.GatewayAdmin/RegisterDrafter',
+            dflash_dot_v1_dot_gateway__pb2.RegisterDrafterRequest.SerializeToString,
+            dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterDrafter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.GatewayAdmin/DeregisterDrafter',
+            dflash_dot_v1_dot_gateway__pb2.DrafterRef.SerializeToString,
+            dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDefaultDrafter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.GatewayAdmin/SetDefaultDrafter',
+            dflash_dot_v1_dot_gateway__pb2.DrafterRef.SerializeToString,
+            dflash_dot_v1_dot_gateway__pb2.DrafterEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDrafterWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.GatewayAdmin/SetDrafterWeights',
+            dflash_dot_v1_dot_gateway__pb2.SetDrafterWeightsRequest.SerializeToString,
+            dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDrafters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.GatewayAdmin/ListDrafters',
+            dflash_dot_v1_dot_gateway__pb2.ListDraftersRequest.SerializeToString,
+            dflash_dot_v1_dot_gateway__pb2.ListDraftersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,143 @@
+"""A drafter's failure never fails a request: fallback to plain decoding, identical output,
+counted, and speculation resumes (with the context resent) when the drafter is back."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import generate_ids
+from dflash.proposer import Proposal
+from dflash.server import wait_healthy
+from dflash.v1 import verifier_pb2
+from doubles import ReferenceDrafter
+from test_lossless import PROMPTS, reference
+from test_processes import free_ports
+
+B = 8
+N_STREAMS = 8
+MAX_NEW = 200
+
+
+def spec(addr):
+    return verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr)
+
+
+def start_oracle(tiny_target, refs_path, port):
+    p = subprocess.Popen([sys.executable, str(Path(__file__).parent / "oracle_server.py"),
+                          "--target", str(tiny_target), "--refs", str(refs_path), "--port", str(port),
+                          "--block-size", str(B)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert wait_healthy(f"127.0.0.1:{port}", 60), "oracle drafter did not start"
+    return p
+
+
+@pytest.mark.slow
+def test_kill_drafter_during_8_streams_then_restart(stack, tiny_target, hf_target, tmp_path):
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(N_STREAMS)]
+    refs = {f"k{i}": p + reference(hf_target, p, MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts)}
+    refs.update({f"after{i}": v for i, v in enumerate(refs.values())})
+    refs_path = tmp_path / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    (port,) = free_ports(1)
+    addr = f"127.0.0.1:{port}"
+    drafter = start_oracle(tiny_target, refs_path, port)
+    v = stack.verifier_stub()
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    first_chunk = threading.Barrier(N_STREAMS + 1, timeout=60)
+
+    def stream(i):
+        try:
+            req = verifier_pb2.VerifierGenerateRequest(
+                prompt_token_ids=prompts[i], max_tokens=MAX_NEW, session_id=f"k{i}", ignore_eos=True,
+                speculation=spec(addr))
+            ids, last, waited = [], None, False
+            for chunk in v.Generate(req):
+                ids += list(chunk.token_ids)
+                last = chunk
+                if not waited and last.accepted > 0:
+                    waited = True
+                    first_chunk.wait()
+            results[i] = (ids, last)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(N_STREAMS)]
+    for t in threads:
+        t.start()
+    first_chunk.wait()          # every stream is speculating (has accepted drafts) ...
+    drafter.send_signal(signal.SIGKILL)  # ... when the drafter dies
+    drafter.wait()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for i in range(N_STREAMS):
+        ids, last = results[i]
+        assert ids == refs[f"k{i}"][len(prompts[i]):], f"stream {i} differs"
+        assert last.finish_reason == 1
+        assert last.stats.fallback_steps > 0, f"stream {i} shows no fallback"
+        assert last.stats.accepted_tokens > 0   # it did speculate before the kill
+    before_tau = [results[i][1].stats.mean_acceptance_length for i in range(N_STREAMS)]
+
+    # The drafter comes back on the same address: new requests speculate again at full tau.
+    drafter = start_oracle(tiny_target, refs_path, port)
+    try:
+        time.sleep(0.6)  # past the client's reconnect back-off
+        for i in range(2):
+            n = 1 + 10 * B
+            ids, last = generate_ids(v, prompts[i], max_tokens=n, session_id=f"after{i}",
+                                     ignore_eos=True, speculation=spec(addr))
+            assert ids == refs[f"after{i}"][len(prompts[i]):len(prompts[i]) + n]
+            assert last.stats.fallback_steps == 0
+            assert last.stats.mean_acceptance_length == pytest.approx(B)
+            assert last.stats.mean_acceptance_length == pytest.approx(max(before_tau))
+    finally:
+        drafter.send_signal(signal.SIGTERM)
+        drafter.wait(30)
+
+
+class _Broken:
+    """Answers with a wrong-length block, or an out-of-vocabulary token, every step."""
+
+    def __init__(self, target, mode):
+        self.inner = ReferenceDrafter(target, {}, block_size=B)
+        self.card = self.inner.card
+        self.mode = mode
+        self.calls = 0
+
+    def propose(self, requests):
+        self.calls += 1
+        k = requests[0].block_size - 1
+        toks = [1] * (k + 1) if self.mode == "length" else [10 ** 6] * k
+        return [Proposal(tokens=torch.tensor(toks))]
+
+    def release(self, ids):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["length", "vocab"])
+def test_malformed_block_is_never_trusted(stack, target_model, hf_target, mode):
+    bad = _Broken(target_model, mode)
+    addr = stack.add_drafter(bad, label=f"broken-{mode}@1")
+    p = PROMPTS[0]
+    ids, last = generate_ids(stack.verifier_stub(), p, max_tokens=30, speculation=spec(addr))
+    assert ids == reference(hf_target, p, 30)
+    assert last.stats.drafts == 0 and last.stats.accepted_tokens == 0
+    # 29 steps after the prefill token; the last one has room for no draft (exact max_tokens).
+    assert last.stats.fallback_steps == 28 == bad.calls
+
+
+def test_unreachable_drafter_does_not_fail_request(stack, hf_target):
+    (port,) = free_ports(1)
+    p = PROMPTS[1]
+    ids, last = generate_ids(stack.verifier_stub(), p, max_tokens=20,
+                             speculation=spec(f"127.0.0.1:{port}"))
+    assert ids == reference(hf_target, p, 20)
