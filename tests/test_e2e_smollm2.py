@@ -1,0 +1,55 @@
+"""End to end on the real model: the SmolLM2 target (set up from PyPI) and the committed drafter,
+through the real stack as separate processes. Marked e2e (`./test.sh -m "not e2e"` skips it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.cli import DEFAULT_DRAFTER
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+N_PROMPTS = 3
+MAX_TOKENS = 64
+# The committed drafter measured tau ~= TAU_MEASURED on these prompts (README, model card); the
+# floor leaves a clear margin for run-to-run differences while still catching a broken drafter
+# (a wrongly wired one gives tau ~1.0-1.2).
+TAU_FLOOR = 1.6
+
+
+@pytest.fixture(scope="module")
+def smollm2_stack(tmp_path_factory):
+    from dflash.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash.target_setup import setup_target
+    from test_processes import free_ports
+
+    target = setup_target()
+    gw, ver, dr = free_ports(3)
+    cfg = StackConfig(target=str(target), drafters=[DrafterSpec(path=str(DEFAULT_DRAFTER), port=dr)],
+                      gateway_port=gw, verifier_port=ver,
+                      run_dir=str(tmp_path_factory.mktemp("smollm2-stack")))
+    with LocalStack(cfg) as stack:
+        yield stack
+
+
+def test_greedy_spec_equals_off_and_tau_floor(smollm2_stack):
+    from dflash.client import GatewayClient, build_request
+    from dflash.convert import stats_from_proto
+    from dflash.humaneval import format_prompt, load_problems
+    from dflash.stats import AcceptanceCounter
+
+    client = GatewayClient(smollm2_stack.gateway_addr)
+    total = AcceptanceCounter()
+    for task_id, prompt in load_problems(N_PROMPTS):
+        msgs = format_prompt(prompt)
+        on = client.complete(build_request(messages=msgs, max_tokens=MAX_TOKENS), timeout=600)
+        off = client.complete(build_request(messages=msgs, max_tokens=MAX_TOKENS, speculation=False),
+                              timeout=600)
+        assert on.token_ids == off.token_ids, f"{task_id}: speculation changed the output"
+        assert on.text == off.text
+        assert on.drafter.startswith("smollm2-dflash@")
+        total.merge(stats_from_proto(on.acceptance))
+    client.close()
+    assert total.drafts > 0
+    assert total.mean_acceptance_length >= TAU_FLOOR, (
+        f"tau {total.mean_acceptance_length:.2f} below the floor {TAU_FLOOR}")
