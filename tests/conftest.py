@@ -12,7 +12,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "2")))
+# One thread: the tiny test models gain nothing from more, and oversubscribed OpenMP threads
+# (tests beside other jobs on a 2-core machine) spin and slow everything down several-fold.
+torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")
@@ -61,20 +63,25 @@ def make_drafter(tiny_target, tmp_path_factory):
 
 
 class Stack:
-    """In-process verifier + drafters + gateway on loopback with real gRPC."""
+    """In-process verifier + drafters + gateway on loopback with real gRPC.
 
-    def __init__(self, target_model, tokenizer):
+    ``telemetry``: optional ``service name -> dflash.telemetry.Telemetry`` (tracer, registry).
+    """
+
+    def __init__(self, target_model, tokenizer, telemetry=None):
         from gateway.server import build as build_gateway
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.server import build as build_verifier
 
+        self.telemetry = telemetry or (lambda service: None)
         self.engine = VerifierEngine(target_model)
-        self.verifier = build_verifier(self.engine, "127.0.0.1:0")
+        self.verifier = build_verifier(self.engine, "127.0.0.1:0", telemetry=self.telemetry("verifier"))
         self.verifier.server.start()
         self.verifier.set_serving(True)
         self.verifier_addr = f"127.0.0.1:{self.verifier.port}"
         self.gateway = build_gateway(tokenizer, self.verifier_addr, "127.0.0.1:0",
-                                     max_positions=target_model.max_positions)
+                                     max_positions=target_model.max_positions,
+                                     telemetry=self.telemetry("gateway"))
         self.gateway.server.start()
         self.gateway.set_serving(True)
         self.gateway_addr = f"127.0.0.1:{self.gateway.port}"
@@ -86,7 +93,7 @@ class Stack:
         from drafter_svc.server import build as build_drafter
         from gateway.server import register_drafter
 
-        rt = build_drafter(engine, "127.0.0.1:0")
+        rt = build_drafter(engine, "127.0.0.1:0", telemetry=self.telemetry("drafter"))
         rt.server.start()
         rt.set_serving(True)
         self.drafters.append(rt)
