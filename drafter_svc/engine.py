@@ -79,6 +79,11 @@ class DrafterEngine:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Context positions held for all sessions (a metrics gauge)."""
+        return sum(s.length for s in list(self._sessions.values()))
+
     def warmup(self) -> None:
         """One tiny draft so first requests don't pay lazy initialisation."""
         from dflash.sampling import Sampling

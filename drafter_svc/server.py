@@ -7,15 +7,16 @@ import logging
 import os
 
 from dflash.server import create_server, run_until_signal
+from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
-from drafter_svc.servicer import DrafterServicer
+from drafter_svc.observe import ObservedDrafterServicer
 
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
-def build(engine, bind: str):
+def build(engine, bind: str, *, telemetry: Telemetry | None = None):
     """An unstarted server for ``engine`` bound to ``bind`` (tests use "127.0.0.1:0")."""
-    servicer = DrafterServicer(engine)
+    servicer = ObservedDrafterServicer(engine, telemetry)
     rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                        (SERVICE,))
     rt.servicer = servicer
@@ -47,8 +48,11 @@ def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
-    rt = build(None, a.bind)  # health answers NOT_SERVING while weights load
+    telemetry = Telemetry.from_env("drafter")
+    rt = build(None, a.bind, telemetry=telemetry)  # health answers NOT_SERVING while weights load
     rt.server.start()
+    if a.metrics_port:
+        serve_metrics(telemetry.registry, a.metrics_port)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
                                            version=a.version)
@@ -56,4 +60,4 @@ def main(argv=None) -> None:
     rt.servicer.engine = engine
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)
-    run_until_signal(rt, a.grace)
+    run_until_signal(rt, a.grace, on_stop=telemetry.shutdown)

@@ -73,6 +73,7 @@ class ObservedGatewayServicer(GatewayServicer):
             abort_status(span, context, e)
             raise
         finally:
+            responses.close()
             self.metrics.running.dec()
             if final is not None:
                 self._finish(span, final, first, gaps, time.perf_counter() - t0)

@@ -153,6 +153,12 @@ class VerifierEngine:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Target KV positions held by all sessions (a metrics gauge)."""
+        with self._lock:
+            return sum(s.cached for s in self._sessions.values())
+
     def _session(self, sid: str) -> Session:
         with self._lock:
             s = self._sessions.get(sid)

@@ -8,17 +8,21 @@ import os
 import threading
 
 from dflash.server import create_server, run_until_signal
+from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_svc.servicer import DrafterPool, VerifierServicer
+from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
+from verifier_svc.servicer import DrafterPool
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 log = logging.getLogger("dflash.verifier")
 
 
-def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None):
+def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
+          telemetry: Telemetry | None = None):
     """An unstarted server for ``engine`` (None while loading) bound to ``bind``."""
     pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype) if engine else None
-    servicer = VerifierServicer(engine, pool)
+    observer = VerifierObserver(telemetry or Telemetry(service="verifier"))
+    servicer = ObservedVerifierServicer(engine, pool, observer)
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                        (SERVICE,))
     rt.servicer = servicer
@@ -28,6 +32,7 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None):
 def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None) -> None:
     rt.servicer.engine = engine
     rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype)
+    rt.servicer.observer.bind(engine)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch CPU threads, 0 = torch default [DFLASH_TORCH_THREADS]")
     p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
                    help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    p.add_argument("--spec-log-interval", type=float,
+                   default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
+                   help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
+                        "[DFLASH_SPEC_LOG_INTERVAL_S]")
     return p.parse_args(argv)
 
 
@@ -67,8 +76,11 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rt = build(None, a.bind)
+    telemetry = Telemetry.from_env("verifier")
+    rt = build(None, a.bind, telemetry=telemetry)
     rt.server.start()
+    if a.metrics_port:
+        serve_metrics(telemetry.registry, a.metrics_port)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = VerifierEngine(TargetModel(a.target, dtype=a.dtype), session_ttl_s=a.session_ttl)
     _warmup(engine)
@@ -83,9 +95,10 @@ def main(argv=None) -> None:
                 log.info("expired %d idle sessions", n)
 
     threading.Thread(target=sweeper, daemon=True, name="session-sweeper").start()
+    stop_log = rt.servicer.observer.speclog.start(a.spec_log_interval)
     rt.set_serving(True)
     log.info("SERVING %s on port %d", a.target, rt.port)
-    run_until_signal(rt, a.grace, on_stop=stop.set)
+    run_until_signal(rt, a.grace, on_stop=lambda: (stop.set(), stop_log.set(), telemetry.shutdown()))
 
 
 def _warmup(engine) -> None:

@@ -1,0 +1,75 @@
+"""What the drafter shows: per-batch metrics and one span per draft item.
+
+The Draft stream is one long-lived bidi call multiplexing every session of a verifier, so it is
+not a span itself. Each ``DraftItem`` carries the W3C context of the verifier step that asked
+for it (``trace_context``); the drafter opens ``drafter.draft`` as that step's child, timed from
+the batch's arrival to its reply.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry.trace import SpanKind
+
+from dflash.metrics import DrafterMetrics, SessionGauges
+from dflash.telemetry import Telemetry
+from dflash.tracing import extract_context, set_error
+from drafter_svc.servicer import DrafterServicer
+
+
+class ObservedDrafterServicer(DrafterServicer):
+    """The Drafter servicer with its Draft stream observed."""
+
+    def __init__(self, engine, telemetry: Telemetry | None = None):
+        super().__init__(engine)
+        telemetry = telemetry or Telemetry(service="drafter")
+        self.metrics = DrafterMetrics(telemetry.registry)
+        self.tracer = telemetry.tracer
+        self.tracing = telemetry.tracing
+        SessionGauges(telemetry.registry, "dflash_drafter", lambda: self.engine,
+                      label=lambda e: e.card.label)
+
+    def Draft(self, request_iterator, context):
+        arrived: list = [None, 0]   # the batch being answered, its arrival time (ns)
+
+        def batches():
+            for b in request_iterator:
+                arrived[0], arrived[1] = b, time.time_ns()
+                yield b
+
+        # The servicer answers each batch before reading the next, so a reply pairs with the
+        # batch read last.
+        results = super().Draft(batches(), context)
+        try:
+            for result in results:
+                if arrived[0] is not None and arrived[0].items:
+                    self._observe(arrived[0], result, arrived[1], time.time_ns())
+                yield result
+        finally:
+            results.close()   # the servicer frees this verifier's sessions now
+
+    def _observe(self, batch, result, start_ns: int, end_ns: int) -> None:
+        label = self.engine.card.label
+        m = self.metrics
+        m.batch_seconds.labels(label).observe(result.draft_seconds)
+        m.items.labels(label).inc(len(batch.items))
+        for item, res in zip(batch.items, result.results):
+            m.context_bytes.labels(label).inc(len(item.context.data))
+            reason = res.error.split(":", 1)[0] if res.error else ""
+            if res.error:
+                m.errors.labels(label, reason or "error").inc()
+            if not (self.tracing and item.trace_context):
+                continue
+            span = self.tracer.start_span(
+                "drafter.draft", context=extract_context(item.trace_context), kind=SpanKind.SERVER,
+                start_time=start_ns, attributes={
+                    "dflash.drafter_version": label, "dflash.session_id": item.session_id,
+                    "dflash.block_size": item.block_size, "dflash.context_start": item.context_start,
+                    "dflash.context_rows": int(item.context.shape[0]) if item.context.shape else 0,
+                    "dflash.context_bytes": len(item.context.data),
+                    "dflash.batch_items": len(batch.items),
+                    "dflash.draft_seconds": result.draft_seconds, "dflash.drafted": len(res.tokens)})
+            if res.error:
+                set_error(span, res.error)
+            span.end(end_time=end_ns)
