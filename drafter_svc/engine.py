@@ -9,6 +9,7 @@ positions ``cached .. cached + B - 1`` (z-lab/dflash ``dflash_generate`` step 2)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -154,12 +155,28 @@ class DrafterEngine:
         logits = self.head.logits(hidden[0, 1:])                      # [bs-1, V]
         if r.sampling.greedy:
             return Proposal(tokens=logits.argmax(-1))
-        if sess.generator is None:
-            sess.generator = r.sampling.generator()
+        if r.sampling.seed is not None:
+            gen = _draft_generator(r.sampling.seed, sess.length)
+        else:
+            if sess.generator is None:
+                sess.generator = r.sampling.generator()
+            gen = sess.generator
         probs = probs_from_logits(logits, r.sampling)
-        return Proposal(tokens=sample_from(probs, sess.generator), probs=probs)
+        return Proposal(tokens=sample_from(probs, gen), probs=probs)
 
     def _evict(self) -> None:
         while len(self._sessions) > self.max_sessions:
             oldest = min(self._sessions, key=lambda s: self._sessions[s].last_used)
             del self._sessions[oldest]
+
+
+def _draft_generator(seed: int, anchor_position: int) -> torch.Generator:
+    """The drafts' random stream for a seeded request: keyed by (seed, anchor position).
+
+    Never ``Sampling.generator()``, which the verifier uses: seeded alike, the drafts reused the
+    very noise the verifier samples with, so they did not follow q (a seeded request repeated its
+    first token about half the time: sampling was not lossless). Keyed by position rather than
+    kept per session, so the same seed reproduces the same drafts on any turn of a session.
+    """
+    h = hashlib.blake2b(f"dflash-draft/{seed}/{anchor_position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(h, "little") >> 1)
