@@ -127,6 +127,7 @@ def test_one_trace_across_gateway_verifier_drafter(tstack, traced, target_model,
     assert gw.parent is None and gw.kind == SpanKind.SERVER
     assert ver.parent.span_id == gw.context.span_id and ver.kind == SpanKind.SERVER
     assert prefill.parent.span_id == ver.context.span_id
+    assert prefill.attributes["gen_ai.usage.prompt_tokens"] == len(ids)
     assert decode.parent.span_id == ver.context.span_id
     assert len(steps) == STEPS and all(s.parent.span_id == decode.context.span_id for s in steps)
     assert sorted(d.parent.span_id for d in drafts) == sorted(s.context.span_id for s in steps)

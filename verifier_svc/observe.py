@@ -104,7 +104,8 @@ class VerifierObserver:
                 if last is not None and last.finish_reason:
                     cur = None  # drain: the engine finishes (keeps the session) on StopIteration
                 elif step < 0:
-                    cur = self.tracer.start_span("verifier.prefill", context=server_ctx)
+                    cur = self.tracer.start_span("verifier.prefill", context=server_ctx, attributes={
+                        "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids)})
                 elif self.steps.span_for(step):
                     cur = self.tracer.start_span("verifier.step", context=decode_ctx)
                 else:
