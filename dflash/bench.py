@@ -24,6 +24,10 @@ from pathlib import Path
 
 from dflash.stats import AcceptanceCounter
 
+# transformers reports no acceptance for a generation's last verify step, and our last block is
+# shortened to fit max_tokens: over a prompt set the two tau figures agree to about this much.
+TAU_MATCH = 0.05
+
 
 def _tpot(latency: float, ttft: float, n: int) -> float:
     return (latency - ttft) / max(n - 1, 1)
@@ -61,25 +65,14 @@ def run_peer(target_dir: str, drafter_dir: str, prompts, *, max_tokens: int, pro
     """transformers' own DFlash generation, in process, same weights (batch 1, greedy)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.generation import candidate_generator as cg
-
-    from dflash.hf_peer import load_peer_drafter
+    from dflash.hf_peer import load_peer_drafter, record_acceptance
     from dflash.humaneval import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     drafter = load_peer_drafter(drafter_dir)
-    matches: list[int] = []
-    orig = cg.DFlashTokenCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
-        if not is_first_iteration and not self.is_main_model_prefill:
-            matches.append(int(n_last_matches))
-        return orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
-
-    cg.DFlashTokenCandidateGenerator.get_candidates = recording
     rows = []
-    try:
+    with record_acceptance() as matches:
         for task_id, prompt in prompts:
             ids = torch.tensor([encode_prompt(tok, prompt)])
             matches.clear()
@@ -97,8 +90,6 @@ def run_peer(target_dir: str, drafter_dir: str, prompts, *, max_tokens: int, pro
                          "drafts": st.drafts, "accepted": st.accepted_tokens})
             if progress:
                 progress.update(1)
-    finally:
-        cg.DFlashTokenCandidateGenerator.get_candidates = orig
     return rows
 
 
@@ -142,7 +133,9 @@ def markdown(results: dict) -> str:
                 lines.append(f"\n{mode} vs in-process transformers DFlash: "
                              f"{a['tok_s'] / agg['peer']['tok_s']:.2f}x end-to-end tokens/s; "
                              f"tau {a['tau']:.3f} vs {agg['peer']['tau']:.3f} "
-                             f"({'match' if abs(a['tau'] - agg['peer']['tau']) < 1e-9 else 'differ'}); "
+                             f"({'match' if abs(a['tau'] - agg['peer']['tau']) < TAU_MATCH else 'differ'} "
+                             f"within {TAU_MATCH}; the peer's count misses each generation's last "
+                             f"step and ours shortens the last block to max_tokens); "
                              f"same tokens on {results['peer_same_tokens'][mode]}/{a['prompts']} prompts")
     for mode, a in agg.items():
         if a.get("per_position"):

@@ -10,6 +10,7 @@ can compare against it with identical weights.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -46,3 +47,29 @@ def load_peer_drafter(path: str | Path, dtype: torch.dtype = torch.float32):
     state = {RENAMES.get(k, k): v for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def record_acceptance():
+    """Record transformers' per-step accepted-draft counts during DFlash ``generate()``.
+
+    Yields a list that receives, for every verify step after the first drafted one, the number
+    of drafts transformers accepted (its ``n_last_matches``), in order. The hook is removed on
+    exit. (transformers passes the previous step's matches to the next ``get_candidates`` call,
+    so the very last step of a generation is not seen.)
+    """
+    from transformers.generation import candidate_generator as cg
+
+    matches: list[int] = []
+    orig = cg.DFlashTokenCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
+        if not is_first_iteration and not self.is_main_model_prefill:
+            matches.append(int(n_last_matches))
+        return orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
+
+    cg.DFlashTokenCandidateGenerator.get_candidates = recording
+    try:
+        yield matches
+    finally:
+        cg.DFlashTokenCandidateGenerator.get_candidates = orig

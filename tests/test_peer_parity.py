@@ -49,27 +49,17 @@ def test_draft_logits_and_tokens_match_transformers(drafter_dir, tiny_target, hf
         assert torch.equal(ours_logits[0, 1:].argmax(-1), peer_logits[0, 1:].argmax(-1))
 
 
-def test_tau_matches_transformers_dflash_generate(drafter_dir, tiny_target, hf_target, target_model,
-                                                  monkeypatch):
-    from transformers.generation import candidate_generator as cg
+def test_tau_matches_transformers_dflash_generate(drafter_dir, tiny_target, hf_target, target_model):
+    from dflash.hf_peer import record_acceptance
 
     peer = load_peer_drafter(drafter_dir)
-    hf_matches: list[int] = []
-    orig = cg.DFlashTokenCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw):
-        if not is_first_iteration and not self.is_main_model_prefill:
-            hf_matches.append(int(n_last_matches))
-        return orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kw)
-
-    monkeypatch.setattr(cg.DFlashTokenCandidateGenerator, "get_candidates", recording)
     engine = VerifierEngine(target_model)
     proposer = DrafterEngine.from_pretrained(drafter_dir, tiny_target)
     n_new = 48
     for prompt in PROMPTS:
-        hf_matches.clear()
-        out = hf_target.generate(torch.tensor([prompt]), assistant_model=peer,
-                                 speculation_type="dflash", do_sample=False, max_new_tokens=n_new)
+        with record_acceptance() as hf_matches:
+            out = hf_target.generate(torch.tensor([prompt]), assistant_model=peer,
+                                     speculation_type="dflash", do_sample=False, max_new_tokens=n_new)
         plain = hf_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n_new)
         assert torch.equal(out, plain)
         events = list(engine.generate(Request(request_id="p", prompt=prompt, max_tokens=n_new,
