@@ -119,3 +119,21 @@ def test_cli_flags_the_shifted_drafter(tap, capsys):
                  "--prompt", "pppppppppp", "--max-tokens", str(MAX_NEW)]) == 0
     text = capsys.readouterr().out
     assert "verdict: healthy" in text and "live probe: tau 8.00" in text
+
+
+def test_gateway_probe_of_a_running_stack(tap):
+    from transformers import AutoTokenizer
+
+    from conftest import Stack
+    from dflash.probe import gateway_probe
+    from drafter_svc.engine import DrafterEngine
+    from verifier_svc.target import TargetModel
+
+    target, dirs = tap
+    s = Stack(TargetModel(target), AutoTokenizer.from_pretrained(target))
+    try:
+        s.add_drafter(DrafterEngine.from_pretrained(dirs[TAPPED], target))
+        r = gateway_probe(s.gateway_addr, ["aaaaaaaaaaaa", "kkkkkkkkk"], max_tokens=MAX_NEW, raw=True)
+    finally:
+        s.close()
+    assert r.tau == pytest.approx(B) and r.block_size == B and judge(r).verdict == "healthy"
