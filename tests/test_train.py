@@ -157,3 +157,12 @@ def test_new_shards_are_picked_up_and_resume_keeps_order(tiny, tmp_path):
     again.load_checkpoint()
     assert again.shards == tr.shards                          # ... checkpoint order on resume
     assert torch.equal(again.head_w, tr.head_w)
+
+
+def test_full_vocab_phase(tiny):
+    tr = Trainer(_cfg(tiny, "fullphase", vocab_subset=True, full_vocab_after=0.5, max_steps=4))
+    assert tr.softmax_head()[1] is not None and tr.softmax_head()[0].shape[0] < tr.head.vocab_size
+    tr.step = 2
+    w, m = tr.softmax_head()
+    assert m is None and w.shape[0] == tr.head.vocab_size
+    tr.train(resume=False)

@@ -38,6 +38,8 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs-per-step", type=int, default=d["seqs_per_step"])
     ap.add_argument("--anchors-per-seq", type=int, default=d["anchors_per_seq"])
     ap.add_argument("--full-vocab", action="store_true", help="train the softmax over all ids")
+    ap.add_argument("--full-vocab-after", type=float, default=None,
+                    help="progress fraction (0-1) from which the softmax covers all ids")
     ap.add_argument("--ckpt-every-min", type=float, default=d["ckpt_every_min"])
     ap.add_argument("--log-every", type=int, default=d["log_every"])
     ap.add_argument("--seed", type=int, default=d["seed"])
@@ -53,6 +55,7 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        num_layers=args.num_layers, lr=args.lr, max_steps=args.max_steps,
                        time_budget_min=args.time_budget_min, seqs_per_step=args.seqs_per_step,
                        anchors_per_seq=args.anchors_per_seq, vocab_subset=not args.full_vocab,
+                       full_vocab_after=args.full_vocab_after,
                        ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed)
 
 
