@@ -21,6 +21,8 @@ def _gen_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--gen-budget-min", type=float, default=25.0)
+    ap.add_argument("--start-batch", type=int, default=0,
+                    help="skip batches before this index (several writers on disjoint ranges)")
     ap.add_argument("--reverse", action="store_true",
                     help="generate batches last-to-first (a second writer next to a running one)")
 
@@ -68,7 +70,7 @@ def _datagen(args, target_dir: str, data_dir: str) -> None:
                     target_layer_ids=tuple(default_target_layer_ids(30, 5)),
                     num_prompts=args.num_prompts, batch_size=args.gen_batch,
                     max_new_tokens=args.max_new_tokens, time_budget_min=args.gen_budget_min,
-                    reverse=args.reverse)
+                    reverse=args.reverse, start_batch=args.start_batch)
     generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed))
 
 

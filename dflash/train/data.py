@@ -37,6 +37,7 @@ class GenConfig:
     seed: int = 0
     time_budget_min: float | None = None   # stop after the batch that crosses it
     reverse: bool = False                  # walk batches last-to-first (a second writer process)
+    start_batch: int = 0                   # first batch index this writer handles
 
 
 @dataclass
@@ -140,7 +141,7 @@ def generate_dataset(cfg: GenConfig, prompts: list[str]) -> dict:
     t0 = time.time()
     n_resp_tokens = n_seqs = 0
     bar = tqdm(total=len(prompts), desc="datagen", unit="prompt")
-    order = list(enumerate(batches))
+    order = list(enumerate(batches))[cfg.start_batch:]
     for bi, batch in (order[::-1] if cfg.reverse else order):
         shard = out / f"shard_{bi:05d}.safetensors"
         bar.update(len(batch))
@@ -161,6 +162,7 @@ def generate_dataset(cfg: GenConfig, prompts: list[str]) -> dict:
             "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
             "new_sequences": n_seqs, "new_response_tokens": n_resp_tokens, "seconds": round(dt, 1),
             "response_tokens_per_s": round(n_resp_tokens / max(dt, 1e-9), 1)}
-    (out / ("meta_reverse.json" if cfg.reverse else "meta.json")).write_text(json.dumps(meta, indent=2) + "\n")
+    name = "meta.json" if not (cfg.reverse or cfg.start_batch) else f"meta_{cfg.start_batch}{'r' if cfg.reverse else ''}.json"
+    (out / name).write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[datagen] {meta}", flush=True)
     return meta
