@@ -335,6 +335,8 @@ class Trainer:
             return {"steps": self.step, "interrupted": True}
         out = self.save_final()
         summary = {"steps": self.step, "epochs": self.epoch, "minutes": round(self.elapsed / 60, 2),
+                   "sequences": len(self.seqs),
+                   "response_tokens": sum(int(s["loss_mask"].sum()) for s in self.seqs),
                    "s_per_step": round(self.elapsed / max(1, self.step), 3),
                    "out_dir": str(out) if out else None}
         (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
