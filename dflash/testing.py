@@ -93,6 +93,37 @@ def make_tiny_target(path: str | Path, *, arch: str = "qwen3", num_layers: int =
     return path
 
 
+def make_tiny_moe_target(path: str | Path, *, num_layers: int = 4, hidden: int = 64,
+                         num_experts: int = 8, top_k: int = 2, vocab: int = 272, seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> Path:
+    """Write a random-weight sparse mixture-of-experts target (Mixtral, top-``top_k`` of
+    ``num_experts``) with the byte tokenizer. Random router weights: routing really matters,
+    each token reaches only ``top_k`` experts, so a wrongly sharded expert changes the logits.
+    """
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    specials = write_byte_tokenizer(path)
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden,
+                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=hidden // 4, max_position_embeddings=1024, tie_word_embeddings=False,
+                        num_local_experts=num_experts, num_experts_per_tok=top_k,
+                        eos_token_id=specials["<|im_end|>"], bos_token_id=None,
+                        pad_token_id=specials["<|endoftext|>"], sliding_window=None,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+        for layer in model.model.layers:  # a sharper router: top-2 choices well separated
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(str(path))
+    return path
+
+
 def make_tiny_drafter(path: str | Path, target_dir: str | Path, *, block_size: int = 8,
                       num_layers: int = 1, target_layer_ids: list[int] | None = None, seed: int = 1,
                       name: str = "tiny-drafter", version: str = "1") -> Path:
