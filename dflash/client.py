@@ -25,19 +25,21 @@ class Completion:
     ttft_s: float            # client-side time to first text
     latency_s: float         # client-side end-to-end
     token_times: list[float]  # client-side arrival time of each streamed delta (s since start)
+    delta_tokens: list[int] = dataclasses.field(default_factory=list)  # token ids per delta
 
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None, *,
                   max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.0,
                   top_k: int = 0, seed: int | None = None, stop: list[str] = (),
                   speculation: bool = True, drafter: str = "", session_id: str = "",
-                  block_size: int = 0) -> gateway_pb2.GenerateRequest:
+                  block_size: int = 0, speculation_mode: str = "") -> gateway_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     if seed is not None:
         sampling.seed = seed
     r = gateway_pb2.GenerateRequest(sampling=sampling, max_tokens=max_tokens, stop=list(stop),
                                     speculation=speculation, drafter=drafter,
-                                    session_id=session_id, block_size=block_size)
+                                    session_id=session_id, block_size=block_size,
+                                    speculation_mode=speculation_mode)
     if messages is not None:
         r.chat.messages.extend(gateway_pb2.ChatMessage(**m) for m in messages)
     else:
@@ -57,13 +59,14 @@ class GatewayClient:
     def complete(self, request: gateway_pb2.GenerateRequest, on_text=None,
                  timeout: float | None = None) -> Completion:
         t0 = time.perf_counter()
-        text, ids, times, ttft, last = [], [], [], None, None
+        text, ids, times, counts, ttft, last = [], [], [], [], None, None
         for r in self.stream(request, timeout=timeout):
             now = time.perf_counter() - t0
             if r.text or r.token_ids:
                 if ttft is None:
                     ttft = now
                 times.append(now)
+                counts.append(len(r.token_ids))
                 text.append(r.text)
                 ids += list(r.token_ids)
                 if on_text:
@@ -74,7 +77,8 @@ class GatewayClient:
         return Completion(text="".join(text), token_ids=ids,
                           finish_reason=FINISH_NAME.get(last.finish_reason) or "?",
                           usage=last.usage, acceptance=last.acceptance, drafter=last.drafter,
-                          ttft_s=ttft or 0.0, latency_s=time.perf_counter() - t0, token_times=times)
+                          ttft_s=ttft or 0.0, latency_s=time.perf_counter() - t0, token_times=times,
+                          delta_tokens=counts)
 
     def close(self) -> None:
         self.channel.close()

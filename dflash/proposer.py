@@ -48,6 +48,7 @@ class ProposalRequest:
     anchor_token: int           # the bonus token, at position context_start + n
     block_size: int             # anchor + (block_size - 1) drafts; <= 1: context update only
     sampling: Sampling
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C, this request's step span
 
 
 @dataclasses.dataclass(kw_only=True)

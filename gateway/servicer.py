@@ -67,6 +67,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                f"{self.max_positions} tokens")
         if r.block_size < 0:
             raise InvalidParam("block_size", "must be >= 0")
+        if r.speculation_mode not in ("", "off", "fixed", "adaptive"):
+            raise InvalidParam("speculation_mode", f"{r.speculation_mode!r} not one of off, fixed, adaptive")
         return sampling
 
     def _drafter(self, r: gateway_pb2.GenerateRequest) -> str:
@@ -126,7 +128,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stop_token_ids=list(request.stop_token_ids),
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
-                block_size=request.block_size))
+                block_size=request.block_size, mode=request.speculation_mode))
         call = self.verifier.Generate(vreq)
         context.add_callback(call.cancel)
         detok = IncrementalDetokenizer(self.tok, list(request.stop))

@@ -68,13 +68,13 @@ class Stack:
     ``telemetry``: optional ``service name -> dflash.telemetry.Telemetry`` (tracer, registry).
     """
 
-    def __init__(self, target_model, tokenizer, telemetry=None):
+    def __init__(self, target_model, tokenizer, telemetry=None, **engine_kw):
         from gateway.server import build as build_gateway
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.server import build as build_verifier
 
         self.telemetry = telemetry or (lambda service: None)
-        self.engine = VerifierEngine(target_model)
+        self.engine = VerifierEngine(target_model, **engine_kw)
         self.verifier = build_verifier(self.engine, "127.0.0.1:0", telemetry=self.telemetry("verifier"))
         self.verifier.server.start()
         self.verifier.set_serving(True)
@@ -124,6 +124,7 @@ class Stack:
             rt.server.stop(0)
         if self.verifier.servicer.pool:
             self.verifier.servicer.pool.close()
+        self.engine.close()
 
 
 @pytest.fixture

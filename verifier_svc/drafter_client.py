@@ -130,7 +130,7 @@ class RemoteProposer:
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         items = []
         nbytes = 0
-        trace_context = inject_context()  # the caller's step span; the stream is shared
+        caller = inject_context()  # the caller's span; each item may carry its request's own
         for r in requests:
             ctx = r.context if self.wire_dtype is None else r.context.to(self.wire_dtype)
             t = wire.to_proto(ctx)
@@ -138,7 +138,7 @@ class RemoteProposer:
             items.append(drafter_pb2.DraftItem(
                 session_id=r.session_id, context_start=r.context_start, context=t,
                 anchor_token=r.anchor_token, block_size=r.block_size,
-                sampling=sampling_to_proto(r.sampling), trace_context=trace_context))
+                sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller))
         self.last_wire_bytes = nbytes
         t_send = time.perf_counter()
         bid = next(self._ids)

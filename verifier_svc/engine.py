@@ -29,6 +29,9 @@ import kernels
 from dflash.proposer import DraftError, DrafterCard, Proposal, Proposer, ProposalRequest
 from dflash.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
 from dflash.stats import AcceptanceCounter
+from dflash.tracing import inject_context
+from verifier_svc.policy import MODES, Decision, SpeculationPolicy
+from verifier_svc.scheduler import Job, Scheduler
 from verifier_svc.target import TargetModel
 
 log = logging.getLogger("dflash.verifier")
@@ -87,6 +90,7 @@ class Request:
     ignore_eos: bool = False
     proposer: Proposer | None = None
     block_size: int = 0                 # 0 = the drafter's block size
+    spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -103,6 +107,8 @@ class StepEvent:
     stats: AcceptanceCounter | None = None   # the request's counts so far (same object each step)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0      # prompt tokens reused from the session's KV cache
+    batch_size: int = 1                # sessions verified in this step's target forward
+    policy: Decision | None = None     # the speculation policy's choice for this step
 
 
 @dataclasses.dataclass
@@ -137,10 +143,17 @@ class VerifierEngine:
         target: the loaded target model.
         session_ttl_s: idle sessions are dropped after this many seconds.
         max_sessions: bound on kept sessions (least recently used dropped first).
+        spec_mode: default speculation mode ("off" | "fixed" | "adaptive"; ``verifier_svc.policy``).
+        prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
+        max_batch: sessions verified per step.
     """
 
-    def __init__(self, target: TargetModel, *, session_ttl_s: float = 600.0, max_sessions: int = 256):
+    def __init__(self, target: TargetModel, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
+                 spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64):
         self.target = target
+        self.spec_mode = spec_mode
+        self.policy = SpeculationPolicy(spec_mode)
+        self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch)
         self.session_ttl_s = session_ttl_s
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
@@ -224,135 +237,197 @@ class VerifierEngine:
                                f"({req.max_tokens}) exceeds the context window of {window} tokens")
         if req.block_size < 0 or req.block_size > MAX_BLOCK_SIZE:
             raise InvalidParam("block_size", f"must be in [0, {MAX_BLOCK_SIZE}]")
+        if req.spec_mode and req.spec_mode not in MODES:
+            raise InvalidParam("speculation.mode", f"{req.spec_mode!r} not one of {', '.join(MODES)}")
 
     # ------------------------------------------------------------------ the loop
     def generate(self, req: Request, cancelled: Callable[[], bool] = lambda: False
                  ) -> Iterator[StepEvent]:
         """Run one request; yields one StepEvent per step, the last with ``finish`` set.
 
-        ``req.session_id`` empty = a one-shot session freed at the end. A cancelled request
-        frees its session on the verifier and the drafter.
+        The request joins the scheduler's batch after its prefill; this generator only reads
+        its events (so the caller's thread, and its current trace span, follow the request).
+        ``req.session_id`` empty = a one-shot session freed at the end. A cancelled or closed
+        request leaves the batch between steps and frees its session on verifier and drafter.
         """
         self.validate(req)
         sid = req.session_id or f"req-{req.request_id}"
         session = self._session(sid)
         if not session.busy.acquire(blocking=False):
             raise PreconditionError("session_id", f"session {sid!r} is already generating")
+        job = Job(req=req, session=session, cancelled=cancelled)
         finished = False
         try:
-            yield from self._run(session, req, cancelled)
-            finished = True
+            self.scheduler.submit(job)
+            while True:
+                self.scheduler.want_next(job, inject_context())   # from the caller's step span
+                item = job.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                ev, notify = item
+                if notify:
+                    for listener in self.step_listeners:
+                        listener(req, ev)
+                yield ev
+                if ev.finish:
+                    finished = True
+                    return
         finally:
+            job.closed = True
+            self.scheduler.wait_gone(job)
             session.busy.release()
             session.last_used = time.monotonic()
             if not req.session_id or not finished:
                 self.close_session(sid)
 
-    def _run(self, s: Session, req: Request, cancelled) -> Iterator[StepEvent]:
-        t = self.target
+    # ------------------------------------------------------------------ one scheduler step
+    def start_job(self, job: "Job") -> None:
+        """Set up a job's decode state before its first prefill chunk (scheduler thread)."""
+        s, req, t = job.session, job.req, self.target
         proposer = req.proposer
-        tap_ids = tuple(proposer.card.target_layer_ids) if proposer else ()
+        job.tap_ids = tuple(proposer.card.target_layer_ids) if proposer else ()
         if s.drafter is not None and s.drafter is not proposer:
             self._release_drafter(s)
-        if tap_ids != s.tap_ids:
-            s.taps, s.tap_ids, s.drafter_len = [], tap_ids, 0
+        if job.tap_ids != s.tap_ids:
+            s.taps, s.tap_ids, s.drafter_len = [], job.tap_ids, 0
             reuse = 0  # taps of the cached prefix are for other layers: recompute them
         else:
             reuse = _common_prefix(s.tokens, req.prompt)
-        reuse = min(reuse, s.cached, len(req.prompt) - 1)
-        gen = req.sampling.generator()
-        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(t.eos_token_ids))
-        stats = AcceptanceCounter()
-
-        # -- prefill
-        t0 = time.perf_counter()
+        job.reuse = job.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
+        job.gen = req.sampling.generator()
+        job.stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(t.eos_token_ids))
+        job.stats = AcceptanceCounter()
+        job.mode = req.spec_mode or self.spec_mode
+        job.block_limit = 1
+        if proposer is not None and job.mode != "off":
+            job.block_limit = min(req.block_size or proposer.card.block_size, proposer.card.block_size)
         with t.lock:
-            t.crop(s.cache, reuse)
-            logits, taps = t.forward(req.prompt[reuse:], s.cache, tap_ids)
-        if tap_ids:
-            s.taps = [s.tap_rows(0)[:reuse], taps]
-        s.drafter_len = min(s.drafter_len, reuse)
-        s.tokens = list(req.prompt)
-        first = self._sample(logits[-1:], req.sampling, gen)
-        s.tokens.append(first)
-        emitted = 1
-        finish = "stop" if first in stops else ("length" if req.max_tokens == 1 else None)
-        yield StepEvent(tokens=[first], finish=finish, verify_seconds=time.perf_counter() - t0,
-                        stats=stats, prompt_tokens=len(req.prompt), cached_prompt_tokens=reuse)
-        if finish:
-            return
+            t.crop(s.cache, job.reuse)
+        if job.tap_ids:
+            s.taps = [s.tap_rows(0)[:job.reuse]]
+        s.drafter_len = min(s.drafter_len, job.reuse)
 
-        block_limit = 1
-        if proposer is not None:
-            block_limit = min(req.block_size or proposer.card.block_size, proposer.card.block_size)
-            s.drafter = proposer
-        while True:
-            if cancelled():
-                yield StepEvent(tokens=[], finish="cancelled", stats=stats)
-                return
-            remaining = req.max_tokens - emitted
-            k = max(0, min(block_limit - 1, remaining - 1))
-            anchor = s.tokens[-1]
-            n = s.cached
-            drafts, probs, fallback, draft_s = self._draft(s, req, anchor, n, k, stats)
-            k = len(drafts)
-            block = [anchor] + drafts
-            tv = time.perf_counter()
-            with t.lock:
-                logits, taps = t.forward(block, s.cache, tap_ids)
-                accepted, out = self._verify(block, logits, probs, req.sampling, gen)
-                new = out[:accepted + 1]
-                finish = None
-                for j, tok in enumerate(new):
-                    if tok in stops:
-                        new, finish = new[:j + 1], "stop"
-                        break
-                if emitted + len(new) >= req.max_tokens:
-                    new, finish = new[:req.max_tokens - emitted], finish or "length"
-                t.crop(s.cache, n + len(new))
-            verify_s = time.perf_counter() - tv
-            if tap_ids:
+    def prefill_chunk(self, job: "Job", budget: int) -> StepEvent | None:
+        """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in."""
+        s, req, t = job.session, job.req, self.target
+        t0 = time.perf_counter()
+        end = min(len(req.prompt), job.prefilled + max(budget, 1))
+        with t.lock:
+            logits, taps = t.forward(req.prompt[job.prefilled:end], s.cache, job.tap_ids)
+        job.prefill_seconds += time.perf_counter() - t0
+        if job.tap_ids:
+            s.taps.append(taps)
+        job.prefilled = end
+        if end < len(req.prompt):
+            return None
+        s.tokens = list(req.prompt)
+        first = self._sample(logits[-1:], req.sampling, job.gen)
+        s.tokens.append(first)
+        job.emitted = 1
+        finish = "stop" if first in job.stops else ("length" if req.max_tokens == 1 else None)
+        if req.proposer is not None and job.block_limit > 1:
+            s.drafter = req.proposer
+        return StepEvent(tokens=[first], finish=finish, verify_seconds=job.prefill_seconds,
+                         stats=job.stats, prompt_tokens=len(req.prompt),
+                         cached_prompt_tokens=job.reuse)
+
+    def decode_step(self, jobs: list["Job"]) -> list[StepEvent]:
+        """One speculative step for every job: one drafter call per drafter, one target forward."""
+        t = self.target
+        ks = self.policy.choose(jobs)
+        anchors = [j.session.tokens[-1] for j in jobs]
+        lens = [j.session.cached for j in jobs]
+        td = time.perf_counter()
+        drafted = self._draft_all(jobs, anchors, lens, ks)
+        draft_s = time.perf_counter() - td
+        blocks = [[a] + d[0] for a, d in zip(anchors, drafted)]
+        tv = time.perf_counter()
+        with t.lock:
+            caches = [j.session.cache for j in jobs]
+            tap_ids = [j.tap_ids for j in jobs]
+            if hasattr(t, "forward_batch"):
+                outs = t.forward_batch(blocks, caches, tap_ids)
+            else:  # a target without batching (test doubles): one forward per session
+                outs = [t.forward(b, c, ids) for b, c, ids in zip(blocks, caches, tap_ids)]
+        verify_s = time.perf_counter() - tv
+        self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
+                                 draft_s if any(d[3] for d in drafted) else 0.0)
+        events = []
+        for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(
+                jobs, blocks, lens, drafted, outs):
+            req, s = j.req, j.session
+            accepted, out = self._verify(block, logits, probs, req.sampling, j.gen)
+            new = out[:accepted + 1]
+            finish = None
+            for i, tok in enumerate(new):
+                if tok in j.stops:
+                    new, finish = new[:i + 1], "stop"
+                    break
+            if j.emitted + len(new) >= req.max_tokens:
+                new, finish = new[:req.max_tokens - j.emitted], finish or "length"
+            t.crop(s.cache, n + len(new))
+            if j.tap_ids:
                 s.taps.append(taps[:len(new)])
             s.tokens.extend(new)
-            emitted += len(new)
+            j.emitted += len(new)
+            k = len(drafts)
             acc_emitted = min(accepted, len(new))
-            stats.record(k, acc_emitted)
-            stats.verify_seconds += verify_s
-            ev = StepEvent(tokens=new, accepted=acc_emitted, drafted=k, finish=finish,
-                           draft_seconds=draft_s, verify_seconds=verify_s, fallback=fallback,
-                           stats=stats)
+            j.stats.record(k, acc_emitted)
+            j.stats.verify_seconds += verify_s
+            j.stats.draft_seconds += draft_s if asked else 0.0
             if fallback:
-                stats.fallback_steps += 1
+                j.stats.fallback_steps += 1
             self.totals.record(k, acc_emitted)
-            for listener in self.step_listeners:
-                listener(req, ev)
-            yield ev
-            if finish:
-                return
+            if k and req.proposer is not None:
+                self.policy.observe_acceptance(req.proposer.card.label, k, acc_emitted)
+            events.append(StepEvent(tokens=new, accepted=acc_emitted, drafted=k, finish=finish,
+                                    draft_seconds=draft_s if asked else 0.0, verify_seconds=verify_s,
+                                    fallback=fallback, stats=j.stats, batch_size=len(jobs),
+                                    policy=self.policy.last_decision))
+        return events
 
-    def _draft(self, s: Session, req: Request, anchor: int, n: int, k: int,
-               stats: AcceptanceCounter) -> tuple[list[int], torch.Tensor | None, str | None, float]:
-        """Ask the proposer for ``k`` drafts. Any failure -> no drafts plus a fallback reason."""
-        proposer = req.proposer
-        if proposer is None or k == 0:
-            return [], None, None, 0.0
-        start = s.drafter_len
-        pr = ProposalRequest(session_id=s.id, context_start=start, context=s.tap_rows(start),
-                             anchor_token=anchor, block_size=k + 1, sampling=req.sampling)
-        td = time.perf_counter()
-        try:
-            res = proposer.propose([pr])[0]
-        except Exception as e:  # the drafter must never fail the request
-            res = DraftError("exception", repr(e))
-        draft_s = time.perf_counter() - td
-        stats.draft_seconds += draft_s
-        reason = self._malformed(res, k)
-        if reason:
-            s.drafter_len = 0  # resend the whole context once a drafter is healthy again
-            log.info("session %s: drafter fallback (%s)", s.id, reason)
-            return [], None, reason, draft_s
-        s.drafter_len = n
-        return res.tokens.tolist(), res.probs, None, draft_s
+    def _draft_all(self, jobs, anchors, lens, ks):
+        """Per job: (drafts, probs, fallback reason, asked the drafter). One call per drafter.
+
+        A job that speculates asks for ``k + 1``-token blocks; a job whose drafter holds a
+        session but does not speculate this step sends its new context only (block_size 1), so
+        the drafter stays current and acceptance does not collapse when speculation resumes.
+        """
+        results: list = [([], None, None, False)] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, j in enumerate(jobs):
+            room = j.block_limit > 1 and j.req.max_tokens - j.emitted > 1   # could speculate
+            if j.req.proposer is not None and j.session.drafter is j.req.proposer and (ks[i] or room):
+                groups.setdefault(id(j.req.proposer), []).append(i)
+        for idx in groups.values():
+            proposer = jobs[idx[0]].req.proposer
+            prs = []
+            for i in idx:
+                s = jobs[i].session
+                start = s.drafter_len
+                prs.append(ProposalRequest(
+                    session_id=s.id, context_start=start, context=s.tap_rows(start),
+                    anchor_token=anchors[i], block_size=ks[i] + 1, sampling=jobs[i].req.sampling,
+                    trace_context=jobs[i].trace_context))
+            try:
+                res = proposer.propose(prs)
+            except Exception as e:  # the drafter must never fail the request
+                res = [DraftError("exception", repr(e))] * len(prs)
+            for i, r in zip(idx, res):
+                s, k = jobs[i].session, ks[i]
+                reason = self._malformed(r, k)
+                if reason:
+                    s.drafter_len = 0  # resend the whole context once a drafter is healthy again
+                    log.info("session %s: drafter fallback (%s)", s.id, reason)
+                    results[i] = ([], None, reason if k else None, True)
+                else:
+                    s.drafter_len = lens[i]
+                    results[i] = (r.tokens.tolist(), r.probs, None, True)
+        return results
+
+    def close(self) -> None:
+        """Stop the scheduler thread (requests still running fail)."""
+        self.scheduler.stop()
 
     def _malformed(self, res: Proposal | DraftError, k: int) -> str | None:
         if isinstance(res, DraftError):

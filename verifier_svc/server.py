@@ -51,6 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_WIRE_DTYPE]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "fixed"),
+                   choices=("off", "fixed", "adaptive"),
+                   help="default speculation policy: off, fixed (always the block size) or adaptive "
+                        "(block length per step from measured acceptance and cost; requests may "
+                        "override with speculation.mode) [DFLASH_SPEC_MODE]")
+    p.add_argument("--prefill-chunk", type=int, default=int(env("DFLASH_PREFILL_CHUNK", "256")),
+                   help="prompt tokens prefilled between two decode steps of the running batch "
+                        "[DFLASH_PREFILL_CHUNK]")
+    p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
+                   help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
     p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
                    help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
@@ -82,7 +92,8 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    engine = VerifierEngine(TargetModel(a.target, dtype=a.dtype), session_ttl_s=a.session_ttl)
+    engine = VerifierEngine(TargetModel(a.target, dtype=a.dtype), session_ttl_s=a.session_ttl,
+                            spec_mode=a.spec_mode, prefill_chunk=a.prefill_chunk, max_batch=a.max_batch)
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)

@@ -81,3 +81,55 @@ class TargetModel:
         extra = cache.get_seq_length() - length
         if extra > 0:
             cache.crop(-extra)
+
+    @torch.inference_mode()
+    def forward_batch(self, blocks: list[list[int]], caches: list[DynamicCache],
+                      layer_ids: list[tuple[int, ...]]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`forward` for several sessions in one target forward (continuous batching).
+
+        Each session's cache is LEFT-padded to the longest and its block RIGHT-padded to the
+        longest; a 2D attention mask hides the left padding and explicit ``position_ids`` give
+        each row its own positions. Right padding needs no mask: it comes after every real
+        token, which attends causally. Appends each session's real block K/V to its own cache.
+
+        ``layer_ids[i]``: session i's taps (sessions may use different drafters).
+        Returns per session ``(logits [n_i, vocab] float32, taps [n_i, len(layer_ids[i]) * H]``
+        or None when it taps nothing).
+        """
+        if len(blocks) == 1:
+            return [self.forward(blocks[0], caches[0], layer_ids[0])]
+        b = len(blocks)
+        lens = [c.get_seq_length() for c in caches]                      # cached positions
+        ctx, q = max(lens), max(len(x) for x in blocks)
+        ids = torch.zeros((b, q), dtype=torch.int64)
+        mask = torch.zeros((b, ctx + q), dtype=torch.int64)
+        pos = torch.zeros((b, q), dtype=torch.int64)
+        for i, (blk, n) in enumerate(zip(blocks, lens)):
+            ids[i, :len(blk)] = torch.tensor(blk)
+            mask[i, ctx - n:] = 1
+            pos[i] = torch.arange(n, n + q)
+        batched = DynamicCache(config=self.config)
+        for layer in range(len(caches[0].layers)):
+            ks = [c.layers[layer].keys for c in caches]
+            vs = [c.layers[layer].values for c in caches]
+            k = ks[0].new_zeros((b, ks[0].shape[1], ctx, ks[0].shape[3]))
+            v = vs[0].new_zeros((b, vs[0].shape[1], ctx, vs[0].shape[3]))
+            for i, n in enumerate(lens):
+                k[i, :, ctx - n:] = ks[i][0]
+                v[i, :, ctx - n:] = vs[i][0]
+            batched.update(k, v, layer)
+        want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), cache=batched, use_cache=True,
+                         output_hidden_states=want)
+        results = []
+        for i, (blk, cache) in enumerate(zip(blocks, caches)):
+            m = len(blk)
+            for layer, bl in enumerate(batched.layers):
+                cache.layers[layer].update(bl.keys[i:i + 1, :, ctx:ctx + m], bl.values[i:i + 1, :, ctx:ctx + m])
+            logits = out.logits[i, :m].float()
+            taps = torch.cat([out.hidden_states[j][i, :m] for j in hidden_state_indices(layer_ids[i])],
+                             dim=-1) if layer_ids[i] else None
+            results.append((logits, taps))
+        return results

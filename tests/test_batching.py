@@ -1,0 +1,144 @@
+"""Continuous batching: many requests in one decode loop give exactly what they give alone.
+
+Through the real services (in-process gRPC): the verifier's scheduler verifies every running
+session in one target forward and sends the drafter one message per step; these tests check
+that batching changes nothing a request can observe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import Stack, generate_ids
+from dflash.v1 import common_pb2, verifier_pb2
+from drafter_svc.engine import DrafterEngine
+from test_lossless import assert_same_tokens, reference
+
+LENGTHS = [2, 3, 5, 8, 11, 17, 25, 40, 60, 90, 130, 180, 240, 300, 7, 50]
+MAX_NEW = 32
+MODES = ["fixed", "adaptive", "off", ""]
+
+
+def prompts(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (LENGTHS[i % len(LENGTHS)],), generator=g).tolist() for i in range(n)]
+
+
+def spec(addr, mode="", block_size=0):
+    return verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr, mode=mode,
+                                          block_size=block_size)
+
+
+@pytest.fixture
+def batch_stack(target_model, tokenizer):
+    s = Stack(target_model, tokenizer, prefill_chunk=64)
+    sizes: list[int] = []
+    s.engine.step_listeners.append(lambda req, ev: sizes.append(ev.batch_size))
+    s.batch_sizes = sizes
+    yield s
+    s.close()
+
+
+def run_all(stub, calls):
+    """Start every call at once (a barrier), return their (ids, last chunk)."""
+    barrier = threading.Barrier(len(calls))
+
+    def one(kw):
+        barrier.wait()
+        return generate_ids(stub, **kw)
+
+    with ThreadPoolExecutor(len(calls)) as ex:
+        return list(ex.map(one, calls))
+
+
+def test_16_concurrent_greedy_requests_identical_to_alone(batch_stack, make_drafter, tiny_target,
+                                                          hf_target):
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
+    addr = batch_stack.add_drafter(engine)
+    ps = prompts()
+    calls = [dict(prompt_ids=p, max_tokens=MAX_NEW, speculation=spec(addr, MODES[i % 4]))
+             for i, p in enumerate(ps)]
+    results = run_all(batch_stack.verifier_stub(), calls)
+    assert max(batch_stack.batch_sizes) >= 8, "requests did not run as one batch"
+    for p, (got, last) in zip(ps, results):
+        assert_same_tokens(hf_target, p, got, reference(hf_target, p, MAX_NEW))
+    assert any(last.stats.drafts for _, last in results)
+    assert batch_stack.engine.num_sessions == 0
+    # the drafter was told to forget every one-shot session
+    deadline = time.monotonic() + 5
+    while engine.num_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_sessions == 0
+
+
+def test_sampled_greedy_and_seeded_in_one_batch_do_not_interact(batch_stack, make_drafter,
+                                                                 tiny_target, hf_target):
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
+    addr = batch_stack.add_drafter(engine)
+    v = batch_stack.verifier_stub()
+    ps = prompts(10, seed=3)
+    seeded = [common_pb2.SamplingParams(temperature=0.8, seed=7),
+              common_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=123)]
+    alone = [generate_ids(v, ps[i], max_tokens=MAX_NEW, sampling=s, speculation=spec(addr, "fixed"))[0]
+             for i, s in enumerate(seeded)]
+    for other_seed in (1, 2):  # two different batch compositions around the seeded requests
+        others = prompts(8, seed=10 + other_seed)
+        calls = [dict(prompt_ids=ps[i], max_tokens=MAX_NEW, sampling=s, speculation=spec(addr, "fixed"))
+                 for i, s in enumerate(seeded)]
+        calls += [dict(prompt_ids=p, max_tokens=MAX_NEW, speculation=spec(addr, MODES[i % 4]))
+                  for i, p in enumerate(others[:4])]                                # greedy
+        calls += [dict(prompt_ids=p, max_tokens=MAX_NEW + 8 * other_seed, speculation=spec(addr),
+                       sampling=common_pb2.SamplingParams(temperature=1.0))         # unseeded
+                  for p in others[4:]]
+        results = run_all(v, calls)
+        assert max(batch_stack.batch_sizes) >= 6
+        for i in range(len(seeded)):
+            assert results[i][0] == alone[i], f"seeded request {i} changed with the batch"
+        for p, (got, _) in zip(others[:4], results[2:6]):
+            assert_same_tokens(hf_target, p, got, reference(hf_target, p, MAX_NEW))
+        assert all(len(got) >= 1 for got, _ in results[6:])
+
+
+def test_cancel_in_the_middle_of_a_batch_frees_state_others_unaffected(batch_stack, make_drafter,
+                                                                       tiny_target, hf_target):
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
+    addr = batch_stack.add_drafter(engine)
+    v = batch_stack.verifier_stub()
+    ps = prompts(4, seed=5)
+    n = 150
+    reqs = [verifier_pb2.VerifierGenerateRequest(
+        request_id=f"c{i}", prompt_token_ids=p, max_tokens=n, ignore_eos=True,
+        sampling=common_pb2.SamplingParams(), speculation=spec(addr, "fixed")) for i, p in enumerate(ps)]
+    calls = [v.Generate(r) for r in reqs]
+    done = [threading.Event() for _ in calls]
+    outs: list[list[int]] = [[] for _ in calls]
+
+    def consume(i):
+        for chunk in calls[i]:
+            outs[i] += list(chunk.token_ids)
+        done[i].set()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(1, 4)]
+    for t in threads:
+        t.start()
+    it = iter(calls[0])
+    for _ in range(3):
+        next(it)
+    calls[0].cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ("req-c0" in batch_stack.engine._sessions
+                                           or "req-c0" in engine._sessions):
+        time.sleep(0.01)
+    assert "req-c0" not in batch_stack.engine._sessions, "verifier kept the cancelled session"
+    assert "req-c0" not in engine._sessions, "drafter kept the cancelled session's context"
+    assert not any(d.is_set() for d in done[1:]), "the others should still be running"
+    for t in threads:
+        t.join(60)
+    for i in range(1, 4):
+        want = reference(hf_target, ps[i], n, ignore_eos=True)
+        assert_same_tokens(hf_target, ps[i], outs[i], want)

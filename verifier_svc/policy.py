@@ -1,0 +1,175 @@
+"""Speculation policy: how many drafts each session verifies this step (0 = no speculation).
+
+Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mode``):
+
+* ``off``: never speculate (the drafter is not called; plain autoregressive steps).
+* ``fixed``: always the request's block size (``block_size - 1`` drafts).
+* ``adaptive``: per step, the ``k`` that maximises expected committed tokens per second of the
+  whole batch::
+
+      E_i[k]  = 1 + sum_{p <= k} rate_p          (rate_p: unconditional acceptance of draft
+                                                  position p, EMA per drafter version)
+      cost(k) = verify(B, K) + draft(B, K)       (EMA seconds per step, by batch-size bucket B
+                                                  and the batch's largest block K)
+      k*      = argmax_k  sum_i E_i[k] / cost(k)
+
+  ``k = 0`` is "no speculation": the drafter still receives the new context features (a block
+  of size 1 = context update only), so its context stays current and acceptance does not
+  collapse when speculation resumes. Unmeasured (bucket, k) cells are tried once; after that a
+  neighbour of the best k is re-measured every ``explore_every`` steps so the estimates follow
+  load and acceptance.
+
+The inputs of every decision (``Decision``) travel on the step's ``StepEvent`` to metrics and
+spans. Thread model: only the scheduler thread calls ``choose`` / ``observe_*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("off", "fixed", "adaptive")
+# Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
+CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
+
+
+def bucket(batch: int) -> int:
+    """Batch-size bucket: 1, 2, 4, 8, ... (the power of two at or above ``batch``)."""
+    b = 1
+    while b < batch:
+        b *= 2
+    return b
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One step's choice and the figures it was made from (for metrics and spans)."""
+
+    mode: str                       # the mode of the adaptive sessions, else of the batch
+    k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
+    batch: int
+    expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]
+    cost_seconds: float = 0.0       # estimated step seconds at k
+    explored: bool = False
+
+
+class _EMA:
+    def __init__(self, alpha: float):
+        self.alpha, self.value, self.n = alpha, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.n == 0 else self.value + self.alpha * (x - self.value)
+        self.n += 1
+
+
+class SpeculationPolicy:
+    """Chooses per-step block lengths; learns acceptance and step cost online.
+
+    Args:
+        mode: the deployment default ("off" | "fixed" | "adaptive").
+        alpha: EMA weight of a new observation.
+        explore_every: adaptive steps between re-measurements of a neighbouring k.
+    """
+
+    def __init__(self, mode: str = "fixed", *, alpha: float = 0.05, explore_every: int = 25):
+        if mode not in MODES:
+            raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
+        self.mode = mode
+        self.alpha = alpha
+        self.explore_every = explore_every
+        self._drafted: dict[str, list[_EMA]] = {}    # label -> per-position "was drafted" weight
+        self._accepted: dict[str, list[float]] = {}  # label -> per-position EMA acceptance
+        self._cost: dict[tuple[int, int], _EMA] = {}  # (bucket, K) -> step seconds
+        self._steps = 0
+        self.last_decision: Decision | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def observe_acceptance(self, label: str, drafted: int, accepted: int) -> None:
+        """A verified block of ``drafted`` drafts whose first ``accepted`` were accepted."""
+        rates = self._accepted.setdefault(label, [])
+        seen = self._drafted.setdefault(label, [])
+        while len(rates) < drafted:
+            rates.append(0.0)
+            seen.append(_EMA(self.alpha))
+        for p in range(drafted):
+            e = seen[p]
+            hit = 1.0 if p < accepted else 0.0
+            rates[p] = hit if e.n == 0 else rates[p] + max(self.alpha, 1.0 / (e.n + 1)) * (hit - rates[p])
+            e.n += 1
+
+    def observe_step(self, batch: int, k: int, verify_s: float, draft_s: float) -> None:
+        """One step of ``batch`` sessions whose largest block had ``k`` drafts."""
+        self._cost.setdefault((bucket(batch), k), _EMA(self.alpha)).add(verify_s + draft_s)
+
+    def acceptance_table(self) -> dict[str, list[float]]:
+        """drafter label -> per-position EMA acceptance (a copy, for metrics)."""
+        return {k: list(v) for k, v in list(self._accepted.items())}
+
+    def cost_table(self) -> dict[tuple[int, int], float]:
+        """(batch bucket, drafts) -> EMA step seconds (a copy, for metrics)."""
+        return {k: e.value for k, e in list(self._cost.items())}
+
+    def rates(self, label: str) -> list[float]:
+        """Per-position unconditional acceptance rates (EMA) of drafter ``label``."""
+        return list(self._accepted.get(label, []))
+
+    def expected_tokens(self, label: str, k: int) -> float:
+        """E[committed tokens] of one step with ``k`` drafts: 1 + sum of the first k rates.
+
+        Positions never measured extrapolate geometrically from the last measured conditional
+        rate (optimistic 0.9 before anything was measured)."""
+        rates = self.rates(label)
+        total, r, prev = 1.0, 0.9, 1.0
+        for p in range(k):
+            if p < len(rates):
+                r = rates[p]
+                cond = r / prev if prev > 0 else 0.0
+                prev = r
+            else:
+                r = prev * min(cond if rates else 0.9, 1.0)
+                prev = r
+            total += r
+        return total
+
+    # ------------------------------------------------------------------ choice
+    def choose(self, jobs) -> list[int]:
+        """Drafts per job this step. ``jobs``: objects with ``mode``, ``block_limit``,
+        ``req.max_tokens``, ``emitted`` and ``req.proposer`` (the scheduler's jobs)."""
+        limits = [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+        modes = [j.mode if j.req.proposer is not None else "off" for j in jobs]
+        ks = [lim if m == "fixed" else 0 for m, lim in zip(modes, limits)]
+        adaptive = [i for i, m in enumerate(modes) if m == "adaptive"]
+        if not adaptive:
+            self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else "mixed",
+                                          k=-1, batch=len(jobs))
+            return ks
+        b = bucket(len(jobs))
+        floor = max(ks)                       # fixed sessions' blocks set the batch's shape
+        top = max(limits[i] for i in adaptive)
+        cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
+        fixed_tokens = sum(self.expected_tokens(jobs[i].req.proposer.card.label, ks[i])
+                           for i in range(len(jobs)) if modes[i] == "fixed") + \
+            sum(1.0 for m in modes if m == "off")
+
+        def gain(k):
+            return fixed_tokens + sum(self.expected_tokens(jobs[i].req.proposer.card.label,
+                                                           min(k, limits[i])) for i in adaptive)
+
+        unmeasured = [k for k in cands if (b, max(k, floor)) not in self._cost]
+        explored = False
+        if unmeasured:
+            best, explored = unmeasured[0], True
+        else:
+            best = max(cands, key=lambda k: gain(k) / max(self._cost[(b, max(k, floor))].value, 1e-9))
+            self._steps += 1
+            if self.explore_every and self._steps % self.explore_every == 0:
+                i = cands.index(best)
+                nb = cands[min(i + 1, len(cands) - 1)] if (self._steps // self.explore_every) % 2 \
+                    else cands[max(i - 1, 0)]
+                best, explored = nb, nb != best
+        cost = self._cost.get((b, max(best, floor)))
+        self.last_decision = Decision(mode="adaptive", k=best, batch=len(jobs),
+                                      expected_tokens=gain(best),
+                                      cost_seconds=cost.value if cost else 0.0, explored=explored)
+        for i in adaptive:
+            ks[i] = min(best, limits[i])
+        return ks

@@ -1,0 +1,205 @@
+"""Continuous batching: one scheduler thread owns the decode loop of every running request.
+
+Each iteration, between steps:
+
+1. requests that were cancelled (the client went away) or closed (the reader stopped) leave
+   the batch; a cancelled one gets a last ``finish="cancelled"`` event;
+2. waiting requests are prefilled, at most ``prefill_chunk`` prompt tokens per iteration in
+   all (long prompts take several iterations), so a new prompt never stalls the running
+   sessions for more than one chunk; a request joins the batch once its prompt is in;
+3. one decode step for the whole batch (``VerifierEngine.decode_step``): one drafter call per
+   drafter with every session's new context features and anchor, one target forward over all
+   sessions' blocks.
+
+Events go to each request's queue; ``VerifierEngine.generate`` reads them in the caller's
+thread (so per-request listeners and trace spans keep their one-thread-per-request shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from dflash.stats import AcceptanceCounter
+
+log = logging.getLogger("dflash.verifier.scheduler")
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One request inside the scheduler (decode state filled in by ``VerifierEngine.start_job``)."""
+
+    req: object                              # verifier_svc.engine.Request
+    session: object                          # verifier_svc.engine.Session
+    cancelled: Callable[[], bool]
+    events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+    closed: bool = False                     # the reader is gone: drop without an event
+    demand: bool = False                     # the reader waits for the next event
+    gone: threading.Event = dataclasses.field(default_factory=threading.Event)
+    trace_context: dict = dataclasses.field(default_factory=dict)
+    started: bool = False
+    tap_ids: tuple[int, ...] = ()
+    reuse: int = 0
+    prefilled: int = 0
+    prefill_seconds: float = 0.0
+    gen: torch.Generator | None = None
+    stops: set[int] = dataclasses.field(default_factory=set)
+    stats: object = None
+    mode: str = "fixed"
+    block_limit: int = 1
+    emitted: int = 0
+
+
+class Scheduler:
+    """The decode-loop thread of a ``VerifierEngine``.
+
+    Args:
+        engine: provides ``start_job``, ``prefill_chunk`` and ``decode_step``.
+        prefill_chunk: prompt tokens prefilled per iteration, over all waiting requests.
+        max_batch: sessions per decode step (the rest wait their turn, oldest first).
+    """
+
+    def __init__(self, engine, *, prefill_chunk: int = 256, max_batch: int = 64,
+                 demand_wait_s: float = 0.01):
+        self.engine = engine
+        self.demand_wait_s = demand_wait_s
+        self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
+        self._cv = threading.Condition()
+        self._incoming: list[Job] = []
+        self._waiting: list[Job] = []        # prefilling, oldest first
+        self._running: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._running)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="verifier-scheduler")
+                self._thread.start()
+            self._incoming.append(job)
+            self._cv.notify()
+
+    def want_next(self, job: Job, trace_context: dict) -> None:
+        """The reader of ``job`` asks for its next event (from its current span).
+
+        A running request takes part in a step only once its reader asked: steps run inside the
+        reader's ``next()`` (where its step span is current) and a slow reader is not run ahead.
+        """
+        with self._cv:
+            job.trace_context = trace_context
+            job.demand = True
+            self._cv.notify()
+
+    def wait_gone(self, job: Job) -> None:
+        """Block until the scheduler no longer touches ``job`` (its session is free)."""
+        with self._cv:
+            self._cv.notify()
+        while not job.gone.wait(0.5):
+            if self._thread is None or not self._thread.is_alive():
+                return
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._waiting or self._stop
+                           or any(j.demand or j.closed for j in self._running)):
+                    self._cv.wait()
+                if self._stop:
+                    for j in self._incoming + self._waiting + self._running:
+                        self._fail(j, RuntimeError("verifier engine stopped"))
+                    return
+                self._waiting += self._incoming
+                self._incoming = []
+            try:
+                self._iteration()
+            except Exception as e:  # a failed forward fails the requests in it, not the loop
+                log.exception("scheduler iteration failed")
+                for j in self._waiting + self._running:
+                    self._fail(j, e)
+                self._waiting, self._running = [], []
+
+    def _iteration(self) -> None:
+        self._waiting = [j for j in self._waiting if self._keep(j)]
+        self._running = [j for j in self._running if self._keep(j)]
+        budget = self.prefill_chunk
+        while self._waiting and budget > 0 and len(self._running) < self.max_batch:
+            job = self._waiting[0]
+            if not job.started:
+                self.engine.start_job(job)
+                job.started = True
+            before = job.prefilled
+            ev = self.engine.prefill_chunk(job, budget)
+            budget -= job.prefilled - before
+            if ev is None:
+                break  # a long prompt: its next chunk after the running sessions' next step
+            self._waiting.pop(0)
+            job.demand = False          # answered by this event (the reader asks again after it)
+            self._emit(job, ev, notify=False)
+            if not ev.finish:
+                self._running.append(job)
+        ready = self._ready()
+        if ready:
+            events = self.engine.decode_step(ready)
+            for job, ev in zip(ready, events):
+                self._emit(job, ev, notify=True)
+            self._running = [j for j in self._running if not j.gone.is_set()]
+
+    def _ready(self) -> list[Job]:
+        """Running jobs whose readers asked for a step (waiting briefly for stragglers)."""
+        deadline = time.monotonic() + self.demand_wait_s
+        with self._cv:
+            while not all(j.demand for j in self._running):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            ready = [j for j in self._running if j.demand and not j.closed]
+            for j in ready:
+                j.demand = False
+        return ready
+
+    def _keep(self, job: Job) -> bool:
+        if job.closed:
+            job.gone.set()
+            return False
+        try:
+            cancelled = job.cancelled()
+        except Exception:
+            cancelled = True
+        if cancelled:
+            from verifier_svc.engine import StepEvent
+
+            self._emit(job, StepEvent(tokens=[], finish="cancelled",
+                                      stats=job.stats or AcceptanceCounter()), notify=False)
+            return False
+        return True
+
+    @staticmethod
+    def _emit(job: Job, ev, *, notify: bool) -> None:
+        job.events.put((ev, notify))
+        if ev.finish:
+            job.gone.set()
+
+    @staticmethod
+    def _fail(job: Job, e: BaseException) -> None:
+        job.events.put(e)
+        job.gone.set()
