@@ -97,13 +97,30 @@ class DrafterEngine:
 
     # ------------------------------------------------------------------ Proposer
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
-        out: list[Proposal | DraftError] = []
+        """Every session of one verifier step at once: one context forward for all sessions'
+        new rows, then one drafter forward over all blocks (context K/V left-padded, blocks
+        right-padded, a mask hiding both). A bad item fails alone."""
+        out: list[Proposal | DraftError | None] = [None] * len(requests)
         with self._lock, torch.inference_mode():
-            for r in requests:
+            sessions: list[tuple[int, ProposalRequest, _SessionCtx]] = []
+            for i, r in enumerate(requests):
                 try:
-                    out.append(self._one(r))
+                    sessions.append((i, r, self._session_for(r)))
                 except DraftError as e:
-                    out.append(e)
+                    out[i] = e
+            self._append_context(sessions)
+            drafting = []
+            for i, r, sess in sessions:
+                if r.block_size <= 1:
+                    out[i] = Proposal(tokens=torch.empty(0, dtype=torch.int64))
+                elif not sess.kv:
+                    out[i] = DraftError("no_context", "the drafter has no context for this session")
+                else:
+                    drafting.append((i, r, sess))
+            if drafting:
+                logits = self._draft_blocks([(r, sess) for _, r, sess in drafting])
+                for (i, r, sess), lg in zip(drafting, logits):
+                    out[i] = self._sample(r, sess, lg)
         return out
 
     def release(self, session_ids: list[str]) -> None:
@@ -112,7 +129,8 @@ class DrafterEngine:
                 self._sessions.pop(s, None)
 
     # ------------------------------------------------------------------ internals
-    def _one(self, r: ProposalRequest) -> Proposal:
+    def _session_for(self, r: ProposalRequest) -> _SessionCtx:
+        """Validate ``r``; the session's context, cropped to ``r.context_start``."""
         cfg = self.cfg
         ctx = r.context
         if ctx.dim() != 2 or ctx.shape[1] != cfg.context_size:
@@ -134,25 +152,59 @@ class DrafterEngine:
             sess.kv = [(k[:, :, :r.context_start], v[:, :, :r.context_start]) for k, v in sess.kv]
             sess.length = r.context_start
         sess.last_used = time.monotonic()
+        return sess
+
+    def _append_context(self, sessions) -> None:
+        """New context rows of every session through ``fc``/``k_proj``/``v_proj`` in one call
+        (per-position work: the rows of all sessions form one sequence with their own positions)."""
+        parts = [(r, sess) for _, r, sess in sessions if r.context.shape[0]]
+        if not parts:
+            return
         dtype = self.head.embed.dtype
-        n = ctx.shape[0]
-        if n:
-            pos = torch.arange(sess.length, sess.length + n)[None]
-            new_kv = self.drafter.context_kv(ctx.to(dtype)[None], pos)
-            sess.kv = new_kv if not sess.kv else [
-                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                for (k0, v0), (k1, v1) in zip(sess.kv, new_kv)]
+        feats = torch.cat([r.context.to(dtype) for r, _ in parts])[None]
+        pos = torch.cat([torch.arange(s.length, s.length + r.context.shape[0]) for r, s in parts])[None]
+        new_kv = self.drafter.context_kv(feats, pos)              # per layer [1, kvh, sum n, d]
+        start = 0
+        for r, sess in parts:
+            n = r.context.shape[0]
+            rows = [(k[:, :, start:start + n], v[:, :, start:start + n]) for k, v in new_kv]
+            sess.kv = rows if not sess.kv else [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(sess.kv, rows)]
             sess.length += n
-        if r.block_size <= 1:
-            return Proposal(tokens=torch.empty(0, dtype=torch.int64))
-        if not sess.kv:
-            raise DraftError("no_context", "the drafter has no context for this session")
-        bs = r.block_size
-        block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.int64)
-        block[0, 0] = r.anchor_token
-        positions = torch.arange(sess.length, sess.length + bs)[None]
-        hidden = self.drafter(self.head.embed_tokens(block), positions, sess.kv)
-        logits = self.head.logits(hidden[0, 1:])                      # [bs-1, V]
+            start += n
+
+    def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
+        """Logits [block_size - 1, V] per item, all blocks in one drafter forward."""
+        cfg = self.cfg
+        b = len(items)
+        n_max = max(s.length for _, s in items)
+        q = max(r.block_size for r, _ in items)
+        block = torch.full((b, q), cfg.mask_token_id, dtype=torch.int64)
+        positions = torch.empty((b, q), dtype=torch.int64)
+        for i, (r, s) in enumerate(items):
+            block[i, 0] = r.anchor_token
+            positions[i] = torch.arange(s.length, s.length + q)
+        if b == 1:
+            kv, mask = items[0][1].kv, None      # nothing padded: attend everywhere
+        else:
+            kv = []
+            for layer in range(len(items[0][1].kv)):
+                k0, v0 = items[0][1].kv[layer]
+                k = k0.new_zeros((b, k0.shape[1], n_max, k0.shape[3]))
+                v = v0.new_zeros((b, v0.shape[1], n_max, v0.shape[3]))
+                for i, (_, s) in enumerate(items):
+                    k[i, :, n_max - s.length:] = s.kv[layer][0][0]
+                    v[i, :, n_max - s.length:] = s.kv[layer][1][0]
+                kv.append((k, v))
+            keys = torch.arange(n_max + q)
+            lens = torch.tensor([s.length for _, s in items])[:, None]           # [b, 1]
+            sizes = torch.tensor([r.block_size for r, _ in items])[:, None]      # [b, 1]
+            ok = torch.where(keys < n_max, keys >= n_max - lens, keys - n_max < sizes)   # [b, n+q]
+            mask = ok[:, None, None, :].expand(b, 1, q, n_max + q)
+        hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask)
+        return [self.head.logits(hidden[i, 1:r.block_size]) for i, (r, _) in enumerate(items)]
+
+    def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:
         if r.sampling.greedy:
             return Proposal(tokens=logits.argmax(-1))
         if r.sampling.seed is not None:
