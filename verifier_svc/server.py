@@ -71,6 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
                    help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
                         "[DFLASH_SPEC_LOG_INTERVAL_S]")
+    p.add_argument("--ep-size", type=int, default=int(env("DFLASH_EP_SIZE", "1")),
+                   help="expert-parallel ranks for a mixture-of-experts target: this process is "
+                        "rank 0 and starts the others (torch.distributed: gloo on CPU, NCCL on GPU) "
+                        "[DFLASH_EP_SIZE]")
+    p.add_argument("--ep-timeout", type=float, default=float(env("DFLASH_EP_TIMEOUT_S", "60")),
+                   help="collective timeout between expert-parallel ranks, seconds "
+                        "[DFLASH_EP_TIMEOUT_S]")
     return p.parse_args(argv)
 
 
@@ -79,7 +86,6 @@ def main(argv=None) -> None:
 
     from dflash.checkpoint import torch_dtype
     from verifier_svc.engine import VerifierEngine
-    from verifier_svc.target import TargetModel
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,8 +98,9 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    engine = VerifierEngine(TargetModel(a.target, dtype=a.dtype), session_ttl_s=a.session_ttl,
-                            spec_mode=a.spec_mode, prefill_chunk=a.prefill_chunk, max_batch=a.max_batch)
+    target = _load_target(a, rt)
+    engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
+                            prefill_chunk=a.prefill_chunk, max_batch=a.max_batch)
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)
@@ -109,7 +116,23 @@ def main(argv=None) -> None:
     stop_log = rt.servicer.observer.speclog.start(a.spec_log_interval)
     rt.set_serving(True)
     log.info("SERVING %s on port %d", a.target, rt.port)
-    run_until_signal(rt, a.grace, on_stop=lambda: (stop.set(), stop_log.set(), telemetry.shutdown()))
+    close = getattr(target, "close", lambda: None)  # expert parallel: stop the other ranks
+    run_until_signal(rt, a.grace,
+                     on_stop=lambda: (stop.set(), stop_log.set(), close(), telemetry.shutdown()))
+
+
+def _load_target(a, rt):
+    """One rank (TargetModel) or ``--ep-size`` ranks (verifier_svc.ep.DistributedTarget)."""
+    from verifier_svc.target import TargetModel
+
+    if a.ep_size <= 1:
+        return TargetModel(a.target, dtype=a.dtype)
+    from verifier_svc.ep import DistributedTarget
+
+    target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, threads=a.threads,
+                               timeout_s=a.ep_timeout)
+    target.on_failure.append(lambda reason: rt.set_serving(False))
+    return target
 
 
 def _warmup(engine) -> None:

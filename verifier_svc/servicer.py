@@ -13,6 +13,7 @@ from dflash.sampling import InvalidParam
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import RemoteProposer, describe
 from verifier_svc.engine import PreconditionError, Request, VerifierEngine, check_drafter_card
+from verifier_svc.target import TargetUnavailable
 
 log = logging.getLogger("dflash.verifier")
 
@@ -60,6 +61,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _ready(self, context) -> VerifierEngine:
         if self.engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading")
+        failure = getattr(self.engine.target, "failure", None)
+        if failure:  # an expert-parallel rank died: fail fast, never queue behind a dead group
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"target unavailable: {failure}")
         return self.engine
 
     def Describe(self, request, context):
@@ -102,6 +106,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except PreconditionError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TargetUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         prompt_tokens, cached = first.prompt_tokens, first.cached_prompt_tokens
         try:
             for ev in _chain(first, events):
@@ -113,6 +119,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     chunk.prompt_tokens = prompt_tokens
                     chunk.cached_prompt_tokens = cached
                 yield chunk
+        except TargetUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             events.close()  # a cancelled stream frees the session now, not at garbage collection
 

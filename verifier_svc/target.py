@@ -17,6 +17,10 @@ from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.taps import hidden_state_indices
 
 
+class TargetUnavailable(RuntimeError):
+    """The target can no longer run (e.g. an expert-parallel rank died); maps to UNAVAILABLE."""
+
+
 class TargetModel:
     """A loaded target plus its card fields.
 
@@ -32,8 +36,7 @@ class TargetModel:
         self.path = Path(path)
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
+        self.model = self._load()
         self.config = self.model.config
         raw = json.loads((self.path / "config.json").read_text())
         text = raw.get("text_config", raw)
@@ -49,9 +52,16 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = frozenset(
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
         embed = self.model.get_input_embeddings().weight
+        if hasattr(embed, "full_tensor"):  # a sharded DTensor (expert parallel): gather, all ranks
+            embed = embed.full_tensor()
         self.fingerprint = target_fingerprint(text, embed.detach().cpu())
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
+
+    def _load(self) -> torch.nn.Module:
+        """The eval-mode model (``verifier_svc.ep.EPShard`` loads this rank's expert shard)."""
+        return AutoModelForCausalLM.from_pretrained(
+            str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)

@@ -1,0 +1,303 @@
+"""Expert-parallel (EP) target: one MoE target, its experts sharded across ``ep_size`` ranks.
+
+Rank 0 is the verifier process: it serves gRPC, runs the scheduler and holds a
+:class:`DistributedTarget`, which has the :class:`~verifier_svc.target.TargetModel` interface
+(``new_cache``, ``forward``, ``forward_batch``, ``crop``, card fields), so the engine does not
+know how many ranks run the target. Ranks 1..N-1 are ``python -m verifier_svc.ep_worker``
+processes that rank 0 starts. Each target call on rank 0 first broadcasts a small op record
+(op name, cache ids, tokens, length) to the workers with ``broadcast_object_list``; every rank
+then runs the same call on its own :class:`EPShard`, whose forward exchanges expert outputs
+through collectives. Workers mirror each session's KV cache by id (created on first use, freed
+when rank 0's cache object is garbage collected: the id rides on the next op).
+
+Sharding is transformers' own (``DistributedConfig(ep_size=N, fsdp_size=N)``): each rank keeps
+``num_experts / N`` experts (``ep_dispatch_experts``; at inference with one shared batch it runs
+its experts on every token and all-reduces the block output) and FSDP-shards the dense weights
+(all-gathered for each forward). Checked on CPU/gloo: logits equal the single-rank model within
+1e-6. Why fsdp_size=N rather than dense weights replicated (``tp_size=N, tp_plan={}``, which the
+DistributedConfig docstring describes as "no tensor parallel rule"): transformers 5.24 treats the
+empty plan as "no plan" and refuses it (``tp_size=2 was requested, but MixtralForCausalLM has no
+tp_plan``). The price is an all-gather of the dense weights per forward (README, "Expert
+parallel").
+
+Failure: a watchdog polls the worker processes; a failed collective (gloo reports a peer that
+closed its sockets at once) or a dead worker marks the target failed: health turns NOT_SERVING
+(``on_failure`` listeners), in-flight and new calls raise :class:`TargetUnavailable` (the servicer
+maps it to UNAVAILABLE), surviving workers are stopped and the process group is destroyed.
+Idle rank 0 broadcasts a heartbeat so workers waiting for the next op stay inside the collective
+timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from verifier_svc.target import TargetModel, TargetUnavailable
+
+log = logging.getLogger("dflash.verifier.ep")
+
+
+def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float, device: str) -> None:
+    """torch.distributed with torchrun's env variables (transformers reads them): gloo on CPU,
+    NCCL on GPU."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class EPShard(TargetModel):
+    """This rank's part of the target: transformers' EP sharding of the experts (process group up)."""
+
+    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu"):
+        self.ep_size = ep_size
+        super().__init__(path, dtype=dtype, device=device)
+
+    def _load(self) -> torch.nn.Module:
+        from transformers.distributed import DistributedConfig
+
+        cfg = DistributedConfig(ep_size=self.ep_size, fsdp_size=self.ep_size)
+        model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype,
+                                                     use_safetensors=True, distributed_config=cfg)
+        if not getattr(model.config, "num_local_experts", None) and \
+                not getattr(model.config, "num_experts", None):
+            raise ValueError(f"{self.path}: not a mixture-of-experts model; expert parallelism "
+                             "needs one (dflash convert-moe makes an exact MoE form of a dense target)")
+        return model.eval()
+
+
+    # FSDP's unshard hooks bump version counters, which inference-mode tensors lack: the shard
+    # runs the base class's calls under no_grad instead of inference_mode.
+    def forward(self, tokens, cache, layer_ids):
+        with torch.no_grad():
+            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids)
+
+    def forward_batch(self, blocks, caches, layer_ids):
+        with torch.no_grad():
+            return _plain(TargetModel.forward_batch)(self, blocks, caches, layer_ids)
+
+
+def _plain(fn):
+    """``fn`` without its ``torch.inference_mode`` decorator."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+class RankCache:
+    """Rank 0's handle on one session's KV cache; the workers hold a mirror under ``cid``."""
+
+    def __init__(self, cid: int, local):
+        self.cid = cid
+        self.local = local
+
+    def get_seq_length(self) -> int:
+        return self.local.get_seq_length()
+
+
+class DistributedTarget:
+    """The TargetModel interface over ``ep_size`` ranks (this process is rank 0).
+
+    Args:
+        path: MoE target directory.
+        ep_size: ranks (>= 2); starts ``ep_size - 1`` worker processes.
+        threads: torch threads per worker (0 = torch default).
+        timeout_s: collective timeout (gloo/NCCL); bounds a hung (not dead) rank.
+        heartbeat_s: idle rank 0 pings the workers this often (< timeout_s).
+    Attributes: the card fields of TargetModel (delegated to this rank's shard), ``failure``
+    (None while healthy, else the reason), ``on_failure`` (callables taking the reason).
+    """
+
+    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu",
+                 threads: int = 0, timeout_s: float = 60.0, heartbeat_s: float = 5.0,
+                 master_addr: str = "127.0.0.1"):
+        if ep_size < 2:
+            raise ValueError("ep_size must be >= 2 (use TargetModel for one rank)")
+        self.ep_size = ep_size
+        self.failure: str | None = None
+        self.on_failure: list = []
+        self._ids = itertools.count(1)
+        self._freed: list[int] = []
+        self._last_op = time.monotonic()
+        self._closing = False
+        self._torn_down = threading.Event()
+        port = _free_port(master_addr)
+        self.workers = [self._spawn(r, path, dtype, device, threads, timeout_s, master_addr, port)
+                        for r in range(1, ep_size)]
+        try:
+            init_group(0, ep_size, addr=master_addr, port=port, timeout_s=timeout_s, device=device)
+            self.shard = EPShard(path, ep_size=ep_size, dtype=dtype,
+                                 device=f"cuda:0" if device.startswith("cuda") else device)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.lock = self.shard.lock
+        self._stop = threading.Event()
+        threading.Thread(target=self._watchdog, daemon=True, name="ep-watchdog").start()
+        threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
+                         name="ep-heartbeat").start()
+        log.info("expert parallel target up: %d ranks, worker pids %s", ep_size,
+                 [p.pid for p in self.workers])
+
+    def __getattr__(self, name):  # card fields, config, model: this rank's shard
+        if name == "shard":
+            raise AttributeError(name)
+        return getattr(self.shard, name)
+
+    # ------------------------------------------------------------------ TargetModel interface
+    def new_cache(self) -> RankCache:
+        c = RankCache(next(self._ids), self.shard.new_cache())
+        weakref.finalize(c, self._freed.append, c.cid)  # workers drop the mirror on the next op
+        return c
+
+    def forward(self, tokens: list[int], cache: RankCache, layer_ids):
+        return self._call("forward", {"tokens": list(tokens), "cid": cache.cid, "layer_ids": layer_ids},
+                          lambda: self.shard.forward(tokens, cache.local, layer_ids))
+
+    def forward_batch(self, blocks, caches, layer_ids):
+        op = {"blocks": [list(b) for b in blocks], "cids": [c.cid for c in caches],
+              "layer_ids": list(layer_ids)}
+        return self._call("forward_batch", op, lambda: self.shard.forward_batch(
+            blocks, [c.local for c in caches], layer_ids))
+
+    def crop(self, cache: RankCache, length: int) -> None:
+        if cache.get_seq_length() <= length:
+            return  # nothing to drop on any rank: no op
+        self._call("crop", {"cid": cache.cid, "length": length},
+                   lambda: self.shard.crop(cache.local, length))
+
+    # ------------------------------------------------------------------ ops
+    def _call(self, name: str, op: dict, local):
+        """Broadcast ``op`` to the workers, then run ``local()`` (the same op on rank 0)."""
+        import torch.distributed as dist
+
+        if self.failure:
+            raise TargetUnavailable(f"expert-parallel target failed: {self.failure}")
+        op["op"] = name
+        op["free"] = [self._freed.pop() for _ in range(len(self._freed))]
+        try:
+            dist.broadcast_object_list([op], src=0)
+            out = local()
+        except Exception as e:
+            self.fail(f"{name} failed on rank 0: {e}")
+            raise TargetUnavailable(f"expert-parallel target failed: {self.failure}") from e
+        finally:
+            self._last_op = time.monotonic()
+        return out
+
+    def _heartbeat(self, every_s: float) -> None:
+        import torch.distributed as dist
+
+        while not self._stop.wait(every_s / 2):
+            if time.monotonic() - self._last_op < every_s or not self.lock.acquire(blocking=False):
+                continue
+            try:
+                if not self.failure and not self._closing:
+                    dist.broadcast_object_list([{"op": "ping", "free": []}], src=0)
+                    self._last_op = time.monotonic()
+            except Exception as e:
+                self.fail(f"heartbeat failed: {e}")
+            finally:
+                self.lock.release()
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.2):
+            for r, p in enumerate(self.workers, start=1):
+                if p.poll() is not None and not self._closing:
+                    self.fail(f"rank {r} (pid {p.pid}) exited with code {p.returncode}")
+                    return
+
+    def fail(self, reason: str) -> None:
+        """Mark the target failed (once): listeners, stop the workers, destroy the group."""
+        if self.failure or self._closing:
+            return
+        self.failure = reason
+        log.error("expert-parallel target failed: %s; NOT_SERVING, requests get UNAVAILABLE", reason)
+        for listener in self.on_failure:
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("failure listener")
+        threading.Thread(target=self._teardown, daemon=True, name="ep-teardown").start()
+
+    def _teardown(self) -> None:
+        self._stop.set()
+        self._stop_workers()  # closes their sockets: a collective in flight on rank 0 errors out
+        got = self.lock.acquire(timeout=30.0)
+        try:
+            _destroy_group()
+        finally:
+            if got:
+                self.lock.release()
+            self._torn_down.set()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Orderly shutdown: workers leave their loop, the group is destroyed."""
+        import torch.distributed as dist
+
+        if self.failure:
+            self._torn_down.wait(timeout_s)
+            return
+        self._closing = True
+        self._stop.set()
+        with self.lock:
+            try:
+                dist.broadcast_object_list([{"op": "exit", "free": []}], src=0)
+            except Exception:
+                log.warning("exit broadcast failed", exc_info=True)
+            _destroy_group()
+        self._stop_workers(timeout_s)
+
+    def _spawn(self, rank, path, dtype, device, threads, timeout_s, addr, port) -> subprocess.Popen:
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        args = [sys.executable, "-m", "verifier_svc.ep_worker", "--target", str(path),
+                "--dtype", dtype, "--device", device, "--rank", str(rank),
+                "--world-size", str(self.ep_size), "--master-addr", addr, "--master-port", str(port),
+                "--timeout", str(timeout_s), "--threads", str(threads)]
+        return subprocess.Popen(args, env=env)  # logs go to the verifier's stdout/stderr
+
+    def _stop_workers(self, timeout_s: float = 5.0) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.workers:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        log.warning("destroy_process_group failed", exc_info=True)
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
