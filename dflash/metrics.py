@@ -78,6 +78,14 @@ class VerifierMetrics:
                                          registry=r)
         self.running = Gauge("dflash_verifier_running_requests", "Requests generating now.",
                              registry=r)
+        self.batch_size = Histogram(
+            "dflash_verifier_step_batch_size",
+            "Sessions verified in the same target forward, observed once per session-step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.policy_drafts = Histogram(
+            "dflash_spec_decode_policy_drafts",
+            "Drafts the speculation policy chose per session-step (0 = no speculation).",
+            [V, "mode"], buckets=(0,) + STEP_LENGTHS, registry=r)
         self._pos_children: dict[tuple[str, int], object] = {}
 
     def step(self, label: str, *, drafted: int, accepted: int, fallback: str | None,
@@ -111,6 +119,46 @@ class VerifierMetrics:
 
     def fallback(self, reason: str, label: str) -> None:
         self.fallbacks.labels(label or NO_DRAFTER, reason).inc()
+
+
+class PolicyGauges:
+    """The adaptive speculation policy's inputs, read at scrape time from ``engine().policy``:
+
+    * ``dflash_spec_policy_acceptance_rate{drafter_version, position}``: EMA of the
+      unconditional acceptance rate of draft position ``position + 1``;
+    * ``dflash_spec_policy_step_seconds{batch_bucket, drafts}``: EMA of verify + draft seconds
+      per step at that batch-size bucket and largest block;
+    * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
+    """
+
+    def __init__(self, registry: CollectorRegistry, engine: Callable[[], object]):
+        self.engine = engine
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        e = self.engine()
+        policy = getattr(e, "policy", None)
+        if policy is None:
+            return
+        rates = GaugeMetricFamily("dflash_spec_policy_acceptance_rate",
+                                  "EMA unconditional acceptance rate per draft position (policy input).",
+                                  labels=[V, "position"])
+        for label, rs in policy.acceptance_table().items():
+            for i, r in enumerate(rs):
+                rates.add_metric([label, str(i)], r)
+        yield rates
+        cost = GaugeMetricFamily("dflash_spec_policy_step_seconds",
+                                 "EMA verify + draft seconds per step (policy input).",
+                                 labels=["batch_bucket", "drafts"])
+        for (b, k), sec in policy.cost_table().items():
+            cost.add_metric([str(b), str(k)], sec)
+        yield cost
+        g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
+        g.add_metric([], float(e.scheduler.batch_size))
+        yield g
 
 
 class GatewayMetrics:

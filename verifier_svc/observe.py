@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from dflash.convert import FINISH_NAME
-from dflash.metrics import NO_DRAFTER, SessionGauges, VerifierMetrics
+from dflash.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.speclog import SpecDecodingLogger
 from dflash.telemetry import Telemetry
 from dflash.tracing import abort_status, metadata_context, set_error
@@ -42,6 +42,9 @@ class StepView:
     draft_s: float | None          # drafter compute (as the drafter reports it)
     wire_s: float | None           # draft round trip minus drafter compute
     context_bytes: int | None
+    batch_size: int = 1
+    policy: object = None          # verifier_svc.policy.Decision
+    mode: str = ""
 
 
 def session_key(req) -> str:
@@ -58,6 +61,7 @@ class VerifierObserver:
         self.engine = None
         self._local = threading.local()
         SessionGauges(telemetry.registry, "dflash_verifier", lambda: self.engine)
+        PolicyGauges(telemetry.registry, lambda: self.engine)
 
     def bind(self, engine) -> None:
         """Listen to ``engine``'s steps (idempotent)."""
@@ -77,9 +81,13 @@ class VerifierObserver:
         else:
             draft_s = ev.draft_seconds if (ev.drafted or ev.fallback) else None
             wire_s = None
+        mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None else "off"
         view = StepView(label=label, fallback=ev.fallback, verify_s=ev.verify_seconds,
                         draft_s=draft_s, wire_s=wire_s,
-                        context_bytes=wire.context_bytes if wire else None)
+                        context_bytes=wire.context_bytes if wire else None,
+                        batch_size=ev.batch_size, policy=ev.policy, mode=mode)
+        self.metrics.batch_size.observe(ev.batch_size)
+        self.metrics.policy_drafts.labels(label, mode).observe(ev.drafted)
         self.metrics.step(label, drafted=ev.drafted, accepted=ev.accepted, fallback=ev.fallback,
                           verify_s=ev.verify_seconds, draft_s=draft_s, wire_s=wire_s,
                           context_bytes=view.context_bytes)
@@ -160,6 +168,14 @@ class VerifierObserver:
                     attrs[key] = v
             if view.fallback:
                 attrs["dflash.fallback"] = view.fallback
+            attrs["dflash.batch_size"] = view.batch_size
+            attrs["dflash.spec_mode"] = view.mode
+            d = view.policy
+            if d is not None and d.k >= 0:   # an adaptive choice: what it was made from
+                attrs.update({"dflash.policy.drafts": d.k, "dflash.policy.batch": d.batch,
+                              "dflash.policy.expected_tokens": d.expected_tokens,
+                              "dflash.policy.cost_seconds": d.cost_seconds,
+                              "dflash.policy.explored": d.explored})
         if chunk.finish_reason:
             attrs["dflash.finish_reason"] = FINISH_NAME.get(chunk.finish_reason) or "unknown"
         if cur is None and view is not None and view.fallback:

@@ -15,9 +15,11 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
 
   ``k = 0`` is "no speculation": the drafter still receives the new context features (a block
   of size 1 = context update only), so its context stays current and acceptance does not
-  collapse when speculation resumes. Unmeasured (bucket, k) cells are tried once; after that a
-  neighbour of the best k is re-measured every ``explore_every`` steps so the estimates follow
-  load and acceptance.
+  collapse when speculation resumes. A (bucket, k) cell not measured yet is estimated from a
+  least-squares line of step seconds against verified tokens (batch x (k + 1)) over every
+  measured cell (until two token counts were measured, candidates are simply tried in order);
+  a neighbour of the best k is re-measured every ``explore_every`` steps so the estimates
+  follow load and acceptance.
 
 The inputs of every decision (``Decision``) travel on the step's ``StepEvent`` to metrics and
 spans. Thread model: only the scheduler thread calls ``choose`` / ``observe_*``.
@@ -130,6 +132,27 @@ class SpeculationPolicy:
             total += r
         return total
 
+    def _cost_line(self) -> tuple[float, float] | None:
+        """(intercept, seconds per verified token) fitted to every measured cell, or None."""
+        pts = [(b * (k + 1), e.value) for (b, k), e in self._cost.items()]
+        xs = {x for x, _ in pts}
+        if len(xs) < 2:
+            return None
+        n = len(pts)
+        mx = sum(x for x, _ in pts) / n
+        my = sum(y for _, y in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(sum((x - mx) * (y - my) for x, y in pts) / sxx, 0.0)
+        return max(my - slope * mx, 0.0), slope
+
+    def _estimate(self, b: int, k: int, line) -> float:
+        """Step seconds at (bucket ``b``, ``k`` drafts): measured, else from the fitted line."""
+        e = self._cost.get((b, k))
+        if e is not None:
+            return e.value
+        a, slope = line
+        return a + slope * b * (k + 1)
+
     # ------------------------------------------------------------------ choice
     def choose(self, jobs) -> list[int]:
         """Drafts per job this step. ``jobs``: objects with ``mode``, ``block_limit``,
@@ -154,22 +177,24 @@ class SpeculationPolicy:
             return fixed_tokens + sum(self.expected_tokens(jobs[i].req.proposer.card.label,
                                                            min(k, limits[i])) for i in adaptive)
 
+        line = self._cost_line()
         unmeasured = [k for k in cands if (b, max(k, floor)) not in self._cost]
         explored = False
-        if unmeasured:
+        if unmeasured and line is None:
             best, explored = unmeasured[0], True
         else:
-            best = max(cands, key=lambda k: gain(k) / max(self._cost[(b, max(k, floor))].value, 1e-9))
+            best = max(cands, key=lambda k: gain(k) / max(self._estimate(b, max(k, floor), line), 1e-9))
+            explored = best in unmeasured
             self._steps += 1
             if self.explore_every and self._steps % self.explore_every == 0:
                 i = cands.index(best)
                 nb = cands[min(i + 1, len(cands) - 1)] if (self._steps // self.explore_every) % 2 \
                     else cands[max(i - 1, 0)]
                 best, explored = nb, nb != best
-        cost = self._cost.get((b, max(best, floor)))
+        cost = self._estimate(b, max(best, floor), line) if line or (b, max(best, floor)) in self._cost else 0.0
         self.last_decision = Decision(mode="adaptive", k=best, batch=len(jobs),
-                                      expected_tokens=gain(best),
-                                      cost_seconds=cost.value if cost else 0.0, explored=explored)
+                                      expected_tokens=gain(best), cost_seconds=cost,
+                                      explored=explored)
         for i in adaptive:
             ks[i] = min(best, limits[i])
         return ks

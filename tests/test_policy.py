@@ -1,0 +1,196 @@
+"""Speculation policy: off / fixed / adaptive, per deployment and per request, and what it sees."""
+
+from __future__ import annotations
+
+import types
+
+import grpc
+import pytest
+
+from conftest import Stack, generate_ids
+from dflash.sampling import InvalidParam
+from dflash.v1 import verifier_pb2
+from doubles import ReferenceDrafter
+from test_lossless import PROMPTS, assert_same_tokens, reference
+from verifier_svc.engine import Request, VerifierEngine
+from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
+
+LABEL = "d@1"
+
+
+def job(mode="adaptive", block=16, max_tokens=1000, emitted=1):
+    card = types.SimpleNamespace(label=LABEL)
+    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
+                                 req=types.SimpleNamespace(max_tokens=max_tokens,
+                                                           proposer=types.SimpleNamespace(card=card)))
+
+
+def trained(rate_fn, cost_fn, batch=1, steps=400):
+    """A policy that has seen acceptance ``rate_fn(p)`` per position and cost ``cost_fn(k)``."""
+    p = SpeculationPolicy("adaptive", explore_every=0)
+    for _ in range(steps):
+        acc = 0
+        while acc < 15 and _coin(rate_fn, acc):
+            acc += 1
+        p.observe_acceptance(LABEL, 15, acc)
+    for k in CANDIDATES:
+        if k <= 15:
+            p.observe_step(batch, k, cost_fn(k), 0.0)
+    return p
+
+
+_state = [0]
+
+
+def _coin(rate_fn, pos):  # deterministic: conditional acceptance rate_fn(pos) as a fraction
+    _state[0] = (_state[0] * 1103515245 + 12345) % 2**31
+    return _state[0] / 2**31 < rate_fn(pos)
+
+
+def test_fixed_and_off_choices():
+    p = SpeculationPolicy("fixed")
+    jobs = [job("fixed", 8), job("off", 8), job("fixed", 8, max_tokens=3, emitted=1)]
+    assert p.choose(jobs) == [7, 0, 1]    # the last block is shortened to max_tokens
+    with pytest.raises(ValueError, match="spec_mode"):
+        SpeculationPolicy("sometimes")
+
+
+def test_adaptive_speculates_when_drafts_are_good_and_verify_is_flat():
+    p = trained(lambda pos: 0.95, lambda k: 0.010 + 0.0002 * k)
+    k = p.choose([job()])[0]
+    assert k >= 11
+    assert p.last_decision.k == k and p.last_decision.expected_tokens > 5
+
+
+def test_adaptive_stops_speculating_when_drafts_fail_and_verify_grows():
+    p = trained(lambda pos: 0.05, lambda k: 0.010 * (1 + k))
+    assert p.choose([job()]) == [0]
+
+
+def test_adaptive_shortens_blocks_as_the_batch_grows():
+    p = trained(lambda pos: 0.8, lambda k: 0.010 * (1 + 0.25 * k))
+    k1 = p.choose([job()])[0]
+    assert 2 <= k1 <= 9
+    # bucket 8 was never measured: its cost comes from the line fitted to the measured cells
+    k8 = p.choose([job() for _ in range(5)])[0]
+    assert bucket(5) == 8 and k8 < k1
+    assert p.last_decision.explored and p.last_decision.cost_seconds > 0
+
+
+def test_candidates_tried_in_order_until_a_cost_line_exists():
+    p = SpeculationPolicy("adaptive", explore_every=0)
+    tried = []
+    for _ in range(2):
+        tried.append(p.choose([job()])[0])
+        assert p.last_decision.explored
+        p.observe_step(1, tried[-1], 0.01 * (1 + tried[-1]), 0.0)
+    assert tried == list(CANDIDATES[:2])
+    # cost grows as fast as tokens: with the optimistic prior, no speculation is still best
+    assert p.choose([job()]) == [0] and not p.last_decision.explored
+
+
+def test_expected_tokens_from_rates():
+    p = SpeculationPolicy("adaptive")
+    for acc in (0, 1, 2, 3):
+        p.observe_acceptance(LABEL, 3, acc)
+    assert p.rates(LABEL) == pytest.approx([0.75, 0.5, 0.25], abs=1e-9)
+    assert p.expected_tokens(LABEL, 2) == pytest.approx(1 + 0.75 + 0.5)
+    # beyond measured positions: geometric with the last conditional rate (0.25 / 0.5)
+    assert p.expected_tokens(LABEL, 4) == pytest.approx(1 + 0.75 + 0.5 + 0.25 + 0.125)
+
+
+class Recording(ReferenceDrafter):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.items = []
+
+    def propose(self, requests):
+        self.items += [(r.context_start, r.context.shape[0], r.block_size) for r in requests]
+        return super().propose(requests)
+
+
+def test_no_speculation_steps_still_send_context(target_model, hf_target):
+    """Adaptive k = 0 steps send block_size 1 (context only); when speculation resumes the
+    drafter's context is contiguous and the oracle's drafts are all accepted again."""
+    p = PROMPTS[1]
+    n = 30
+    ref = p + reference(hf_target, p, n, ignore_eos=True)
+    oracle = Recording(target_model, {"s": ref}, block_size=4)
+    engine = VerifierEngine(target_model, spec_mode="adaptive")
+    plan = iter([0, 0, 0, 3, 3, 0, 3] + [3] * 40)
+    engine.policy.choose = lambda jobs: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+                                         for j in jobs]
+    evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
+                                       ignore_eos=True, proposer=oracle)))
+    got = [t for ev in evs for t in ev.tokens]
+    assert got == ref[len(p):]
+    assert [ev.drafted for ev in evs[1:4]] == [0, 0, 0]
+    assert [ev.accepted for ev in evs[4:6]] == [3, 3]           # resumed at full acceptance
+    assert [bs for _, _, bs in oracle.items[:3]] == [1, 1, 1]   # context-only updates
+    pos = 0
+    for start, rows, _ in oracle.items:
+        assert start == pos, "context must stay contiguous across no-speculation steps"
+        pos = start + rows
+    engine.close()
+
+
+def spec(addr, mode=""):
+    return verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr, mode=mode)
+
+
+def test_mode_pinned_per_request_and_per_deployment(target_model, tokenizer, hf_target):
+    s = Stack(target_model, tokenizer, spec_mode="off")
+    try:
+        p = PROMPTS[0]
+        ref = p + reference(hf_target, p, 25, ignore_eos=True)
+        addr = s.add_drafter(ReferenceDrafter(target_model, {"a": ref, "b": ref, "c": ref}, block_size=4))
+        v = s.verifier_stub()
+        got, last = generate_ids(v, p, max_tokens=25, ignore_eos=True, session_id="a", speculation=spec(addr))
+        assert got == ref[len(p):] and last.stats.drafts == 0           # deployment default: off
+        got, last = generate_ids(v, p, max_tokens=25, ignore_eos=True, session_id="b",
+                                 speculation=spec(addr, "fixed"))
+        assert got == ref[len(p):] and last.stats.mean_acceptance_length == pytest.approx(4)
+        got, last = generate_ids(v, p, max_tokens=25, ignore_eos=True, session_id="c",
+                                 speculation=spec(addr, "adaptive"))
+        assert got == ref[len(p):] and last.stats.drafts > 0
+        with pytest.raises(grpc.RpcError) as e:
+            generate_ids(v, p, max_tokens=5, speculation=spec(addr, "sometimes"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "speculation.mode" in e.value.details()
+    finally:
+        s.close()
+
+
+def test_engine_refuses_unknown_mode(target_model):
+    engine = VerifierEngine(target_model)
+    with pytest.raises(InvalidParam, match="speculation.mode"):
+        engine.validate(Request(request_id="x", prompt=[1, 2], spec_mode="maybe"))
+
+
+def test_policy_inputs_in_metrics_and_step_spans(target_model, tokenizer, hf_target):
+    from test_observability import Traced, scrape
+
+    traced = Traced()
+    s = Stack(target_model, tokenizer, telemetry=traced, spec_mode="adaptive")
+    try:
+        p = PROMPTS[0]
+        ref = p + reference(hf_target, p, 20, ignore_eos=True)
+        addr = s.add_drafter(ReferenceDrafter(target_model, {"m": ref}, block_size=4), label="oracle@1")
+        got, last = generate_ids(s.verifier_stub(), p, max_tokens=20, ignore_eos=True, session_id="m",
+                                 speculation=spec(addr))
+        assert got == ref[len(p):]
+        spans = traced.spans(until=lambda x: any(y.name == "verifier.decode" for y in x))
+        steps = [x for x in spans if x.name == "verifier.step"]
+        assert steps and all(x.attributes["dflash.spec_mode"] == "adaptive" for x in steps)
+        assert all(x.attributes["dflash.batch_size"] == 1 for x in steps)
+        assert all("dflash.policy.drafts" in x.attributes and "dflash.policy.cost_seconds" in x.attributes
+                   for x in steps)
+        m = scrape(traced.by_service["verifier"][0].registry)
+        rates = {k: v for k, v in m.items() if k[0] == "dflash_spec_policy_acceptance_rate"}
+        assert rates and all(dict(k[1])["drafter_version"] == "oracle@1" for k in rates)
+        assert all(v == pytest.approx(1.0) for v in rates.values())    # the oracle is always right
+        assert any(k[0] == "dflash_spec_policy_step_seconds" for k in m)
+        assert any(k[0] == "dflash_spec_decode_policy_drafts_count" and dict(k[1])["mode"] == "adaptive"
+                   for k in m)
+    finally:
+        s.close()
