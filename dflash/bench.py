@@ -177,6 +177,8 @@ def cmd_bench(a) -> int:
     prompts = load_problems(a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.concurrency:
+        return _load_sweep(a, prompts, out)
     drafters = a.use_drafter or [""]
     modes = [(f"spec:{d}" if d else "spec", True, d) for d in drafters] + [("off", False, "")]
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
@@ -225,6 +227,24 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def _load_sweep(a, prompts, out: Path) -> int:
+    """``--concurrency``: the many-users sweep (``dflash.bench_load``), on a started stack or not."""
+    from dflash.bench_load import cmd_load
+
+    stack = None
+    if a.start:
+        from dflash.cli import _stack_config
+        from dflash.launcher import LocalStack
+
+        stack = LocalStack(_stack_config(a)).start()
+        a.gateway = stack.gateway_addr
+    try:
+        return cmd_load(a, prompts, out)
+    finally:
+        if stack:
+            stack.stop()
+
+
 def add_parser(sub) -> None:
     from dflash.cli import _add_stack_args
 
@@ -238,5 +258,13 @@ def add_parser(sub) -> None:
     b.add_argument("--peer", action="store_true",
                    help="also run transformers' in-process DFlash generation with the same weights")
     b.add_argument("--out", default="bench_out", help="output directory")
+    b.add_argument("--concurrency", default="",
+                   help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
+                        "sweep (load.json/md/png) instead of the on/off comparison")
+    b.add_argument("--spec-modes", default="off,fixed,adaptive",
+                   help="speculation modes compared side by side in the --concurrency sweep")
+    b.add_argument("--requests", type=int, default=8,
+                   help="requests per concurrency level, at least one per client; each client "
+                        "sends its share one after the other (--concurrency)")
     _add_stack_args(b)
     b.set_defaults(func=cmd_bench)

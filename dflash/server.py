@@ -43,8 +43,11 @@ class ServiceRuntime:
 
 
 def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
-                  max_workers: int = 32, interceptors=(), max_message_mb: int = 256) -> ServiceRuntime:
+                  max_workers: int = 160, interceptors=(), max_message_mb: int = 256) -> ServiceRuntime:
     """Build and bind (not start) a server. ``bind`` like "127.0.0.1:0" (port 0 = any free).
+
+    ``max_workers``: concurrent RPCs; a streaming Generate holds a thread for its whole
+    generation, so this bounds concurrent requests (the verifier batches up to --max-batch).
 
     Raises RuntimeError when the address cannot be bound.
     """

@@ -1,0 +1,193 @@
+"""``dflash bench --concurrency 1,2,4,...``: many users at once, speculation off / fixed / adaptive.
+
+For each concurrency ``c`` and each mode, ``c`` closed-loop clients (each sends its next request
+when the previous one finished) run ``ceil(requests / c)`` HumanEval prompts each through the
+gateway, greedy (every level sees at least ``requests`` requests, and ``c`` at least). Figures per (mode, c):
+
+* aggregate tokens/s = completion tokens of all requests / wall time of the level;
+* per-request tokens/s = mean over requests of completion tokens / end-to-end latency;
+* tau = 1 + accepted / drafts over all requests (bonus included; ``dflash.stats``);
+* TTFT p50 / p99 (client side, first text);
+* inter-token latency p50 / p99: the gap between consecutive streamed deltas divided by the
+  tokens the later delta completes, once per token (the gateway histogram's definition).
+
+Output: ``load.json``, ``load.md`` (one table, modes side by side) and ``load.png``
+(aggregate throughput vs concurrency, one line per mode).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash.stats import AcceptanceCounter
+
+MODES = ("off", "fixed", "adaptive")
+
+
+def _one(client, prompt, *, max_tokens: int, mode: str, drafter: str) -> dict:
+    from dflash.client import build_request
+    from dflash.convert import stats_from_proto
+    from dflash.humaneval import format_prompt
+
+    req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
+                        speculation=mode != "off", drafter=drafter,
+                        speculation_mode="" if mode == "off" else mode)
+    c = client.complete(req, timeout=3600)
+    st = stats_from_proto(c.acceptance)
+    n = c.usage.completion_tokens
+    # tokens completed by each delta: ids are assigned to the delta that completed their text
+    itl = []
+    prev = c.ttft_s
+    for t, k in zip(c.token_times[1:], _delta_tokens(c)):
+        gap = t - prev
+        prev = t
+        if k:
+            itl += [gap / k] * k
+    return {"tokens": n, "ttft_s": c.ttft_s, "latency_s": c.latency_s, "itl_s": itl,
+            "drafts": st.drafts, "draft_tokens": st.draft_tokens, "accepted": st.accepted_tokens,
+            "accepted_per_position": st.accepted_per_position}
+
+
+def _delta_tokens(c) -> list[int]:
+    """Tokens per streamed delta after the first (evenly spread when not recorded)."""
+    per = getattr(c, "delta_tokens", None)
+    if per:
+        return per[1:]
+    n_deltas = max(len(c.token_times) - 1, 0)
+    if not n_deltas:
+        return []
+    rest = max(c.usage.completion_tokens - 1, 0)
+    base, extra = divmod(rest, n_deltas)
+    return [base + (1 if i < extra else 0) for i in range(n_deltas)]
+
+
+def run_level(addr: str, prompts, *, concurrency: int, requests_per_client: int, max_tokens: int,
+              mode: str, drafter: str = "") -> dict:
+    from dflash.client import GatewayClient
+
+    rows: list[dict] = []
+    lock = threading.Lock()
+    start = threading.Barrier(concurrency)
+
+    def client_loop(ci: int):
+        client = GatewayClient(addr)
+        start.wait()
+        for r in range(requests_per_client):
+            p = prompts[(ci * requests_per_client + r) % len(prompts)][1]
+            row = _one(client, p, max_tokens=max_tokens, mode=mode, drafter=drafter)
+            with lock:
+                rows.append(row)
+        client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return summarize(rows, wall, mode=mode, concurrency=concurrency)
+
+
+def summarize(rows: list[dict], wall_s: float, *, mode: str, concurrency: int) -> dict:
+    st = AcceptanceCounter()
+    for r in rows:
+        st.merge(AcceptanceCounter(drafts=r["drafts"], draft_tokens=r["draft_tokens"],
+                                   accepted_tokens=r["accepted"],
+                                   accepted_per_position=list(r["accepted_per_position"])))
+    toks = sum(r["tokens"] for r in rows)
+    ttft = np.array([r["ttft_s"] for r in rows]) * 1000
+    itl = np.array([x for r in rows for x in r["itl_s"]] or [0.0]) * 1000
+    return {"mode": mode, "concurrency": concurrency, "requests": len(rows), "tokens": toks,
+            "wall_s": wall_s, "agg_tok_s": toks / wall_s,
+            "req_tok_s": float(np.mean([r["tokens"] / r["latency_s"] for r in rows])),
+            "tau": st.mean_acceptance_length, "per_position": st.per_position_rate,
+            "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
+            "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99))}
+
+
+def markdown(levels: list[dict]) -> str:
+    modes = [m for m in MODES if any(x["mode"] == m for x in levels)]
+    conc = sorted({x["concurrency"] for x in levels})
+    by = {(x["mode"], x["concurrency"]): x for x in levels}
+    lines = ["| concurrency | mode | aggregate tok/s | per-request tok/s | tau | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+    for c in conc:
+        for m in modes:
+            x = by.get((m, c))
+            if x is None:
+                continue
+            lines.append(f"| {c} | {m} | {x['agg_tok_s']:.1f} | {x['req_tok_s']:.1f} | {x['tau']:.2f} | "
+                         f"{x['ttft_ms_p50']:.0f} / {x['ttft_ms_p99']:.0f} | "
+                         f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f} |")
+    best = []
+    for c in conc:
+        agg = {m: by[(m, c)]["agg_tok_s"] for m in modes if (m, c) in by}
+        if "adaptive" in agg and len(agg) > 1:
+            other = max(v for m, v in agg.items() if m != "adaptive")
+            best.append(f"c={c}: adaptive {agg['adaptive'] / other:.2f}x the better of the others")
+    if best:
+        lines.append("\n" + "; ".join(best))
+    return "\n".join(lines) + "\n"
+
+
+def plot(levels: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in MODES:
+        xs = sorted((x["concurrency"], x["agg_tok_s"]) for x in levels if x["mode"] == m)
+        if xs:
+            ax.plot([c for c, _ in xs], [v for _, v in xs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(title="speculation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cmd_load(a, prompts, out: Path) -> int:
+    """The ``--concurrency`` sweep (called by ``dflash.bench.cmd_bench``)."""
+    import sys
+
+    conc = [int(x) for x in str(a.concurrency).split(",") if x.strip()]
+    modes = [m for m in a.spec_modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"--spec-modes: {m!r} not one of {', '.join(MODES)}")
+    drafter = (a.use_drafter or [""])[0]
+    levels = []
+    for c in conc:
+        for m in modes:
+            # warm-up: one request so first-use costs (drafter stream, caches) stay out
+            if not levels:
+                run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
+                          max_tokens=8, mode=m, drafter=drafter)
+            x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=-(-a.requests // c),
+                          max_tokens=a.max_tokens, mode=m, drafter=drafter)
+            levels.append(x)
+            print(f"c={c:>3} {m:>8}: {x['agg_tok_s']:7.1f} tok/s aggregate, "
+                  f"{x['req_tok_s']:6.1f} per request, tau {x['tau']:.2f}, "
+                  f"TTFT p50 {x['ttft_ms_p50']:.0f} ms, ITL p50 {x['itl_ms_p50']:.1f} ms",
+                  file=sys.stderr, flush=True)
+            (out / "load.json").write_text(json.dumps({"config": {
+                "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
+                "requests": a.requests, "gateway": a.gateway},
+                "levels": levels}, indent=1))
+    md = markdown(levels)
+    (out / "load.md").write_text(md)
+    plot(levels, out / "load.png")
+    print(md)
+    print(f"wrote {out}/load.json, load.md, load.png")
+    return 0
