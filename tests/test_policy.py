@@ -116,7 +116,7 @@ def test_no_speculation_steps_still_send_context(target_model, hf_target):
     n = 30
     ref = p + reference(hf_target, p, n, ignore_eos=True)
     oracle = Recording(target_model, {"s": ref}, block_size=4)
-    engine = VerifierEngine(target_model, spec_mode="adaptive")
+    engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=1)
     plan = iter([0, 0, 0, 3, 3, 0, 3] + [3] * 40)
     engine.policy.choose = lambda jobs: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
                                          for j in jobs]
@@ -130,6 +130,29 @@ def test_no_speculation_steps_still_send_context(target_model, hf_target):
     pos = 0
     for start, rows, _ in oracle.items:
         assert start == pos, "context must stay contiguous across no-speculation steps"
+        pos = start + rows
+    engine.close()
+
+
+def test_context_flushed_every_n_rows_without_speculation(target_model, hf_target):
+    p = PROMPTS[2]
+    n = 30
+    ref = p + reference(hf_target, p, n, ignore_eos=True)
+    oracle = Recording(target_model, {"s": ref}, block_size=4)
+    engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=4)
+    plan = iter([0] * 10 + [3] * 40)
+    engine.policy.choose = lambda jobs: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+                                         for j in jobs]
+    evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
+                                       ignore_eos=True, proposer=oracle)))
+    assert [t for ev in evs for t in ev.tokens] == ref[len(p):]
+    only_context = [(start, rows) for start, rows, bs in oracle.items if bs == 1]
+    assert only_context[0] == (0, len(p))                         # the prompt's context at once
+    assert [rows for _, rows in only_context[1:]] == [4, 4]        # then every 4 rows, not every step
+    assert evs[11].drafted == 3 and evs[11].accepted == 3          # full acceptance on resuming
+    pos = 0
+    for start, rows, _ in oracle.items:
+        assert start == pos
         pos = start + rows
     engine.close()
 

@@ -13,6 +13,12 @@ acceptance; Leviathan rejection sampling when temperature > 0) and exact stoppin
 With speculation off, or when the drafter fails, the same loop runs with ``K = 0`` (plain
 autoregressive decoding): the baseline every benchmark compares against, and the fallback that
 keeps a drafter failure from ever failing a request.
+
+Many requests share each step (continuous batching, ``verifier_svc/scheduler.py``): one
+drafter call per drafter with every session's items, one target forward for every session's
+block (``decode_step``); ``K`` per session comes from the speculation policy
+(``verifier_svc/policy.py``). A step's ``draft_seconds`` / ``verify_seconds`` are the whole
+batch's.
 """
 
 from __future__ import annotations
@@ -146,11 +152,15 @@ class VerifierEngine:
         spec_mode: default speculation mode ("off" | "fixed" | "adaptive"; ``verifier_svc.policy``).
         prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
         max_batch: sessions verified per step.
+        context_flush: on steps without speculation, send the drafter a session's context once
+            this many rows are unsent (1 = every step).
     """
 
     def __init__(self, target: TargetModel, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
-                 spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64):
+                 spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64,
+                 context_flush: int = 8):
         self.target = target
+        self.context_flush = max(1, context_flush)
         self.spec_mode = spec_mode
         self.policy = SpeculationPolicy(spec_mode)
         self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch)
@@ -389,15 +399,18 @@ class VerifierEngine:
     def _draft_all(self, jobs, anchors, lens, ks):
         """Per job: (drafts, probs, fallback reason, asked the drafter). One call per drafter.
 
-        A job that speculates asks for ``k + 1``-token blocks; a job whose drafter holds a
-        session but does not speculate this step sends its new context only (block_size 1), so
-        the drafter stays current and acceptance does not collapse when speculation resumes.
+        A job that speculates asks for ``k + 1``-token blocks (with every context row the
+        drafter lacks). A job that does not speculate this step sends its new context only
+        (block_size 1) once ``context_flush`` rows are unsent, so the drafter stays (nearly)
+        current at a fraction of the calls, and acceptance does not collapse when speculation
+        resumes: the draft request always carries the rest.
         """
         results: list = [([], None, None, False)] * len(jobs)
         groups: dict[int, list[int]] = {}
         for i, j in enumerate(jobs):
             room = j.block_limit > 1 and j.req.max_tokens - j.emitted > 1   # could speculate
-            if j.req.proposer is not None and j.session.drafter is j.req.proposer and (ks[i] or room):
+            flush = room and lens[i] - j.session.drafter_len >= self.context_flush
+            if j.req.proposer is not None and j.session.drafter is j.req.proposer and (ks[i] or flush):
                 groups.setdefault(id(j.req.proposer), []).append(i)
         for idx in groups.values():
             proposer = jobs[idx[0]].req.proposer

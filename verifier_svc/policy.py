@@ -119,18 +119,22 @@ class SpeculationPolicy:
 
         Positions never measured extrapolate geometrically from the last measured conditional
         rate (optimistic 0.9 before anything was measured)."""
-        rates = self.rates(label)
-        total, r, prev = 1.0, 0.9, 1.0
-        for p in range(k):
+        return self.expected_table(label, k)[k]
+
+    def expected_table(self, label: str, top: int) -> list[float]:
+        """``[E[0], E[1], ..., E[top]]`` for drafter ``label`` in one pass."""
+        rates = self._accepted.get(label, [])
+        table, total, prev, cond = [1.0], 1.0, 1.0, 0.9
+        for p in range(top):
             if p < len(rates):
                 r = rates[p]
                 cond = r / prev if prev > 0 else 0.0
-                prev = r
             else:
-                r = prev * min(cond if rates else 0.9, 1.0)
-                prev = r
+                r = prev * min(cond, 1.0)
+            prev = r
             total += r
-        return total
+            table.append(total)
+        return table
 
     def _cost_line(self) -> tuple[float, float] | None:
         """(intercept, seconds per verified token) fitted to every measured cell, or None."""
@@ -169,13 +173,20 @@ class SpeculationPolicy:
         floor = max(ks)                       # fixed sessions' blocks set the batch's shape
         top = max(limits[i] for i in adaptive)
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
-        fixed_tokens = sum(self.expected_tokens(jobs[i].req.proposer.card.label, ks[i])
-                           for i in range(len(jobs)) if modes[i] == "fixed") + \
+        top_all = max(limits)
+        tables: dict[str, list[float]] = {}
+
+        def e(i: int, k: int) -> float:
+            label = jobs[i].req.proposer.card.label
+            if label not in tables:
+                tables[label] = self.expected_table(label, top_all)
+            return tables[label][k]
+
+        fixed_tokens = sum(e(i, ks[i]) for i in range(len(jobs)) if modes[i] == "fixed") + \
             sum(1.0 for m in modes if m == "off")
 
         def gain(k):
-            return fixed_tokens + sum(self.expected_tokens(jobs[i].req.proposer.card.label,
-                                                           min(k, limits[i])) for i in adaptive)
+            return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
 
         line = self._cost_line()
         unmeasured = [k for k in cands if (b, max(k, floor)) not in self._cost]
