@@ -142,3 +142,42 @@ def test_cancel_in_the_middle_of_a_batch_frees_state_others_unaffected(batch_sta
     for i in range(1, 4):
         want = reference(hf_target, ps[i], n, ignore_eos=True)
         assert_same_tokens(hf_target, ps[i], outs[i], want)
+
+
+def test_long_prefill_is_chunked_between_decode_steps(target_model, hf_target):
+    """A 900-token prompt joining a running request is prefilled 64 tokens at a time, with a
+    decode step of the running request after every chunk; both outputs stay exact."""
+    from verifier_svc.engine import Request, VerifierEngine
+
+    engine = VerifierEngine(target_model, prefill_chunk=64)
+    log = []
+    real_prefill, real_decode = engine.prefill_chunk, engine.decode_step
+    engine.prefill_chunk = lambda job, budget: log.append(("prefill", job.req.request_id)) or \
+        real_prefill(job, budget)
+    engine.decode_step = lambda jobs: log.append(("decode", tuple(j.req.request_id for j in jobs))) or \
+        real_decode(jobs)
+    short, long = prompts(1, seed=9)[0], list(range(200, 250)) * 18
+    out = {}
+    started = threading.Event()
+
+    def run(rid, p, n):
+        evs = engine.generate(Request(request_id=rid, prompt=p, max_tokens=n, ignore_eos=True))
+        out[rid] = []
+        for ev in evs:
+            out[rid] += ev.tokens
+            started.set()
+
+    a = threading.Thread(target=run, args=("a", short, 60))
+    a.start()
+    started.wait()
+    b = threading.Thread(target=run, args=("b", long, 8))
+    b.start()
+    a.join()
+    b.join()
+    engine.close()
+    chunks = [i for i, (kind, rid) in enumerate(log) if kind == "prefill" and rid == "b"]
+    assert len(chunks) == -(-len(long) // 64)
+    for i in chunks[:-1]:   # after each chunk but the last, the running request steps
+        assert log[i + 1] == ("decode", ("a",)), log[i:i + 2]
+    assert_same_tokens(hf_target, short, out["a"], reference(hf_target, short, 60, ignore_eos=True))
+    assert_same_tokens(hf_target, long, out["b"], reference(hf_target, long, 8, ignore_eos=True))
