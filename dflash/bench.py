@@ -177,6 +177,10 @@ def cmd_bench(a) -> int:
     prompts = load_problems(a.limit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.ep_sizes:  # the same MoE target at several expert-parallel sizes (dflash.bench_ep)
+        from dflash.bench_ep import cmd_ep
+
+        return cmd_ep(a, prompts, out)
     if a.concurrency:
         return _load_sweep(a, prompts, out)
     drafters = a.use_drafter or [""]
@@ -266,5 +270,8 @@ def add_parser(sub) -> None:
     b.add_argument("--requests", type=int, default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")
+    b.add_argument("--ep-sizes", default="",
+                   help="comma-separated expert-parallel sizes (e.g. 1,2): a stack per size on the "
+                        "--target MoE, tokens/s, tau and EP overhead per step side by side (ep.json/md)")
     _add_stack_args(b)
     b.set_defaults(func=cmd_bench)

@@ -11,14 +11,16 @@ through collectives. Workers mirror each session's KV cache by id (created on fi
 when rank 0's cache object is garbage collected: the id rides on the next op).
 
 Sharding is transformers' own (``DistributedConfig(ep_size=N, fsdp_size=N)``): each rank keeps
-``num_experts / N`` experts (``ep_dispatch_experts``; at inference with one shared batch it runs
-its experts on every token and all-reduces the block output) and FSDP-shards the dense weights
-(all-gathered for each forward). Checked on CPU/gloo: logits equal the single-rank model within
-1e-6. Why fsdp_size=N rather than dense weights replicated (``tp_size=N, tp_plan={}``, which the
-DistributedConfig docstring describes as "no tensor parallel rule"): transformers 5.24 treats the
-empty plan as "no plan" and refuses it (``tp_size=2 was requested, but MixtralForCausalLM has no
-tp_plan``). The price is an all-gather of the dense weights per forward (README, "Expert
-parallel").
+``num_experts / N`` experts (``ep_dispatch_experts``: per MoE layer, an all-to-all sends each
+routed token to the rank holding its expert and a second one brings the outputs back). Checked on
+CPU/gloo: logits equal the single-rank model within 1e-6. transformers wants ``fsdp_size = N`` for
+that (EP must divide ``fsdp_size * tp_size``); replicating the dense weights another way
+(``tp_size=N, tp_plan={}``, "no tensor parallel rule" in the DistributedConfig docstring) is
+refused by 5.24 (``tp_size=2 was requested, but MixtralForCausalLM has no tp_plan``). So we pass an
+``fsdp_plan`` of ``keep_full_weight`` for every dense module: FSDP gathers them once, on the first
+forward, and keeps them (no backward ever reshards them); with the default plan each forward
+all-gathered every layer's dense weights again (30 all-gathers per step on SmolLM2, the largest
+cost in a profile of one decode step).
 
 Failure: a watchdog polls the worker processes; a failed collective (gloo reports a peer that
 closed its sockets at once) or a dead worker marks the target failed: health turns NOT_SERVING
@@ -74,7 +76,12 @@ class EPShard(TargetModel):
     def _load(self) -> torch.nn.Module:
         from transformers.distributed import DistributedConfig
 
-        cfg = DistributedConfig(ep_size=self.ep_size, fsdp_size=self.ep_size)
+        from transformers import AutoConfig
+
+        # Dense modules: gathered once, then kept whole on every rank (module docstring).
+        dense = type(AutoConfig.from_pretrained(str(self.path))).base_model_fsdp_plan
+        plan = {f"model.{name}": "keep_full_weight" for name in dense}
+        cfg = DistributedConfig(ep_size=self.ep_size, fsdp_size=self.ep_size, fsdp_plan=plan)
         model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype,
                                                      use_safetensors=True, distributed_config=cfg)
         if not getattr(model.config, "num_local_experts", None) and \
