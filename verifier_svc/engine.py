@@ -285,6 +285,9 @@ class VerifierEngine:
         finally:
             job.closed = True
             self.scheduler.wait_gone(job)
+            own = getattr(self.target, "own", None)
+            if own is not None and req.session_id and finished:
+                own(session.cache)     # kept for the next turn: drop views of a batched cache
             session.busy.release()
             session.last_used = time.monotonic()
             if not req.session_id or not finished:

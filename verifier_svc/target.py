@@ -86,6 +86,14 @@ class TargetModel:
         return logits, taps
 
     @staticmethod
+    def own(cache: DynamicCache) -> None:
+        """Copy a cache whose layers are views of a batched cache (``forward_batch``) into
+        tensors of its own, so an idle session does not keep a whole batch's K/V alive."""
+        for layer in getattr(cache, "layers", ()):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+    @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         """Keep the first ``length`` positions (transformers 5: crop takes a negative count)."""
         extra = cache.get_seq_length() - length
@@ -101,7 +109,9 @@ class TargetModel:
         Each session's cache is LEFT-padded to the longest and its block RIGHT-padded to the
         longest; a 2D attention mask hides the left padding and explicit ``position_ids`` give
         each row its own positions. Right padding needs no mask: it comes after every real
-        token, which attends causally. Appends each session's real block K/V to its own cache.
+        token, which attends causally. Each session's cache then becomes a view of its row of
+        the batched cache (its real positions plus its block): no second copy of its K/V per
+        step (:meth:`own` turns views back into owned tensors when a session is kept idle).
 
         ``layer_ids[i]``: session i's taps (sessions may use different drafters).
         Returns per session ``(logits [n_i, vocab] float32, taps [n_i, len(layer_ids[i]) * H]``
@@ -136,8 +146,10 @@ class TargetModel:
         results = []
         for i, (blk, cache) in enumerate(zip(blocks, caches)):
             m = len(blk)
-            for layer, bl in enumerate(batched.layers):
-                cache.layers[layer].update(bl.keys[i:i + 1, :, ctx:ctx + m], bl.values[i:i + 1, :, ctx:ctx + m])
+            start = ctx - lens[i]
+            for dst, bl in zip(cache.layers, batched.layers):
+                dst.keys = bl.keys[i:i + 1, :, start:ctx + m]
+                dst.values = bl.values[i:i + 1, :, start:ctx + m]
             logits = out.logits[i, :m].float()
             taps = torch.cat([out.hidden_states[j][i, :m] for j in hidden_state_indices(layer_ids[i])],
                              dim=-1) if layer_ids[i] else None
