@@ -154,7 +154,9 @@ class DistributedTarget:
         except BaseException:
             self._stop_workers()
             raise
-        self.lock = self.shard.lock
+        # Every op is one broadcast plus collectives: ops must never interleave. Re-entrant, so
+        # the engine may hold it around a forward (as with TargetModel) or not.
+        self.lock = threading.RLock()
         self._stop = threading.Event()
         threading.Thread(target=self._watchdog, daemon=True, name="ep-watchdog").start()
         threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
@@ -163,8 +165,10 @@ class DistributedTarget:
                  [p.pid for p in self.workers])
 
     def __getattr__(self, name):  # card fields, config, model: this rank's shard
-        if name == "shard":
-            raise AttributeError(name)
+        if name == "shard" or callable(getattr(TargetModel, name, None)):
+            # a TargetModel method not mirrored here would run on rank 0 alone
+            raise AttributeError(f"DistributedTarget has no {name!r}: every target call must be an "
+                                 "op all ranks run (verifier_svc/ep.py)")
         return getattr(self.shard, name)
 
     # ------------------------------------------------------------------ TargetModel interface
@@ -183,6 +187,9 @@ class DistributedTarget:
         return self._call("forward_batch", op, lambda: self.shard.forward_batch(
             blocks, [c.local for c in caches], layer_ids))
 
+    def own(self, cache: RankCache) -> None:
+        self._call("own", {"cid": cache.cid}, lambda: self.shard.own(cache.local))
+
     def crop(self, cache: RankCache, length: int) -> None:
         if cache.get_seq_length() <= length:
             return  # nothing to drop on any rank: no op
@@ -194,19 +201,19 @@ class DistributedTarget:
         """Broadcast ``op`` to the workers, then run ``local()`` (the same op on rank 0)."""
         import torch.distributed as dist
 
-        if self.failure:
-            raise TargetUnavailable(f"expert-parallel target failed: {self.failure}")
-        op["op"] = name
-        op["free"] = [self._freed.pop() for _ in range(len(self._freed))]
-        try:
-            dist.broadcast_object_list([op], src=0)
-            out = local()
-        except Exception as e:
-            self.fail(f"{name} failed on rank 0: {e}")
-            raise TargetUnavailable(f"expert-parallel target failed: {self.failure}") from e
-        finally:
-            self._last_op = time.monotonic()
-        return out
+        with self.lock:
+            if self.failure:
+                raise TargetUnavailable(f"expert-parallel target failed: {self.failure}")
+            op["op"] = name
+            op["free"] = [self._freed.pop() for _ in range(len(self._freed))]
+            try:
+                dist.broadcast_object_list([op], src=0)
+                return local()
+            except Exception as e:  # the ranks may be out of step now: the group is done
+                self.fail(f"{name} failed on rank 0: {e}")
+                raise TargetUnavailable(f"expert-parallel target failed: {self.failure}") from e
+            finally:
+                self._last_op = time.monotonic()
 
     def _heartbeat(self, every_s: float) -> None:
         import torch.distributed as dist

@@ -53,6 +53,8 @@ def serve(shard, recv) -> None:
             shard.forward(op["tokens"], cache(op["cid"]), op["layer_ids"])
         elif kind == "forward_batch":
             shard.forward_batch(op["blocks"], [cache(c) for c in op["cids"]], op["layer_ids"])
+        elif kind == "own":
+            shard.own(cache(op["cid"]))
         elif kind == "crop":
             shard.crop(cache(op["cid"]), op["length"])
         elif kind != "ping":
