@@ -70,7 +70,9 @@ class LocalStack:
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.run_dir / f"{name}.log", "w")
-        env = {**os.environ, **self.cfg.extra_env}
+        # Drafter and verifier take turns on the same cores: idle OpenMP threads that spin
+        # (the default) steal them from the other process. The user's own setting wins.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **self.cfg.extra_env}
         if name in self.cfg.metrics_ports:
             env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])
         root = str(Path(__file__).resolve().parents[1])
