@@ -90,7 +90,16 @@ def test_kill_drafter_during_8_streams_then_restart(stack, tiny_target, hf_targe
     # The drafter comes back on the same address: new requests speculate again at full tau.
     drafter = start_oracle(tiny_target, refs_path, port)
     try:
-        time.sleep(0.6)  # past the client's reconnect back-off
+        # The client reconnects after its back-off (0.5 s) once gRPC's channel sees the new
+        # process; under load that takes a moment. Probe until a request speculates again.
+        deadline = time.monotonic() + 30
+        while True:
+            _, probe = generate_ids(v, prompts[0], max_tokens=1 + 2 * B, session_id="after0",
+                                    ignore_eos=True, speculation=spec(addr))
+            if probe.stats.drafts > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert probe.stats.drafts > 0, "speculation did not resume within 30 s of the restart"
         for i in range(2):
             n = 1 + 10 * B
             ids, last = generate_ids(v, prompts[i], max_tokens=n, session_id=f"after{i}",
