@@ -17,13 +17,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dflash.errors import FieldError
 
-class ConfigError(ValueError):
+
+class ConfigError(FieldError):
     """A config field is missing or invalid. ``field`` names it (dotted path)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

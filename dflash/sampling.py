@@ -15,15 +15,13 @@ import secrets
 
 import torch
 
+from dflash.errors import FieldError
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (z-lab ``sample()`` threshold)
 
 
-class InvalidParam(ValueError):
+class InvalidParam(FieldError):
     """A request parameter is invalid. ``field`` names it; maps to gRPC INVALID_ARGUMENT."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
