@@ -23,6 +23,9 @@ def _gen_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gen-budget-min", type=float, default=25.0)
     ap.add_argument("--start-batch", type=int, default=0,
                     help="skip batches before this index (several writers on disjoint ranges)")
+    ap.add_argument("--code-fraction", type=float, default=0.75,
+                    help="share of prompts that are stubs of real stdlib/site-packages functions "
+                         "(dflash.train.code_prompts); the rest are synthetic templates")
     ap.add_argument("--reverse", action="store_true",
                     help="generate batches last-to-first (a second writer next to a running one)")
 
@@ -71,7 +74,8 @@ def _datagen(args, target_dir: str, data_dir: str) -> None:
                     num_prompts=args.num_prompts, batch_size=args.gen_batch,
                     max_new_tokens=args.max_new_tokens, time_budget_min=args.gen_budget_min,
                     reverse=args.reverse, start_batch=args.start_batch)
-    generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed))
+    generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed,
+                                       code_fraction=args.code_fraction))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -237,13 +237,27 @@ def stdlib_prompt(r: random.Random) -> str:
     return _render(name, f"x: {ptype}", ret, _first_line(fn.__doc__), ex, "")
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct HumanEval-shaped prompts (about 80% templated, 20% stdlib wrappers)."""
+def make_prompts(n: int, seed: int = 0, code_fraction: float = 0.0) -> list[str]:
+    """``n`` distinct HumanEval-shaped prompts: ``code_fraction`` of them stubs of real functions
+    (:mod:`dflash.train.code_prompts`), the rest synthetic (about 80% templated, 20% stdlib
+    wrappers), shuffled together with ``seed``.
+
+    Raises ``ValueError`` if ``code_fraction`` is outside [0, 1].
+    """
+    if not 0.0 <= code_fraction <= 1.0:
+        raise ValueError(f"code_fraction: must be in [0, 1], got {code_fraction}")
     r = random.Random(seed)
+    n_code = round(n * code_fraction)
     seen: dict[str, None] = {}
     tries = 0
-    while len(seen) < n and tries < n * 50:
+    while len(seen) < n - n_code and tries < n * 50:
         tries += 1
         p = stdlib_prompt(r) if r.random() < 0.2 else templated_prompt(r)
         seen.setdefault(p, None)
-    return list(seen)
+    out = list(seen)
+    if n_code:
+        from dflash.train.code_prompts import code_prompts
+
+        out += code_prompts(n_code, seed=seed)
+        r.shuffle(out)
+    return out
