@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +124,24 @@ def test_resume_matches_uninterrupted_run(tiny):
     assert resumed.step == 12
     for (k, a), b in zip(full.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
         torch.testing.assert_close(a, b, msg=k)
+    run = Path(resumed.cfg.run_dir)
+    assert sorted(p.name for p in run.glob("ckpt*")) == ["ckpt.json", "ckpt.safetensors"]
+
+
+def test_torn_checkpoint_is_refused(tiny):
+    """The JSON and the tensors of a checkpoint must be of the same step."""
+    import json
+
+    from dflash.train import ckpt
+
+    t = Trainer(_cfg(tiny, "torn", max_steps=3, vocab_subset=True))
+    t.train()
+    run = Path(t.cfg.run_dir)
+    meta = json.loads((run / "ckpt.json").read_text())
+    meta["step"] = 2
+    (run / "ckpt.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="step 3"):
+        ckpt.load(run)
 
 
 def test_final_save_is_loadable(tiny):

@@ -5,7 +5,7 @@ the accepted length is the longest prefix where draft k equals the target's argm
 tau = mean over rounds of (accepted drafts + 1): it includes the bonus token (max = B).
 The emitted tokens equal plain greedy decoding (checked by ``--check-lossless``).
 
-Usage: ``python -m dflash.train.evaluate --drafter models/smollm2-dflash-b16 [--ckpt runs/train/ckpt.pt]``
+Usage: ``python -m dflash.train.evaluate --drafter models/smollm2-dflash-b16 [--ckpt runs/train]``
 """
 
 from __future__ import annotations
@@ -89,16 +89,21 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p for _, p in probs[::step][:n]]
 
 
-def drafter_from_ckpt(ckpt: str, target_dir: str) -> DFlashDrafter:
-    """Drafter weights from a trainer checkpoint (``ckpt.pt``)."""
+def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
+    """Drafter weights from a trainer run directory's checkpoint (``ckpt.safetensors`` +
+    ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises ``FileNotFoundError`` when there is none."""
     from dflash.checkpoint import load_target_head
+    from dflash.train import ckpt
     from dflash.train.trainer import TrainConfig, drafter_config
 
-    state = torch.load(ckpt, weights_only=True)
-    tcfg = TrainConfig(**state["config"])
+    got = ckpt.load(Path(run_dir))
+    if got is None:
+        raise FileNotFoundError(f"--ckpt: no trainer checkpoint in {run_dir}")
+    meta, weights = got[0], got[1]
+    tcfg = TrainConfig(**meta["config"])
     tconf = json.loads((Path(target_dir) / "config.json").read_text())
     d = DFlashDrafter(drafter_config(tcfg, tconf, load_target_head(target_dir)))
-    d.load_state_dict(state["drafter"])
+    d.load_state_dict(weights)
     return d.eval()
 
 
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="held-out tau of a DFlash drafter")
     ap.add_argument("--drafter", default=None, help="drafter directory (z-lab format)")
-    ap.add_argument("--ckpt", default=None, help="or a trainer checkpoint ckpt.pt")
+    ap.add_argument("--ckpt", default=None, help="or a trainer run directory (its checkpoint)")
     ap.add_argument("--target-dir", default=None)
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=192)

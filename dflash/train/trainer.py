@@ -5,7 +5,8 @@ drafter trains. Each step takes ``seqs_per_step`` sequences (an epoch is a fresh
 ``anchors_per_seq`` fresh random anchors per sequence (:mod:`dflash.train.blocks`). Loss: CE
 weighted by ``exp(-(k-1)/gamma)`` normalised by the weight sum. AdamW, linear warmup then cosine
 decay; with a time budget the schedule runs on elapsed training time, so a budgeted run always
-finishes its decay. Checkpoints (drafter + optimizer + step + RNG) go to ``<run_dir>/ckpt.pt``.
+finishes its decay. Checkpoints (drafter + optimizer + step + RNG) go to ``<run_dir>/ckpt.{safetensors,json}``
+(:mod:`dflash.train.ckpt`, no pickle).
 
 The LM head (49152 x 576) dominates the cost. ``vocab_subset`` restricts the training softmax to
 the token ids that occur in the training data (an approximation: ids never seen are not pushed
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash.checkpoint import load_target_head, save_drafter, target_fingerprint
 from dflash.config import DrafterConfig, default_target_layer_ids
 from dflash.modeling import DFlashDrafter, TargetHead
+from dflash.train import ckpt
 from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
 
 
@@ -237,31 +239,29 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
-        state = {"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
-                 "step": self.step, "elapsed": self.elapsed, "epoch": self.epoch,
-                 "order": list(self.order), "py_rng": self.rng.getstate(),
-                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.cfg),
-                 "shards": list(self.shards), "vocab": self.vocab}
-        tmp = self.run_dir / "ckpt.pt.tmp"
-        torch.save(state, tmp)
-        tmp.replace(self.run_dir / "ckpt.pt")
+        """Checkpoint (safetensors + JSON, :mod:`dflash.train.ckpt`) into ``run_dir``."""
+        ckpt.save(self.run_dir, drafter=self.drafter.state_dict(), opt=self.opt.state_dict(),
+                  tensors={"torch_rng": torch.get_rng_state(), "vocab": self.vocab},
+                  meta={"step": self.step, "elapsed": self.elapsed, "epoch": self.epoch,
+                        "order": list(self.order), "py_rng": self.rng.getstate(),
+                        "config": dataclasses.asdict(self.cfg), "shards": list(self.shards)})
 
     def load_checkpoint(self) -> bool:
-        path = self.run_dir / "ckpt.pt"
-        if not path.is_file():
+        got = ckpt.load(self.run_dir)
+        if got is None:
             return False
-        state = torch.load(path, weights_only=True)
+        state, drafter, opt, extra = got
         if state.get("shards") and state["shards"] != self.shards[:len(state["shards"])]:
             self.seqs, self.shards = [], []           # reload in the checkpoint's order
-            self.vocab = state["vocab"]
+            self.vocab = extra["vocab"]
             del self.label_map
             self.add_shards(state["shards"])
-        self.drafter.load_state_dict(state["drafter"])
-        self.opt.load_state_dict(state["opt"])
+        self.drafter.load_state_dict(drafter)
+        self.opt.load_state_dict(opt)
         self.step, self.elapsed, self.epoch = state["step"], state["elapsed"], state["epoch"]
         self.order = list(state["order"])
         self.rng.setstate(_tuplify(state["py_rng"]))
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(extra["torch_rng"])
         print(f"[train] resumed at step {self.step} ({self.elapsed / 60:.1f} min trained)", flush=True)
         return True
 
