@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint, torch_dtype
+from dflash.draft_vocab import load_draft_vocab
 from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
@@ -38,15 +39,20 @@ class DrafterEngine:
         drafter: the network (``dflash.modeling.DFlashDrafter``), eval mode.
         head: the target's frozen embedding and LM head.
         max_sessions: LRU bound on kept session contexts.
+        draft_vocab: int64 [N] target ids the drafter may propose (``dflash.draft_vocab``);
+            None = the full vocabulary. Its LM head is then ``N x H`` instead of ``V x H``.
     """
 
-    def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256):
+    def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
+                 draft_vocab: torch.Tensor | None = None):
         self.drafter = drafter
         self.head = head
         self.cfg = drafter.cfg
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
+        self.draft_vocab = draft_vocab
+        self._draft_head = head.lm_head[draft_vocab].contiguous() if draft_vocab is not None else None
         self.max_sessions = max_sessions
         self._sessions: dict[str, _SessionCtx] = {}
         self._lock = threading.Lock()
@@ -62,8 +68,12 @@ class DrafterEngine:
     @classmethod
     def from_pretrained(cls, drafter_dir: str | Path, target_dir: str | Path, *,
                         dtype: str = "float32", name: str | None = None,
-                        version: str | None = None) -> "DrafterEngine":
-        """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only)."""
+                        version: str | None = None, draft_vocab_size: int = -1) -> "DrafterEngine":
+        """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
+
+        ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
+        0 = the full vocabulary, N = its first N ids (``dflash.draft_vocab.load_draft_vocab``).
+        """
         td = torch_dtype(dtype)
         drafter = load_drafter(drafter_dir, dtype=td)
         if name or version:
@@ -74,7 +84,8 @@ class DrafterEngine:
             tcfg = json.loads((Path(target_dir) / "config.json").read_text())
             drafter.cfg = dataclasses.replace(drafter.cfg,
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
-        return cls(drafter, head)
+        vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
+        return cls(drafter, head, draft_vocab=vocab)
 
     @property
     def num_sessions(self) -> int:
@@ -174,7 +185,8 @@ class DrafterEngine:
             start += n
 
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
-        """Logits [block_size - 1, V] per item, all blocks in one drafter forward."""
+        """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one),
+        all blocks in one drafter forward."""
         cfg = self.cfg
         b = len(items)
         n_max = max(s.length for _, s in items)
@@ -202,11 +214,17 @@ class DrafterEngine:
             ok = torch.where(keys < n_max, keys >= n_max - lens, keys - n_max < sizes)   # [b, n+q]
             mask = ok[:, None, None, :].expand(b, 1, q, n_max + q)
         hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask)
-        return [self.head.logits(hidden[i, 1:r.block_size]) for i, (r, _) in enumerate(items)]
+        w = self._draft_head if self._draft_head is not None else self.head.lm_head
+        return [torch.nn.functional.linear(hidden[i, 1:r.block_size], w).float()
+                for i, (r, _) in enumerate(items)]
 
     def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:
+        """Drafts (and q for sampled drafts) in target ids: with a draft vocabulary, logits are
+        over its ids and q is scattered into a full-vocabulary [k, V] tensor, zero elsewhere."""
+        ids = self.draft_vocab
         if r.sampling.greedy:
-            return Proposal(tokens=logits.argmax(-1))
+            tok = logits.argmax(-1)
+            return Proposal(tokens=ids[tok] if ids is not None else tok)
         if r.sampling.seed is not None:
             gen = _draft_generator(r.sampling.seed, sess.length)
         else:
@@ -214,7 +232,12 @@ class DrafterEngine:
                 sess.generator = r.sampling.generator()
             gen = sess.generator
         probs = probs_from_logits(logits, r.sampling)
-        return Proposal(tokens=sample_from(probs, gen), probs=probs)
+        tok = sample_from(probs, gen)
+        if ids is None:
+            return Proposal(tokens=tok, probs=probs)
+        full = probs.new_zeros((probs.shape[0], self.cfg.vocab_size))
+        full[:, ids] = probs
+        return Proposal(tokens=ids[tok], probs=full)
 
     def _evict(self) -> None:
         while len(self._sessions) > self.max_sessions:

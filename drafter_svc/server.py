@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=env("DFLASH_DTYPE", "float32"), help="compute dtype [DFLASH_DTYPE]")
     p.add_argument("--name", default=env("DFLASH_DRAFTER_NAME"), help="override the card name")
     p.add_argument("--version", default=env("DFLASH_DRAFTER_VERSION"), help="override the card version")
+    p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
+                   help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
+                        "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
     p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
                    help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
     p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
@@ -55,8 +58,10 @@ def main(argv=None) -> None:
         serve_metrics(telemetry.registry, a.metrics_port)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
-                                           version=a.version)
+                                           version=a.version, draft_vocab_size=a.draft_vocab_size)
     engine.warmup()
+    n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
+    logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)
     rt.servicer.engine = engine
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)

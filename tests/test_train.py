@@ -154,6 +154,14 @@ def test_final_save_is_loadable(tiny):
     assert d.cfg.block_size == B and d.cfg.mask_token_id == MASK_ID and d.cfg.version == "1"
     assert d.cfg.target_fingerprint.startswith("sha256:")
     assert len(read_shards(data)) == 6
+    from dflash.draft_vocab import load_draft_vocab
+
+    ids = load_draft_vocab(root / "drafter", d.cfg.vocab_size)   # most frequent response ids first
+    seqs = read_shards(data)
+    resp = torch.cat([s["input_ids"][s["loss_mask"].bool()] for s in seqs])
+    counts = torch.bincount(resp, minlength=d.cfg.vocab_size)
+    assert ids.numel() == min(16384, d.cfg.vocab_size)
+    assert counts[ids[0]] == counts.max() and (counts[ids[:-1]] >= counts[ids[1:]]).all()
 
 
 def test_new_shards_are_picked_up_and_resume_keeps_order(tiny, tmp_path):

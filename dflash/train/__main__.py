@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-every", type=int, default=d["log_every"])
     ap.add_argument("--seed", type=int, default=d["seed"])
     ap.add_argument("--out-dir", default=None, help="final bf16 drafter directory")
+    ap.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"],
+                    help="ids written to the drafter's draft_vocab.safetensors (0 = none)")
     ap.add_argument("--resume", action="store_true")
 
 
@@ -61,7 +64,8 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        time_budget_min=args.time_budget_min, seqs_per_step=args.seqs_per_step,
                        anchors_per_seq=args.anchors_per_seq, vocab_subset=not args.full_vocab,
                        full_vocab_after=args.full_vocab_after,
-                       ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed)
+                       ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed,
+                       draft_vocab_size=args.draft_vocab_size)
 
 
 def _datagen(args, target_dir: str, data_dir: str) -> None:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.train")
     ap.add_argument("--threads", type=int, default=1)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("datagen", "train", "pipeline"):
+    for name in ("datagen", "train", "pipeline", "draft-vocab"):
         p = sub.add_parser(name)
         p.add_argument("--run-dir", default="runs/train")
         p.add_argument("--target-dir", default=None, help="default: dflash.target_setup directory")
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             _gen_args(p)
         if name in ("train", "pipeline"):
             _train_args(p)
+        if name == "draft-vocab":
+            p.add_argument("--out-dir", required=True, help="drafter directory to write into")
+            p.add_argument("--size", type=int, default=16384)
         if name == "pipeline":
             p.add_argument("--train-until", default=None,
                            help="UTC HH:MM; the training budget ends then (overrides --time-budget-min)")
@@ -100,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
     target_dir = args.target_dir or str(setup_target(args.cache_dir))
     data_dir = str(Path(args.run_dir) / "data")
+    if args.cmd == "draft-vocab":       # for a drafter saved without one
+        from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
+        from dflash.train.data import read_shards
+        from dflash.train.trainer import response_counts
+
+        vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+        ids = build_draft_vocab(response_counts(read_shards(data_dir), vocab), args.size)
+        print(f"[draft-vocab] wrote {save_draft_vocab(args.out_dir, ids)} ({ids.numel()} ids)")
+        return 0
     if args.cmd in ("datagen", "pipeline"):
         _datagen(args, target_dir, data_dir)
     if args.cmd in ("train", "pipeline"):

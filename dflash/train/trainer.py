@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash.checkpoint import load_target_head, save_drafter, target_fingerprint
 from dflash.config import DrafterConfig, default_target_layer_ids
+from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
 from dflash.modeling import DFlashDrafter, TargetHead
 from dflash.train import ckpt
 from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
@@ -64,6 +65,7 @@ class TrainConfig:
     ckpt_every_min: float = 4.0
     reload_every_min: float = 5.0       # pick up shards written meanwhile by a datagen process
     seed: int = 0
+    draft_vocab_size: int = 16384       # ids in the saved draft_vocab.safetensors; 0 = none
     name: str = "smollm2-dflash"
     version: str = "1"
 
@@ -269,6 +271,9 @@ class Trainer:
         if not self.cfg.out_dir:
             return None
         save_drafter(self.drafter, self.cfg.out_dir, dtype=torch.bfloat16, cfg=self.dcfg)
+        if self.cfg.draft_vocab_size:
+            save_draft_vocab(self.cfg.out_dir, build_draft_vocab(
+                response_counts(self.seqs, self.head.vocab_size), self.cfg.draft_vocab_size))
         return Path(self.cfg.out_dir)
 
     # ----------------------------------------------------------------- loop
@@ -342,6 +347,12 @@ class Trainer:
         (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(f"[train] done: {summary}", flush=True)
         return summary
+
+
+def response_counts(seqs: list[dict[str, torch.Tensor]], vocab_size: int) -> torch.Tensor:
+    """How often each id occurs in the response tokens of ``seqs`` (int64 [vocab_size])."""
+    ids = torch.cat([s["input_ids"][s["loss_mask"].bool()] for s in seqs])
+    return torch.bincount(ids, minlength=vocab_size)
 
 
 def _tuplify(x):
