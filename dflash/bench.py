@@ -34,7 +34,7 @@ def _tpot(latency: float, ttft: float, n: int) -> float:
 
 
 def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
-                progress=None) -> list[dict]:
+                mode: str = "", progress=None) -> list[dict]:
     from dflash.client import GatewayClient, build_request
     from dflash.convert import stats_from_proto
     from dflash.humaneval import format_prompt
@@ -43,7 +43,7 @@ def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, draft
     rows = []
     for task_id, prompt in prompts:
         req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
-                            speculation=speculation, drafter=drafter)
+                            speculation=speculation, drafter=drafter, speculation_mode=mode)
         c = client.complete(req, timeout=1800)
         st = stats_from_proto(c.acceptance)
         n = c.usage.completion_tokens
@@ -184,7 +184,9 @@ def cmd_bench(a) -> int:
     if a.concurrency:
         return _load_sweep(a, prompts, out)
     drafters = a.use_drafter or [""]
-    modes = [(f"spec:{d}" if d else "spec", True, d) for d in drafters] + [("off", False, "")]
+    policies = [m for m in a.spec_modes.split(",") if m and m != "off"] or [""]
+    modes = [("spec" + (f":{d}" if d else "") + (f"[{m}]" if len(policies) > 1 else ""), True, d, m)
+             for d in drafters for m in policies] + [("off", False, "", "")]
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
     stack = None
     if a.start:
@@ -196,10 +198,10 @@ def cmd_bench(a) -> int:
     rows: dict[str, list[dict]] = {}
     try:
         with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
-            for mode, spec, d in modes:
+            for mode, spec, d, policy in modes:
                 bar.set_postfix_str(mode)
                 rows[mode] = run_gateway(a.gateway, prompts, max_tokens=a.max_tokens,
-                                         speculation=spec, drafter=d, progress=bar)
+                                         speculation=spec, drafter=d, mode=policy, progress=bar)
             if a.peer:
                 bar.set_postfix_str("peer")
                 target = a.target or (stack.cfg.target if stack else None)
@@ -211,7 +213,7 @@ def cmd_bench(a) -> int:
         if stack:
             stack.stop()
     results = {"config": {"prompts": len(prompts), "max_tokens": a.max_tokens, "gateway": a.gateway,
-                          "drafters": drafters},
+                          "drafters": drafters, "spec_modes": policies},
                "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
     off_ids = {r["task_id"]: r["token_ids"] for r in rows["off"]}
     results["lossless"] = {m: sum(r["token_ids"] == off_ids[r["task_id"]] for r in rs)
@@ -266,7 +268,8 @@ def add_parser(sub) -> None:
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
     b.add_argument("--spec-modes", default="off,fixed,adaptive",
-                   help="speculation modes compared side by side in the --concurrency sweep")
+                   help="speculation modes compared side by side: the --concurrency sweep runs "
+                        "each; the on/off comparison runs each non-off mode against off")
     b.add_argument("--requests", type=int, default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")
