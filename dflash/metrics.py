@@ -128,6 +128,8 @@ class PolicyGauges:
       unconditional acceptance rate of draft position ``position + 1``;
     * ``dflash_spec_policy_step_seconds{batch_bucket, drafts}``: EMA of verify + draft seconds
       per step at that batch-size bucket and largest block;
+    * ``dflash_spec_policy_overhead_seconds``: EMA of each decode cycle's seconds outside
+      verify and draft (added to every candidate's cost);
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
     """
 
@@ -156,6 +158,10 @@ class PolicyGauges:
         for (b, k), sec in policy.cost_table().items():
             cost.add_metric([str(b), str(k)], sec)
         yield cost
+        over = GaugeMetricFamily("dflash_spec_policy_overhead_seconds",
+                                 "EMA seconds per decode cycle outside verify and draft (policy input).")
+        over.add_metric([], policy.overhead_seconds)
+        yield over
         g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
         g.add_metric([], float(e.scheduler.batch_size))
         yield g

@@ -213,7 +213,40 @@ def test_policy_inputs_in_metrics_and_step_spans(target_model, tokenizer, hf_tar
         assert rates and all(dict(k[1])["drafter_version"] == "oracle@1" for k in rates)
         assert all(v == pytest.approx(1.0) for v in rates.values())    # the oracle is always right
         assert any(k[0] == "dflash_spec_policy_step_seconds" for k in m)
+        assert any(k[0] == "dflash_spec_policy_overhead_seconds" for k in m)
         assert any(k[0] == "dflash_spec_decode_policy_drafts_count" and dict(k[1])["mode"] == "adaptive"
                    for k in m)
     finally:
         s.close()
+
+
+def test_per_step_overhead_makes_speculation_pay():
+    """Verify+draft alone favour no speculation (1 token / 10 ms > 1.15 / 12 ms for k = 1), but
+    every cycle also pays 20 ms outside them, once per step whatever k is: then speculating wins
+    (1.15 / 32 ms > 1 / 30 ms)."""
+    p = trained(lambda pos: 0.15 if pos == 0 else 0.2, lambda k: 0.010 + 0.002 * k)
+    assert p.choose([job()]) == [0]
+    for _ in range(50):
+        p.observe_overhead(0.020)
+    assert abs(p.overhead_seconds - 0.020) < 1e-9
+    assert p.choose([job()])[0] > 0
+    assert p.last_decision.cost_seconds > 0.020
+
+
+def test_scheduler_reports_the_cycle_overhead(target_model):
+    """A reader that takes 30 ms per event shows up as ~30 ms of overhead per cycle."""
+    import threading
+    import time
+
+    engine = VerifierEngine(target_model)
+
+    def run(rid):
+        for _ in engine.generate(Request(request_id=rid, prompt=[3, 4, 5], max_tokens=12,
+                                         ignore_eos=True)):
+            time.sleep(0.03)
+
+    t = threading.Thread(target=run, args=("a",))
+    t.start()
+    t.join(60)
+    engine.close()
+    assert 0.02 < engine.policy.overhead_seconds < 0.2, engine.policy.overhead_seconds

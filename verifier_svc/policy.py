@@ -11,7 +11,13 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
                                                   position p, EMA per drafter version)
       cost(k) = verify(B, K) + draft(B, K)       (EMA seconds per step, by batch-size bucket B
                                                   and the batch's largest block K)
+              + overhead                         (EMA seconds of each decode cycle spent outside
+                                                  verify and draft: acceptance, events, gRPC,
+                                                  the readers' turnaround; the same for every k)
       k*      = argmax_k  sum_i E_i[k] / cost(k)
+
+  Leaving the per-step overhead out would favour short blocks and no speculation: it is paid
+  once per step whatever k is, so it is amortised over more tokens by longer accepted blocks.
 
   ``k = 0`` is "no speculation": the drafter still receives the new context features (a block
   of size 1 = context update only), so its context stays current and acceptance does not
@@ -81,6 +87,7 @@ class SpeculationPolicy:
         self._drafted: dict[str, list[_EMA]] = {}    # label -> per-position "was drafted" weight
         self._accepted: dict[str, list[float]] = {}  # label -> per-position EMA acceptance
         self._cost: dict[tuple[int, int], _EMA] = {}  # (bucket, K) -> step seconds
+        self._overhead = _EMA(alpha)                 # seconds per cycle outside verify + draft
         self._steps = 0
         self.last_decision: Decision | None = None
 
@@ -101,6 +108,15 @@ class SpeculationPolicy:
     def observe_step(self, batch: int, k: int, verify_s: float, draft_s: float) -> None:
         """One step of ``batch`` sessions whose largest block had ``k`` drafts."""
         self._cost.setdefault((bucket(batch), k), _EMA(self.alpha)).add(verify_s + draft_s)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Seconds of one decode cycle (step end to step end, no prefill in between) spent
+        outside verify and draft."""
+        self._overhead.add(max(0.0, seconds))
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self._overhead.value
 
     def acceptance_table(self) -> dict[str, list[float]]:
         """drafter label -> per-position EMA acceptance (a copy, for metrics)."""
@@ -153,9 +169,9 @@ class SpeculationPolicy:
         """Step seconds at (bucket ``b``, ``k`` drafts): measured, else from the fitted line."""
         e = self._cost.get((b, k))
         if e is not None:
-            return e.value
+            return e.value + self._overhead.value
         a, slope = line
-        return a + slope * b * (k + 1)
+        return a + slope * b * (k + 1) + self._overhead.value
 
     # ------------------------------------------------------------------ choice
     def choose(self, jobs) -> list[int]:

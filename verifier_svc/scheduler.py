@@ -88,6 +88,7 @@ class Scheduler:
         self._running: list[Job] = []
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._last_step_end = 0.0            # for the policy's per-cycle overhead
 
     @property
     def batch_size(self) -> int:
@@ -136,6 +137,8 @@ class Scheduler:
             with self._cv:
                 while not (self._incoming or self._waiting or self._stop
                            or any(j.demand or j.closed for j in self._running)):
+                    if not self._running:          # idle, not just waiting for a reader:
+                        self._last_step_end = 0.0  # the next cycle is not a per-step cost
                     self._cv.wait()
                 if self._stop:
                     for j in self._incoming + self._waiting + self._running:
@@ -155,6 +158,7 @@ class Scheduler:
         self._waiting = [j for j in self._waiting if self._keep(j)]
         self._running = [j for j in self._running if self._keep(j)]
         budget = self.prefill_chunk
+        prefilled = bool(self._waiting)
         while self._waiting and budget > 0 and len(self._running) < self.max_batch:
             job = self._waiting[0]
             if not job.started:
@@ -173,9 +177,21 @@ class Scheduler:
         ready = self._ready()
         if ready:
             events = self.engine.decode_step(ready)
+            self._observe_cycle(events, prefilled)
             for job, ev in zip(ready, events):
                 self._emit(job, ev, notify=True)
             self._running = [j for j in self._running if not j.gone.is_set()]
+
+    def _observe_cycle(self, events, prefilled: bool) -> None:
+        """Tell the policy how long a decode cycle took outside verify and draft (cycles with a
+        prefill chunk, or after the loop went idle, are skipped: they are not per-step costs)."""
+        now = time.monotonic()
+        policy = getattr(self.engine, "policy", None)
+        last, self._last_step_end = self._last_step_end, now
+        if policy is None or prefilled or not last or not events:
+            return
+        ev = events[0]
+        policy.observe_overhead(now - last - ev.verify_seconds - ev.draft_seconds)
 
     def _ready(self) -> list[Job]:
         """Running jobs whose readers asked for a step (waiting for stragglers: each missing
