@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -67,6 +68,16 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     rt = ServiceRuntime(server=server, health=hs, services=service_names, port=port)
     rt.set_serving(False)
     return rt
+
+
+def add_common_args(p) -> None:
+    """The flags every service has: ``--grace`` (drain seconds on SIGTERM, env DFLASH_GRACE_S)
+    and ``--metrics-port`` (Prometheus /metrics, 0 = off, env DFLASH_METRICS_PORT)."""
+    env = os.environ.get
+    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
+                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
+    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
+                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:

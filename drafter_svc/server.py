@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from dflash.server import create_server, run_until_signal
+from dflash.server import add_common_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.observe import ObservedDrafterServicer
@@ -38,10 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
                    help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
                         "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
-    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
-                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
-    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
-                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    add_common_args(p)
     return p.parse_args(argv)
 
 

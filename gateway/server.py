@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from dflash.server import channel_options, create_server, run_until_signal
+from dflash.server import add_common_args, channel_options, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -90,10 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="host:port to listen on [DFLASH_GATEWAY_BIND]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
-    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
-                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
-    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
-                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    add_common_args(p)
     return p.parse_args(argv)
 
 

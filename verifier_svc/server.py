@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 
-from dflash.server import create_server, run_until_signal
+from dflash.server import add_common_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -61,12 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
-    p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
-                   help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
                    help="torch CPU threads, 0 = torch default [DFLASH_TORCH_THREADS]")
-    p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
-                   help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
     p.add_argument("--spec-log-interval", type=float,
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
                    help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
@@ -78,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ep-timeout", type=float, default=float(env("DFLASH_EP_TIMEOUT_S", "60")),
                    help="collective timeout between expert-parallel ranks, seconds "
                         "[DFLASH_EP_TIMEOUT_S]")
+    add_common_args(p)
     return p.parse_args(argv)
 
 
