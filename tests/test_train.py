@@ -193,3 +193,19 @@ def test_full_vocab_phase(tiny):
     w, m = tr.softmax_head()
     assert m is None and w.shape[0] == tr.head.vocab_size
     tr.train(resume=False)
+
+
+def test_train_until_budget_spans_the_resumed_run(tmp_path):
+    """--train-until with --resume: minutes already trained count into the schedule's budget."""
+    import json
+    import time as _time
+
+    from dflash.train.__main__ import budget_until
+
+    now = _time.struct_time((2026, 11, 30, 6, 20, 0, 0, 334, 0))
+    assert budget_until("07:20", tmp_path, resume=True, now=now) == 58.0
+    (tmp_path / "ckpt.json").write_text(json.dumps({"elapsed": 40 * 60.0}))
+    assert budget_until("07:20", tmp_path, resume=False, now=now) == 58.0
+    assert budget_until("07:20", tmp_path, resume=True, now=now) == 98.0
+    with pytest.raises(ValueError, match="train_until"):
+        budget_until("7h", tmp_path, resume=False, now=now)

@@ -82,6 +82,24 @@ def _datagen(args, target_dir: str, data_dir: str) -> None:
                                        code_fraction=args.code_fraction))
 
 
+def budget_until(hhmm: str, run_dir: Path, resume: bool, now: time.struct_time | None = None) -> float:
+    """Training budget in minutes so that training ends at UTC ``hhmm`` (2 minutes kept for the
+    final save). Resuming, the minutes already trained (``ckpt.json``) are added: the LR
+    schedule runs on elapsed training time and must span the whole run, not just now..end.
+    Raises ``ValueError`` for a malformed ``hhmm``."""
+    try:
+        hh, mm = map(int, hhmm.split(":"))
+    except ValueError:
+        raise ValueError(f"train_until: expected HH:MM, got {hhmm!r}") from None
+    now = now or time.gmtime()
+    left = (hh * 60 + mm) - (now.tm_hour * 60 + now.tm_min + now.tm_sec / 60)
+    budget = max(1.0, left - 2.0)
+    meta = run_dir / "ckpt.json"
+    if resume and meta.is_file():
+        budget += json.loads(meta.read_text())["elapsed"] / 60
+    return budget
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.train")
     ap.add_argument("--threads", type=int, default=1)
@@ -120,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         _datagen(args, target_dir, data_dir)
     if args.cmd in ("train", "pipeline"):
         if getattr(args, "train_until", None):
-            hh, mm = map(int, args.train_until.split(":"))
-            now = time.gmtime()
-            left = (hh * 60 + mm) - (now.tm_hour * 60 + now.tm_min + now.tm_sec / 60)
-            args.time_budget_min = max(1.0, left - 2.0)   # leave time for the final save
+            args.time_budget_min = budget_until(args.train_until, Path(args.run_dir), args.resume)
             print(f"[pipeline] training budget {args.time_budget_min:.1f} min", flush=True)
         from dflash.train.trainer import Trainer
 
