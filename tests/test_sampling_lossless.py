@@ -109,13 +109,13 @@ class MarkovTarget:
     def new_cache(self) -> _Cache:
         return _Cache()
 
-    def forward(self, tokens, cache, layer_ids):
+    def forward(self, tokens, cache, layer_ids, logits_to_keep=0):
         start = len(cache.tokens)
         cache.tokens.extend(tokens)
         parity = torch.arange(start, start + len(tokens)) % 2
         logits = TARGET_LOGITS[parity, torch.tensor(tokens)]
         taps = torch.zeros(len(tokens), len(layer_ids) * self.hidden_size) if layer_ids else None
-        return logits, taps
+        return logits[-logits_to_keep:], taps
 
     @staticmethod
     def crop(cache, length: int) -> None:

@@ -326,7 +326,8 @@ class VerifierEngine:
         t0 = time.perf_counter()
         end = min(len(req.prompt), job.prefilled + max(budget, 1))
         with t.lock:
-            logits, taps = t.forward(req.prompt[job.prefilled:end], s.cache, job.tap_ids)
+            logits, taps = t.forward(req.prompt[job.prefilled:end], s.cache, job.tap_ids,
+                                     logits_to_keep=1)         # only the last row is read
         job.prefill_seconds += time.perf_counter() - t0
         if job.tap_ids:
             s.taps.append(taps)

@@ -93,9 +93,9 @@ class EPShard(TargetModel):
 
     # FSDP's unshard hooks bump version counters, which inference-mode tensors lack: the shard
     # runs the base class's calls under no_grad instead of inference_mode.
-    def forward(self, tokens, cache, layer_ids):
+    def forward(self, tokens, cache, layer_ids, logits_to_keep: int = 0):
         with torch.no_grad():
-            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids)
+            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids, logits_to_keep)
 
     def forward_batch(self, blocks, caches, layer_ids):
         with torch.no_grad():
@@ -177,9 +177,10 @@ class DistributedTarget:
         weakref.finalize(c, self._freed.append, c.cid)  # workers drop the mirror on the next op
         return c
 
-    def forward(self, tokens: list[int], cache: RankCache, layer_ids):
-        return self._call("forward", {"tokens": list(tokens), "cid": cache.cid, "layer_ids": layer_ids},
-                          lambda: self.shard.forward(tokens, cache.local, layer_ids))
+    def forward(self, tokens: list[int], cache: RankCache, layer_ids, logits_to_keep: int = 0):
+        return self._call("forward", {"tokens": list(tokens), "cid": cache.cid, "layer_ids": layer_ids,
+                                      "logits_to_keep": logits_to_keep},
+                          lambda: self.shard.forward(tokens, cache.local, layer_ids, logits_to_keep))
 
     def forward_batch(self, blocks, caches, layer_ids):
         op = {"blocks": [list(b) for b in blocks], "cids": [c.cid for c in caches],

@@ -50,7 +50,7 @@ def serve(shard, recv) -> None:
         if kind == "exit":
             return
         if kind == "forward":
-            shard.forward(op["tokens"], cache(op["cid"]), op["layer_ids"])
+            shard.forward(op["tokens"], cache(op["cid"]), op["layer_ids"], op.get("logits_to_keep", 0))
         elif kind == "forward_batch":
             shard.forward_batch(op["blocks"], [cache(c) for c in op["cids"]], op["layer_ids"])
         elif kind == "own":

@@ -67,18 +67,22 @@ class TargetModel:
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: DynamicCache, layer_ids: tuple[int, ...] | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: list[int], cache: DynamicCache, layer_ids: tuple[int, ...] | None,
+                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` at positions ``cache.get_seq_length() ..`` and append them to ``cache``.
 
+        ``logits_to_keep``: 0 = logits for every position (verification); 1 = only the last
+        (prefill: the LM head over a 256-token chunk is 256 x 49152 x 576 multiply-adds for
+        SmolLM2, most of a chunk's time on a CPU, for rows nobody reads).
+
         Returns:
-            logits: float32 [n, vocab].
+            logits: float32 [n or logits_to_keep, vocab].
             taps: [n, len(layer_ids) * hidden] in the model dtype, or None when no layer ids.
         """
         ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
         want = hidden_state_indices(layer_ids) if layer_ids else False
         out = self.model(input_ids=ids, cache=cache, use_cache=True,
-                         output_hidden_states=want)
+                         output_hidden_states=want, logits_to_keep=logits_to_keep)
         logits = out.logits[0].float()
         taps = None
         if layer_ids:
