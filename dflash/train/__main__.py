@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = build_draft_vocab(response_counts(read_shards(data_dir), vocab), args.size)
         print(f"[draft-vocab] wrote {save_draft_vocab(args.out_dir, ids)} ({ids.numel()} ids)")
         return 0
-    if args.cmd in ("datagen", "pipeline"):
+    if args.cmd in ("datagen", "pipeline") and args.num_prompts > 0:   # 0: train on what exists
         _datagen(args, target_dir, data_dir)
     if args.cmd in ("train", "pipeline"):
         if getattr(args, "train_until", None):
