@@ -89,7 +89,10 @@ def cmd_up(a) -> int:
     print(f"  gateway   {stack.gateway_addr}")
     print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
     done = threading.Event()
+    # Both explicitly: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt (found under `cmd &` in CI).
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
     try:
         while not done.wait(1.0):
             dead = [n for n, p in stack.procs.items() if p.poll() is not None]
