@@ -205,6 +205,7 @@ class TargetHead(nn.Module):
         """ids int64 [...] -> embeddings [..., H]."""
         return F.embedding(ids, self.embed)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] (float32)."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] (float32). ``weight`` [N, H]: a subset of the LM
+        head's rows (a draft vocabulary, ``dflash.draft_vocab``) -> logits [..., N]."""
+        return F.linear(hidden, self.lm_head if weight is None else weight).float()

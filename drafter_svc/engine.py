@@ -214,8 +214,7 @@ class DrafterEngine:
             ok = torch.where(keys < n_max, keys >= n_max - lens, keys - n_max < sizes)   # [b, n+q]
             mask = ok[:, None, None, :].expand(b, 1, q, n_max + q)
         hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask)
-        w = self._draft_head if self._draft_head is not None else self.head.lm_head
-        return [torch.nn.functional.linear(hidden[i, 1:r.block_size], w).float()
+        return [self.head.logits(hidden[i, 1:r.block_size], self._draft_head)
                 for i, (r, _) in enumerate(items)]
 
     def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:

@@ -126,12 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = args.target_dir or str(setup_target(args.cache_dir))
     data_dir = str(Path(args.run_dir) / "data")
     if args.cmd == "draft-vocab":       # for a drafter saved without one
+        from safetensors import safe_open
+
         from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
-        from dflash.train.data import read_shards
-        from dflash.train.trainer import response_counts
+        from dflash.train.data import shard_paths
 
         vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
-        ids = build_draft_vocab(response_counts(read_shards(data_dir), vocab), args.size)
+        counts = torch.zeros(vocab, dtype=torch.int64)
+        for path in shard_paths(data_dir):    # ids and mask only: the taps are most of a shard
+            with safe_open(str(path), "pt") as f:
+                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool()
+            counts += torch.bincount(ids[mask], minlength=vocab)
+        ids = build_draft_vocab(counts, args.size)
         print(f"[draft-vocab] wrote {save_draft_vocab(args.out_dir, ids)} ({ids.numel()} ids)")
         return 0
     if args.cmd in ("datagen", "pipeline") and args.num_prompts > 0:   # 0: train on what exists
