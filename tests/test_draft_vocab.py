@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -40,10 +42,7 @@ def _engines(make_drafter, tiny_target, tmp_path, n_ids):
     d = make_drafter(block_size=8)
     full = DrafterEngine.from_pretrained(d, tiny_target)
     ids = torch.randperm(full.cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:n_ids]
-    sub_dir = tmp_path / "with_vocab"
-    sub_dir.mkdir()
-    for f in d.iterdir():
-        (sub_dir / f.name).write_bytes(f.read_bytes())
+    sub_dir = shutil.copytree(d, tmp_path / "with_vocab")
     save_draft_vocab(sub_dir, ids)
     return full, DrafterEngine.from_pretrained(sub_dir, tiny_target), ids
 
