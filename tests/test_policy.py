@@ -250,3 +250,45 @@ def test_scheduler_reports_the_cycle_overhead(target_model):
     t.join(60)
     engine.close()
     assert 0.02 < engine.policy.overhead_seconds < 0.2, engine.policy.overhead_seconds
+
+
+
+def _true_cost(b, k):   # per step: fixed + per session (KV gather/scatter) + per verified token
+    return 0.05 + 0.03 * b + 0.01 * b * (k + 1)
+
+
+def test_unmeasured_large_batch_priced_per_session_and_per_token():
+    """Measured only at batches 1-4, the policy prices batch 32 from both slopes and picks the
+    k the true cost would; a line in tokens alone (1 session x 16 tokens costs what 16 sessions
+    x 1 token cost) makes 32-session speculation look far too cheap."""
+    p = trained(lambda pos: 0.5, lambda k: _true_cost(1, k))
+    for b, k in ((2, 0), (2, 3), (2, 7), (4, 0), (4, 3)):
+        p.observe_step(b, k, _true_cost(b, k), 0.0)
+    assert p._cost_model() == pytest.approx((0.05, 0.03, 0.01), abs=1e-6)
+    jobs = [job() for _ in range(20)]
+    assert bucket(20) == 32
+    k = p.choose(jobs)[0]
+    e = p.expected_table(LABEL, 15)
+    best = max((c for c in CANDIDATES if c <= 15), key=lambda c: 20 * e[c] / _true_cost(32, c))
+    assert k == best and best <= 2
+    assert p.last_decision.cost_seconds == pytest.approx(_true_cost(32, k))
+
+
+
+def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
+    """A step with more sessions and no fewer drafts never costs less than a measured one: one
+    expensive cell among many cheap ones hardly moves the least-squares fit, but it bounds
+    every bigger cell's estimate from below."""
+    flat = lambda b, k: 0.070 + 0.002 * b * (k + 1)                  # noqa: E731
+    p = trained(lambda pos: 0.95, lambda k: flat(1, k))
+    for b in (2, 4):
+        for k in CANDIDATES:
+            if k <= 15:
+                p.observe_step(b, k, 1.5 if (b, k) == (4, 7) else flat(b, k), 0.0)
+    model = p._cost_model()
+    a, per_session, per_token = model
+    assert a + per_session * 8 + per_token * 8 * 8 < 1.0             # the fit alone: cheap
+    assert p._estimate(8, 7, model) >= 1.5 and p._estimate(8, 15, model) >= 1.5
+    assert p._estimate(8, 5, model) < 1.0                            # k=7 does not bound k=5
+    k = p.choose([job() for _ in range(6)])[0]                       # bucket 8, not measured
+    assert k < 7 or p.last_decision.cost_seconds >= 1.5

@@ -100,3 +100,64 @@ def test_verifier_not_serving_until_loaded_and_drains_on_sigterm(tmp_path, tiny_
     finally:
         if p.poll() is None:
             p.kill()
+
+
+_OWNER = """
+import sys, time
+from dflash.launcher import DrafterSpec, LocalStack, StackConfig
+target, drafter, run_dir, gw, ver, dr = sys.argv[1:]
+cfg = StackConfig(target=target, drafters=[DrafterSpec(path=drafter, port=int(dr))],
+                  gateway_port=int(gw), verifier_port=int(ver), run_dir=run_dir)
+stack = LocalStack(cfg).start()
+try:
+    print("PIDS", *[p.pid for p in stack.procs.values()], flush=True)
+    time.sleep(600)
+finally:
+    stack.stop()
+"""
+
+
+@pytest.mark.slow
+def test_owner_killed_by_sigterm_stops_the_stack(tmp_path, tiny_target, make_drafter):
+    """`timeout dflash bench --start` sends SIGTERM to the owner only (the services run in their
+    own sessions): the owner must unwind and stop them, not orphan them."""
+    gw, ver, dr = free_ports(3)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(tiny_target), str(make_drafter(block_size=8)),
+         str(tmp_path / "logs"), str(gw), str(ver), str(dr)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = owner.stdout.readline()
+        while line and not line.startswith("PIDS"):
+            line = owner.stdout.readline()
+        assert line.startswith("PIDS"), owner.stdout.read()
+        pids = [int(x) for x in line.split()[1:]]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = [p for p in pids if _alive(p)]
+    for p in orphans:
+        os.kill(p, signal.SIGKILL)
+    assert not orphans, "services outlived their owner"
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
+    for name, text in logs.items():
+        assert "stopped" in text, f"{name} did not drain and stop:\n{text[-2000:]}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a reaped child is gone; an unreaped zombie of the (dead) owner is re-parented and reaped
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -21,9 +21,10 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
 
   ``k = 0`` is "no speculation": the drafter still receives the new context features (a block
   of size 1 = context update only), so its context stays current and acceptance does not
-  collapse when speculation resumes. A (bucket, k) cell not measured yet is estimated from a
-  least-squares line of step seconds against verified tokens (batch x (k + 1)) over every
-  measured cell (until two token counts were measured, candidates are simply tried in order);
+  collapse when speculation resumes. A (bucket, k) cell not measured yet is estimated by least
+  squares over every measured cell, step seconds ~ a + per_session * B + per_token * B * (k + 1),
+  floored by the dearest measured cell with no more sessions and no more drafts (until two token
+  counts were measured, candidates are simply tried in order);
   a neighbour of the best k is re-measured every ``explore_every`` steps so the estimates
   follow load and acceptance.
 
@@ -34,6 +35,8 @@ spans. Thread model: only the scheduler thread calls ``choose`` / ``observe_*``.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 MODES = ("off", "fixed", "adaptive")
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
@@ -152,26 +155,40 @@ class SpeculationPolicy:
             table.append(total)
         return table
 
-    def _cost_line(self) -> tuple[float, float] | None:
-        """(intercept, seconds per verified token) fitted to every measured cell, or None."""
-        pts = [(b * (k + 1), e.value) for (b, k), e in self._cost.items()]
-        xs = {x for x, _ in pts}
-        if len(xs) < 2:
-            return None
-        n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(sum((x - mx) * (y - my) for x, y in pts) / sxx, 0.0)
-        return max(my - slope * mx, 0.0), slope
+    def _cost_model(self) -> tuple[float, float, float] | None:
+        """``(a, per_session, per_token)`` with step seconds ~ a + per_session * B + per_token *
+        B * (K + 1), least squares over every measured (bucket B, drafts K) cell; None until
+        two token counts were measured.
 
-    def _estimate(self, b: int, k: int, line) -> float:
-        """Step seconds at (bucket ``b``, ``k`` drafts): measured, else from the fitted line."""
+        Two slopes because a batched step pays per session (each session's KV cache is gathered
+        into the batch and scattered back) as well as per verified token; a line in tokens
+        alone cannot tell 16 sessions x 1 token from 1 session x 16 tokens. Until the cells
+        separate the two (two batch buckets and two block sizes), per_session is 0."""
+        cells = [(b, b * (k + 1), e.value) for (b, k), e in self._cost.items()]
+        if len({t for _, t, _ in cells}) < 2:
+            return None
+        y = np.array([c for _, _, c in cells])
+        x = np.array([[1.0, b, t] for b, t, _ in cells])
+        if np.linalg.matrix_rank(x) == 3:
+            a, per_session, per_token = np.linalg.lstsq(x, y, rcond=None)[0]
+            if min(a, per_session, per_token) >= 0:
+                return float(a), float(per_session), float(per_token)
+        a, per_token = np.linalg.lstsq(x[:, [0, 2]], y, rcond=None)[0]
+        per_token = max(float(per_token), 0.0)
+        a = max(float(np.mean(y - per_token * x[:, 2])), 0.0)
+        return a, 0.0, per_token
+
+    def _estimate(self, b: int, k: int, model) -> float:
+        """Step seconds at (bucket ``b``, ``k`` drafts): measured, else from the fitted model,
+        but never below a measured cell with no more sessions and no more drafts (a step with
+        more work never costs less; this keeps a noisy or under-fitted model from making an
+        unmeasured large-batch cell look cheap, and trying one costs seconds)."""
         e = self._cost.get((b, k))
         if e is not None:
             return e.value + self._overhead.value
-        a, slope = line
-        return a + slope * b * (k + 1) + self._overhead.value
+        a, per_session, per_token = model
+        floor = max((c.value for (b2, k2), c in self._cost.items() if b2 <= b and k2 <= k), default=0.0)
+        return max(a + per_session * b + per_token * b * (k + 1), floor) + self._overhead.value
 
     # ------------------------------------------------------------------ choice
     def choose(self, jobs) -> list[int]:
@@ -204,7 +221,7 @@ class SpeculationPolicy:
         def gain(k):
             return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
 
-        line = self._cost_line()
+        line = self._cost_model()
         unmeasured = [k for k in cands if (b, max(k, floor)) not in self._cost]
         explored = False
         if unmeasured and line is None:
