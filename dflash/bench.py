@@ -274,6 +274,9 @@ def add_parser(sub) -> None:
     b.add_argument("--requests", type=int, default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs of every (concurrency, mode) cell, back to back per level: the table "
+                        "shows means and ranges, and the run-to-run spread (--concurrency)")
     b.add_argument("--ep-sizes", default="",
                    help="comma-separated expert-parallel sizes (e.g. 1,2): a stack per size on the "
                         "--target MoE, tokens/s, tau and EP overhead per step side by side (ep.json/md)")

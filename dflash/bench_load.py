@@ -18,6 +18,7 @@ Output: ``load.json``, ``load.md`` (one table, modes side by side) and ``load.pn
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -111,26 +112,56 @@ def summarize(rows: list[dict], wall_s: float, *, mode: str, concurrency: int) -
             "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99))}
 
 
+def _cells(levels: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """(mode, concurrency) -> its runs (one per ``--repeats``)."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for x in levels:
+        by.setdefault((x["mode"], x["concurrency"]), []).append(x)
+    return by
+
+
+def _mean(runs: list[dict], key: str) -> float:
+    return float(np.mean([x[key] for x in runs]))
+
+
+def _spread(runs: list[dict]) -> float:
+    """Half the range of aggregate tokens/s across runs, relative to their mean (0 for one run)."""
+    v = [x["agg_tok_s"] for x in runs]
+    return (max(v) - min(v)) / 2 / float(np.mean(v))
+
+
 def markdown(levels: list[dict]) -> str:
+    """One table, modes side by side per concurrency; figures are means over the repeats, and
+    aggregate tokens/s shows its range when a cell ran more than once. Then, per concurrency,
+    adaptive's aggregate tokens/s over the better of the other modes, with the run-to-run
+    spread of both (the noise the comparison has to clear)."""
+    by = _cells(levels)
     modes = [m for m in MODES if any(x["mode"] == m for x in levels)]
     conc = sorted({x["concurrency"] for x in levels})
-    by = {(x["mode"], x["concurrency"]): x for x in levels}
     lines = ["| concurrency | mode | aggregate tok/s | per-request tok/s | tau | TTFT p50 / p99 ms | "
              "ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
     for c in conc:
         for m in modes:
-            x = by.get((m, c))
-            if x is None:
+            runs = by.get((m, c))
+            if not runs:
                 continue
-            lines.append(f"| {c} | {m} | {x['agg_tok_s']:.1f} | {x['req_tok_s']:.1f} | {x['tau']:.2f} | "
-                         f"{x['ttft_ms_p50']:.0f} / {x['ttft_ms_p99']:.0f} | "
-                         f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f} |")
+            agg = f"{_mean(runs, 'agg_tok_s'):.1f}"
+            if len(runs) > 1:
+                agg += " (" + "–".join(f"{v:.1f}" for v in (min(x["agg_tok_s"] for x in runs),
+                                                                max(x["agg_tok_s"] for x in runs))) + ")"
+            lines.append(f"| {c} | {m} | {agg} | {_mean(runs, 'req_tok_s'):.1f} | {_mean(runs, 'tau'):.2f} | "
+                         f"{_mean(runs, 'ttft_ms_p50'):.0f} / {_mean(runs, 'ttft_ms_p99'):.0f} | "
+                         f"{_mean(runs, 'itl_ms_p50'):.1f} / {_mean(runs, 'itl_ms_p99'):.1f} |")
     best = []
     for c in conc:
-        agg = {m: by[(m, c)]["agg_tok_s"] for m in modes if (m, c) in by}
+        agg = {m: _mean(by[(m, c)], "agg_tok_s") for m in modes if (m, c) in by}
         if "adaptive" in agg and len(agg) > 1:
-            other = max(v for m, v in agg.items() if m != "adaptive")
-            best.append(f"c={c}: adaptive {agg['adaptive'] / other:.2f}x the better of the others")
+            other = max((m for m in agg if m != "adaptive"), key=agg.get)
+            line = f"c={c}: adaptive {agg['adaptive'] / agg[other]:.2f}x the better of the others ({other})"
+            if len(by[("adaptive", c)]) > 1:
+                line += (f", run-to-run spread ±{100 * _spread(by[('adaptive', c)]):.0f}% / "
+                         f"±{100 * _spread(by[(other, c)]):.0f}%")
+            best.append(line)
     if best:
         lines.append("\n" + "; ".join(best))
     return "\n".join(lines) + "\n"
@@ -143,10 +174,14 @@ def plot(levels: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    by = _cells(levels)
     for m in MODES:
-        xs = sorted((x["concurrency"], x["agg_tok_s"]) for x in levels if x["mode"] == m)
-        if xs:
-            ax.plot([c for c, _ in xs], [v for _, v in xs], marker="o", label=m)
+        conc = sorted(c for mm, c in by if mm == m)
+        if conc:
+            runs = [[x["agg_tok_s"] for x in by[(m, c)]] for c in conc]
+            mean = np.array([np.mean(v) for v in runs])
+            err = np.array([[mu - min(v) for v, mu in zip(runs, mean)], [max(v) - mu for v, mu in zip(runs, mean)]])
+            ax.errorbar(conc, mean, yerr=err, marker="o", capsize=3, label=m)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate tokens/s")
@@ -159,35 +194,44 @@ def plot(levels: list[dict], path: Path) -> None:
 
 def cmd_load(a, prompts, out: Path) -> int:
     """The ``--concurrency`` sweep (called by ``dflash.bench.cmd_bench``)."""
-    import sys
-
     conc = [int(x) for x in str(a.concurrency).split(",") if x.strip()]
     modes = [m for m in a.spec_modes.split(",") if m]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"--spec-modes: {m!r} not one of {', '.join(MODES)}")
     drafter = (a.use_drafter or [""])[0]
+    repeats = max(1, getattr(a, "repeats", 1))
     levels = []
+    # each concurrency level runs its modes back to back, ``repeats`` rounds of them, so that
+    # the modes of one level are compared under the same conditions and their spread is known
     for c in conc:
-        for m in modes:
-            # warm-up: one request so first-use costs (drafter stream, caches) stay out
-            if not levels:
-                run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
-                          max_tokens=8, mode=m, drafter=drafter)
-            x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=-(-a.requests // c),
-                          max_tokens=a.max_tokens, mode=m, drafter=drafter)
-            levels.append(x)
-            print(f"c={c:>3} {m:>8}: {x['agg_tok_s']:7.1f} tok/s aggregate, "
-                  f"{x['req_tok_s']:6.1f} per request, tau {x['tau']:.2f}, "
-                  f"TTFT p50 {x['ttft_ms_p50']:.0f} ms, ITL p50 {x['itl_ms_p50']:.1f} ms",
-                  file=sys.stderr, flush=True)
-            (out / "load.json").write_text(json.dumps({"config": {
-                "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
-                "requests": a.requests, "gateway": a.gateway},
-                "levels": levels}, indent=1))
+        for rep in range(repeats):
+            for m in modes:
+                # warm-up: one request so first-use costs (drafter stream, caches) stay out
+                if not levels:
+                    run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
+                              max_tokens=8, mode=m, drafter=drafter)
+                x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=-(-a.requests // c),
+                              max_tokens=a.max_tokens, mode=m, drafter=drafter)
+                x["repeat"] = rep
+                levels.append(x)
+                _report(x, a, out, conc, modes, levels)
     md = markdown(levels)
     (out / "load.md").write_text(md)
     plot(levels, out / "load.png")
     print(md)
     print(f"wrote {out}/load.json, load.md, load.png")
     return 0
+
+
+def _report(x: dict, a, out: Path, conc, modes, levels) -> None:
+    """One cell's line on stderr; load.json rewritten with every cell so far."""
+    m, c = x["mode"], x["concurrency"]
+    print(f"c={c:>3} {m:>8}: {x['agg_tok_s']:7.1f} tok/s aggregate, "
+          f"{x['req_tok_s']:6.1f} per request, tau {x['tau']:.2f}, "
+          f"TTFT p50 {x['ttft_ms_p50']:.0f} ms, ITL p50 {x['itl_ms_p50']:.1f} ms",
+          file=sys.stderr, flush=True)
+    (out / "load.json").write_text(json.dumps({"config": {
+        "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
+        "requests": a.requests, "repeats": max(1, getattr(a, "repeats", 1)), "gateway": a.gateway},
+        "levels": levels}, indent=1))

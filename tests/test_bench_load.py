@@ -36,6 +36,55 @@ def test_table_and_plot(tmp_path):
               for c in (1, 4) for m, w in (("off", 2.0), ("fixed", 1.0), ("adaptive", 0.9))]
     md = bench_load.markdown(levels)
     assert md.count("\n| ") == 6          # one row per (concurrency, mode)
-    assert "c=1: adaptive 1.11x the better of the others" in md
+    assert "c=1: adaptive 1.11x the better of the others (fixed)" in md
     bench_load.plot(levels, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 1000
+
+
+def test_repeats_show_means_ranges_and_spread(tmp_path):
+    """With --repeats the table gives the mean and range of each cell and the verdict carries
+    the run-to-run spread it has to clear."""
+    levels = []
+    for rep, (w_off, w_ad) in enumerate(((2.0, 1.9), (1.6, 2.1))):
+        for m, w in (("off", w_off), ("fixed", 4.0), ("adaptive", w_ad)):
+            x = bench_load.summarize([row(20, 0.1, 1.0, [0.1])], w, mode=m, concurrency=8)
+            x["repeat"] = rep
+            levels.append(x)
+    md = bench_load.markdown(levels)
+    assert md.count("\n| ") == 3                               # one row per (concurrency, mode)
+    off = (20 / 2.0 + 20 / 1.6) / 2
+    ad = (20 / 1.9 + 20 / 2.1) / 2
+    assert f"| 8 | off | {off:.1f} (10.0–12.5) |" in md
+    assert f"c=8: adaptive {ad / off:.2f}x the better of the others (off)" in md
+    spread_off = (12.5 - 10.0) / 2 / off
+    assert f"spread ±{100 * (20 / 1.9 - 20 / 2.1) / 2 / ad:.0f}% / ±{100 * spread_off:.0f}%" in md
+    bench_load.plot(levels, tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_sweep_cli_on_a_tiny_stack(tmp_path):
+    """`dflash bench --start --tiny --concurrency ... --repeats 2` end to end: every cell runs
+    twice, the stack is stopped, the three outputs are written."""
+    import json
+    import subprocess
+    import sys
+
+    from test_processes import free_ports
+
+    gw, ver, dr = free_ports(3)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "bench", "--start", "--tiny", "--concurrency", "1,2",
+         "--requests", "2", "--max-tokens", "6", "--limit", "2", "--repeats", "2",
+         "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs"),
+         "--gateway-port", str(gw), "--verifier-port", str(ver), "--drafter-port", str(dr)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "load.json").read_text())
+    cells = sorted((x["concurrency"], x["mode"], x["repeat"]) for x in res["levels"])
+    assert cells == sorted((c, m, r) for c in (1, 2) for m in bench_load.MODES for r in (0, 1))
+    assert all(x["tokens"] > 0 and x["requests"] == 2 for x in res["levels"])
+    md = (tmp_path / "out" / "load.md").read_text()
+    assert "run-to-run spread" in md and (tmp_path / "out" / "load.png").exists()
+    for log in (tmp_path / "logs").iterdir():
+        assert "stopped" in log.read_text(), log.name
