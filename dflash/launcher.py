@@ -116,7 +116,9 @@ class LocalStack:
         The services run in their own sessions (a Ctrl-C in a terminal reaches only the owner,
         which drains them in order), so an owner killed by SIGTERM (``timeout``, a CI runner)
         would leave them running: if SIGTERM still has its default action, it is made to raise
-        ``SystemExit`` in the owner, so ``stop()`` in its ``finally`` / ``with`` runs."""
+        ``SystemExit`` in the owner, so ``stop()`` in its ``finally`` / ``with`` runs (when the
+        owner's main thread next runs Python: the kernel may hand the signal to a gRPC thread,
+        so an owner blocked in one long C call notices it only when that call returns)."""
         c = self.cfg
         _exit_on_sigterm()
         try:

@@ -111,7 +111,10 @@ cfg = StackConfig(target=target, drafters=[DrafterSpec(path=drafter, port=int(dr
 stack = LocalStack(cfg).start()
 try:
     print("PIDS", *[p.pid for p in stack.procs.values()], flush=True)
-    time.sleep(600)
+    # short sleeps, as an owner doing work returns to Python often: the kernel may deliver the
+    # SIGTERM to a gRPC thread, and the handler then runs when the main thread next runs Python
+    for _ in range(3000):
+        time.sleep(0.2)
 finally:
     stack.stop()
 """
