@@ -147,8 +147,8 @@ def markdown(levels: list[dict]) -> str:
                 continue
             agg = f"{_mean(runs, 'agg_tok_s'):.1f}"
             if len(runs) > 1:
-                agg += " (" + "–".join(f"{v:.1f}" for v in (min(x["agg_tok_s"] for x in runs),
-                                                                max(x["agg_tok_s"] for x in runs))) + ")"
+                v = [x["agg_tok_s"] for x in runs]
+                agg += f" ({min(v):.1f}–{max(v):.1f})"
             lines.append(f"| {c} | {m} | {agg} | {_mean(runs, 'req_tok_s'):.1f} | {_mean(runs, 'tau'):.2f} | "
                          f"{_mean(runs, 'ttft_ms_p50'):.0f} / {_mean(runs, 'ttft_ms_p99'):.0f} | "
                          f"{_mean(runs, 'itl_ms_p50'):.1f} / {_mean(runs, 'itl_ms_p99'):.1f} |")
@@ -215,7 +215,7 @@ def cmd_load(a, prompts, out: Path) -> int:
                               max_tokens=a.max_tokens, mode=m, drafter=drafter)
                 x["repeat"] = rep
                 levels.append(x)
-                _report(x, a, out, conc, modes, levels)
+                _report(x, a, out, conc, modes, repeats, levels)
     md = markdown(levels)
     (out / "load.md").write_text(md)
     plot(levels, out / "load.png")
@@ -224,7 +224,7 @@ def cmd_load(a, prompts, out: Path) -> int:
     return 0
 
 
-def _report(x: dict, a, out: Path, conc, modes, levels) -> None:
+def _report(x: dict, a, out: Path, conc, modes, repeats: int, levels) -> None:
     """One cell's line on stderr; load.json rewritten with every cell so far."""
     m, c = x["mode"], x["concurrency"]
     print(f"c={c:>3} {m:>8}: {x['agg_tok_s']:7.1f} tok/s aggregate, "
@@ -233,5 +233,5 @@ def _report(x: dict, a, out: Path, conc, modes, levels) -> None:
           file=sys.stderr, flush=True)
     (out / "load.json").write_text(json.dumps({"config": {
         "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
-        "requests": a.requests, "repeats": max(1, getattr(a, "repeats", 1)), "gateway": a.gateway},
+        "requests": a.requests, "repeats": repeats, "gateway": a.gateway},
         "levels": levels}, indent=1))

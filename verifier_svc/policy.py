@@ -221,13 +221,13 @@ class SpeculationPolicy:
         def gain(k):
             return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
 
-        line = self._cost_model()
+        model = self._cost_model()
         unmeasured = [k for k in cands if (b, max(k, floor)) not in self._cost]
         explored = False
-        if unmeasured and line is None:
+        if unmeasured and model is None:
             best, explored = unmeasured[0], True
         else:
-            best = max(cands, key=lambda k: gain(k) / max(self._estimate(b, max(k, floor), line), 1e-9))
+            best = max(cands, key=lambda k: gain(k) / max(self._estimate(b, max(k, floor), model), 1e-9))
             explored = best in unmeasured
             self._steps += 1
             if self.explore_every and self._steps % self.explore_every == 0:
@@ -235,7 +235,7 @@ class SpeculationPolicy:
                 nb = cands[min(i + 1, len(cands) - 1)] if (self._steps // self.explore_every) % 2 \
                     else cands[max(i - 1, 0)]
                 best, explored = nb, nb != best
-        cost = self._estimate(b, max(best, floor), line) if line or (b, max(best, floor)) in self._cost else 0.0
+        cost = self._estimate(b, max(best, floor), model) if model or (b, max(best, floor)) in self._cost else 0.0
         self.last_decision = Decision(mode="adaptive", k=best, batch=len(jobs),
                                       expected_tokens=gain(best), cost_seconds=cost,
                                       explored=explored)
