@@ -154,7 +154,7 @@ def test_long_prefill_is_chunked_between_decode_steps(target_model, hf_target):
     real_prefill, real_decode = engine.prefill_chunk, engine.decode_step
     engine.prefill_chunk = lambda job, budget: log.append(("prefill", job.req.request_id)) or \
         real_prefill(job, budget)
-    engine.decode_step = lambda jobs: log.append(("decode", tuple(j.req.request_id for j in jobs))) or \
+    engine.decode_step = lambda jobs, waiting=0: log.append(("decode", tuple(j.req.request_id for j in jobs))) or \
         real_decode(jobs)
     short, long = prompts(1, seed=9)[0], list(range(200, 250)) * 18
     out = {}
@@ -189,7 +189,7 @@ def _run_readers(engine, delays, n):
 
     steps = []
     real = engine.decode_step
-    engine.decode_step = lambda jobs: steps.append(tuple(j.req.request_id for j in jobs)) or real(jobs)
+    engine.decode_step = lambda jobs, waiting=0: steps.append(tuple(j.req.request_id for j in jobs)) or real(jobs, waiting)
     done = {}
 
     def run(rid, delay):
@@ -238,3 +238,24 @@ def test_a_slow_reader_does_not_hold_back_the_batch(target_model):
     fast, slow = done["r0"][1] - t0, done["r1"][1] - t0
     assert fast < 0.5 * slow, (fast, slow)
     assert sum("r0" in s for s in steps) >= 11
+
+
+def test_block_room_layer_matches_concatenation():
+    """The batched cache layer writes a block into its preallocated room; the K/V it returns
+    equal DynamicLayer's concatenation, also once a block overflows the room."""
+    from transformers.cache_utils import DynamicLayer
+
+    from verifier_svc.target import _BlockRoomLayer
+
+    g = torch.Generator().manual_seed(0)
+    past_k, past_v = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    room_k = torch.cat([past_k, torch.full((2, 3, 3, 4), float("nan"))], 2)
+    room_v = torch.cat([past_v, torch.full((2, 3, 3, 4), float("nan"))], 2)
+    room, ref = _BlockRoomLayer(room_k, room_v, 5), DynamicLayer()
+    ref.update(past_k, past_v)
+    for n in (2, 1, 2):                                    # 2 + 1 fill the room; 2 overflow it
+        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
+        got, want = room.update(k, v), ref.update(k, v)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert room.get_seq_length() == ref.get_seq_length() == 10

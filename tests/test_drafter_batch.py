@@ -34,9 +34,11 @@ def test_batched_propose_equals_one_by_one(make_drafter, tiny_target):
     d = make_drafter(block_size=8)
     alone = DrafterEngine.from_pretrained(d, tiny_target)
     batched = DrafterEngine.from_pretrained(d, tiny_target)
-    calls = []
+    calls, heads = [], []
     real = batched.drafter.forward
     batched.drafter.forward = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    real_head = batched.head.logits
+    batched.head.logits = lambda h, *a: heads.append(h.shape[0]) or real_head(h, *a)
     for reqs in steps(alone.cfg):
         want = [alone.propose([r])[0] for r in reqs]
         got = batched.propose(reqs)
@@ -48,6 +50,8 @@ def test_batched_propose_equals_one_by_one(make_drafter, tiny_target):
                 torch.testing.assert_close(g.probs, w.probs, atol=1e-6, rtol=1e-5)
     drafting = sum(bs > 1 for _, bs in ITEMS)
     assert calls == [drafting] * 3, "one drafter forward per step, all blocks in it"
+    rows = sum(bs - 1 for _, bs in ITEMS)
+    assert heads == [rows] * 3, "one LM-head product per step over every block's draft rows"
     assert batched.cached_tokens == alone.cached_tokens
 
 

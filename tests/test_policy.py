@@ -118,7 +118,7 @@ def test_no_speculation_steps_still_send_context(target_model, hf_target):
     oracle = Recording(target_model, {"s": ref}, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=1)
     plan = iter([0, 0, 0, 3, 3, 0, 3] + [3] * 40)
-    engine.policy.choose = lambda jobs: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+    engine.policy.choose = lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
                                          for j in jobs]
     evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
                                        ignore_eos=True, proposer=oracle)))
@@ -141,7 +141,7 @@ def test_context_flushed_every_n_rows_without_speculation(target_model, hf_targe
     oracle = Recording(target_model, {"s": ref}, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=4)
     plan = iter([0] * 10 + [3] * 40)
-    engine.policy.choose = lambda jobs: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+    engine.policy.choose = lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
                                          for j in jobs]
     evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
                                        ignore_eos=True, proposer=oracle)))
@@ -220,6 +220,20 @@ def test_policy_inputs_in_metrics_and_step_spans(target_model, tokenizer, hf_tar
         s.close()
 
 
+def test_no_adaptive_speculation_while_prompts_wait_for_prefill():
+    """A waiting prompt is prefilled after this step: adaptive sessions take the short step
+    (no drafts) so it joins sooner; fixed sessions keep their blocks; with nothing waiting the
+    same policy speculates again."""
+    p = trained(lambda pos: 0.95, lambda k: 0.010 + 0.0002 * k)
+    jobs = [job(), job(), job("fixed", 8)]
+    assert p.choose(jobs, waiting=3) == [0, 0, 7]
+    d = p.last_decision
+    assert (d.k, d.waiting, d.batch) == (0, 3, 3)
+    p.observe_step(3, 7, 0.011, 0.0)
+    ks = p.choose(jobs)
+    assert ks[0] == ks[1] > 0 and ks[2] == 7 and p.last_decision.waiting == 0
+
+
 def test_per_step_overhead_makes_speculation_pay():
     """Verify+draft alone favour no speculation (1 token / 10 ms > 1.15 / 12 ms for k = 1), but
     every cycle also pays 20 ms outside them, once per step whatever k is: then speculating wins
@@ -258,8 +272,9 @@ def _true_cost(b, k):   # per step: fixed + per session (KV gather/scatter) + pe
 
 
 def test_unmeasured_large_batch_priced_per_session_and_per_token():
-    """Measured only at batches 1-4, the policy prices batch 32 from both slopes and picks the
-    k the true cost would; a line in tokens alone (1 session x 16 tokens costs what 16 sessions
+    """Its first step at batch 32 measures no speculation; then, with every k > 0 measured only
+    at batches 1-4, the policy prices batch 32 from both slopes and picks the k the true cost
+    would; a line in tokens alone (1 session x 16 tokens costs what 16 sessions
     x 1 token cost) makes 32-session speculation look far too cheap."""
     p = trained(lambda pos: 0.5, lambda k: _true_cost(1, k))
     for b, k in ((2, 0), (2, 3), (2, 7), (4, 0), (4, 3)):
@@ -267,6 +282,8 @@ def test_unmeasured_large_batch_priced_per_session_and_per_token():
     assert p._cost_model() == pytest.approx((0.05, 0.03, 0.01), abs=1e-6)
     jobs = [job() for _ in range(20)]
     assert bucket(20) == 32
+    assert p.choose(jobs)[0] == 0 and p.last_decision.explored   # the bucket's baseline first
+    p.observe_step(20, 0, _true_cost(32, 0), 0.0)
     k = p.choose(jobs)[0]
     e = p.expected_table(LABEL, 15)
     best = max((c for c in CANDIDATES if c <= 15), key=lambda c: 20 * e[c] / _true_cost(32, c))
@@ -290,5 +307,6 @@ def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
     assert a + per_session * 8 + per_token * 8 * 8 < 1.0             # the fit alone: cheap
     assert p._estimate(8, 7, model) >= 1.5 and p._estimate(8, 15, model) >= 1.5
     assert p._estimate(8, 5, model) < 1.0                            # k=7 does not bound k=5
-    k = p.choose([job() for _ in range(6)])[0]                       # bucket 8, not measured
+    p.observe_step(6, 0, flat(8, 0), 0.0)                            # bucket 8: only k=0
+    k = p.choose([job() for _ in range(6)])[0]
     assert k < 7 or p.last_decision.cost_seconds >= 1.5

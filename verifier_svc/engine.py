@@ -345,10 +345,11 @@ class VerifierEngine:
                          stats=job.stats, prompt_tokens=len(req.prompt),
                          cached_prompt_tokens=job.reuse)
 
-    def decode_step(self, jobs: list["Job"]) -> list[StepEvent]:
-        """One speculative step for every job: one drafter call per drafter, one target forward."""
+    def decode_step(self, jobs: list["Job"], waiting: int = 0) -> list[StepEvent]:
+        """One speculative step for every job: one drafter call per drafter, one target forward.
+        ``waiting``: requests whose prompts wait for prefill behind this step (the policy)."""
         t = self.target
-        ks = self.policy.choose(jobs)
+        ks = self.policy.choose(jobs, waiting)
         anchors = [j.session.tokens[-1] for j in jobs]
         lens = [j.session.cached for j in jobs]
         td = time.perf_counter()
@@ -366,6 +367,12 @@ class VerifierEngine:
         verify_s = time.perf_counter() - tv
         self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
                                  draft_s if any(d[3] for d in drafted) else 0.0)
+        if log.isEnabledFor(logging.DEBUG):
+            d = self.policy.last_decision
+            log.debug("step batch=%d waiting=%d k=%s explored=%s expected=%.2f estimated=%.1fms "
+                      "measured verify=%.1fms draft=%.1fms", len(jobs), waiting, d and d.k,
+                      d and d.explored, d.expected_tokens if d else 0, 1e3 * (d.cost_seconds if d else 0),
+                      1e3 * verify_s, 1e3 * draft_s)
         events = []
         for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(
                 jobs, blocks, lens, drafted, outs):

@@ -175,7 +175,8 @@ class VerifierObserver:
                 attrs.update({"dflash.policy.drafts": d.k, "dflash.policy.batch": d.batch,
                               "dflash.policy.expected_tokens": d.expected_tokens,
                               "dflash.policy.cost_seconds": d.cost_seconds,
-                              "dflash.policy.explored": d.explored})
+                              "dflash.policy.explored": d.explored,
+                              "dflash.policy.waiting": d.waiting})
         if chunk.finish_reason:
             attrs["dflash.finish_reason"] = FINISH_NAME.get(chunk.finish_reason) or "unknown"
         if cur is None and view is not None and view.fallback:

@@ -176,7 +176,7 @@ class Scheduler:
                 self._running.append(job)
         ready = self._ready()
         if ready:
-            events = self.engine.decode_step(ready)
+            events = self.engine.decode_step(ready, len(self._waiting))
             self._observe_cycle(events, prefilled)
             for job, ev in zip(ready, events):
                 self._emit(job, ev, notify=True)

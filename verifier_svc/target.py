@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.taps import hidden_state_indices
@@ -137,12 +138,18 @@ class TargetModel:
         for layer in range(len(caches[0].layers)):
             ks = [c.layers[layer].keys for c in caches]
             vs = [c.layers[layer].values for c in caches]
-            k = ks[0].new_zeros((b, ks[0].shape[1], ctx, ks[0].shape[3]))
-            v = vs[0].new_zeros((b, vs[0].shape[1], ctx, vs[0].shape[3]))
+            room = q if type(batched.layers[layer]) is DynamicLayer else 0
+            k = ks[0].new_empty((b, ks[0].shape[1], ctx + room, ks[0].shape[3]))
+            v = vs[0].new_empty((b, vs[0].shape[1], ctx + room, vs[0].shape[3]))
             for i, n in enumerate(lens):
-                k[i, :, ctx - n:] = ks[i][0]
-                v[i, :, ctx - n:] = vs[i][0]
-            batched.update(k, v, layer)
+                k[i, :, :ctx - n] = 0             # left padding: masked, but must be finite
+                v[i, :, :ctx - n] = 0
+                k[i, :, ctx - n:ctx] = ks[i][0]
+                v[i, :, ctx - n:ctx] = vs[i][0]
+            if room:
+                batched.layers[layer] = _BlockRoomLayer(k, v, ctx)
+            else:
+                batched.update(k, v, layer)
         want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=pos.to(self.device), cache=batched, use_cache=True,
@@ -159,3 +166,33 @@ class TargetModel:
                              dim=-1) if layer_ids[i] else None
             results.append((logits, taps))
         return results
+
+
+class _BlockRoomLayer(DynamicLayer):
+    """A batched cache layer allocated with room for the step's block: ``update`` writes the
+    block's K/V into that room instead of concatenating, which copied the whole batch's cache
+    once more per layer and step (32 sessions x 1 token, SmolLM2, 2 cores: 87 of 340 ms).
+
+    ``keys`` / ``values``: [b, kv_heads, length + room, head_dim] with the first ``length``
+    positions filled; after ``update`` the layer holds views of the filled part, like
+    ``DynamicLayer``.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self._k, self._v, self._n = keys, values, length
+        self.device = keys.device
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self._n + n > self._k.shape[-2]:      # more than the room: DynamicLayer's way
+            self._n = self._k.shape[-2] + 1      # (for good: keys no longer view the room)
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._k[:, :, self._n:self._n + n] = key_states
+        self._v[:, :, self._n:self._n + n] = value_states
+        self._n += n
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+        return self.keys, self.values
