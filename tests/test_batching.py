@@ -259,3 +259,19 @@ def test_block_room_layer_matches_concatenation():
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     assert room.get_seq_length() == ref.get_seq_length() == 10
+
+
+def test_a_step_that_loses_events_fails_its_requests_instead_of_hanging(target_model):
+    """If a decode step returns fewer events than it had jobs, the scheduler fails the requests
+    with an error (their readers would otherwise wait for an event that never comes)."""
+    from verifier_svc.engine import Request, VerifierEngine
+
+    engine = VerifierEngine(target_model)
+    engine.decode_step = lambda jobs, waiting=0: []
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="0 events for 1 jobs"):
+        for _ in engine.generate(Request(request_id="x", prompt=[5, 6, 7], max_tokens=4,
+                                         ignore_eos=True)):
+            pass
+    assert time.monotonic() - t0 < 30
+    engine.close()

@@ -32,7 +32,7 @@ def trained(rate_fn, cost_fn, batch=1, steps=400):
         acc = 0
         while acc < 15 and _coin(rate_fn, acc):
             acc += 1
-        p.observe_acceptance(LABEL, 15, acc)
+        p.observe_acceptance(LABEL, [(15, acc)])
     for k in CANDIDATES:
         if k <= 15:
             p.observe_step(batch, k, cost_fn(k), 0.0)
@@ -92,7 +92,7 @@ def test_candidates_tried_in_order_until_a_cost_line_exists():
 def test_expected_tokens_from_rates():
     p = SpeculationPolicy("adaptive")
     for acc in (0, 1, 2, 3):
-        p.observe_acceptance(LABEL, 3, acc)
+        p.observe_acceptance(LABEL, [(3, acc)])
     assert p.rates(LABEL) == pytest.approx([0.75, 0.5, 0.25], abs=1e-9)
     assert p.expected_tokens(LABEL, 2) == pytest.approx(1 + 0.75 + 0.5)
     # beyond measured positions: geometric with the last conditional rate (0.25 / 0.5)
@@ -218,6 +218,21 @@ def test_policy_inputs_in_metrics_and_step_spans(target_model, tokenizer, hf_tar
                    for k in m)
     finally:
         s.close()
+
+
+def test_acceptance_memory_is_counted_in_steps_not_sessions():
+    """One step of 32 sessions that all rejected their first draft moves the rates as far as one
+    step of one session would (alpha x the miss), not 32 times as far; a step's blocks of
+    different lengths count each position over the blocks that drafted it."""
+    p = trained(lambda pos: 0.5, lambda k: 0.01)
+    before = p.rates(LABEL)
+    p.observe_acceptance(LABEL, [(15, 0)] * 32)
+    after = p.rates(LABEL)
+    assert after == pytest.approx([r * (1 - p.alpha) for r in before])   # one step's worth
+    assert after[0] > 0.4                         # per block: 0.5 * 0.95**32 = 0.10
+    fresh = SpeculationPolicy("adaptive")
+    fresh.observe_acceptance(LABEL, [(1, 1), (3, 3), (3, 1), (0, 0)])
+    assert fresh.rates(LABEL) == pytest.approx([1.0, 0.5, 0.5])
 
 
 def test_no_adaptive_speculation_while_prompts_wait_for_prefill():

@@ -374,6 +374,7 @@ class VerifierEngine:
                       d and d.explored, d.expected_tokens if d else 0, 1e3 * (d.cost_seconds if d else 0),
                       1e3 * verify_s, 1e3 * draft_s)
         events = []
+        verified: dict[str, list[tuple[int, int]]] = {}   # drafter label -> (drafts, accepted)
         for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(
                 jobs, blocks, lens, drafted, outs):
             req, s = j.req, j.session
@@ -400,11 +401,13 @@ class VerifierEngine:
                 j.stats.fallback_steps += 1
             self.totals.record(k, acc_emitted)
             if k and req.proposer is not None:
-                self.policy.observe_acceptance(req.proposer.card.label, k, acc_emitted)
+                verified.setdefault(req.proposer.card.label, []).append((k, acc_emitted))
             events.append(StepEvent(tokens=new, accepted=acc_emitted, drafted=k, finish=finish,
                                     draft_seconds=draft_s if asked else 0.0, verify_seconds=verify_s,
                                     fallback=fallback, stats=j.stats, batch_size=len(jobs),
                                     policy=self.policy.last_decision))
+        for label, label_blocks in verified.items():
+            self.policy.observe_acceptance(label, label_blocks)
         return events
 
     def _draft_all(self, jobs, anchors, lens, ks):

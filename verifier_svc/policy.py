@@ -103,16 +103,26 @@ class SpeculationPolicy:
         self.last_decision: Decision | None = None
 
     # ------------------------------------------------------------------ inputs
-    def observe_acceptance(self, label: str, drafted: int, accepted: int) -> None:
-        """A verified block of ``drafted`` drafts whose first ``accepted`` were accepted."""
+    def observe_acceptance(self, label: str, blocks: list[tuple[int, int]]) -> None:
+        """One step's verified blocks of drafter ``label``: ``(drafts, accepted drafts)`` each.
+
+        One EMA update per position per step, with the fraction of the step's blocks that
+        accepted it: the EMA then remembers a number of steps whatever the batch size (updated
+        per block, one step of 32 sessions moved it as far as 32 steps of one session, so the
+        rates, and the policy's choice, followed whichever sessions the last step held)."""
+        blocks = [(d, a) for d, a in blocks if d > 0]
+        if not blocks:
+            return
         rates = self._accepted.setdefault(label, [])
         seen = self._drafted.setdefault(label, [])
-        while len(rates) < drafted:
+        top = max(d for d, _ in blocks)
+        while len(rates) < top:
             rates.append(0.0)
             seen.append(_EMA(self.alpha))
-        for p in range(drafted):
+        for p in range(top):
+            drafted = [a for d, a in blocks if d > p]
+            hit = sum(a > p for a in drafted) / len(drafted)
             e = seen[p]
-            hit = 1.0 if p < accepted else 0.0
             rates[p] = hit if e.n == 0 else rates[p] + max(self.alpha, 1.0 / (e.n + 1)) * (hit - rates[p])
             e.n += 1
 

@@ -177,6 +177,8 @@ class Scheduler:
         ready = self._ready()
         if ready:
             events = self.engine.decode_step(ready, len(self._waiting))
+            if len(events) != len(ready):   # a reader without its event would wait forever
+                raise RuntimeError(f"decode_step returned {len(events)} events for {len(ready)} jobs")
             self._observe_cycle(events, prefilled)
             for job, ev in zip(ready, events):
                 self._emit(job, ev, notify=True)

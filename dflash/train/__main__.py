@@ -29,6 +29,9 @@ def _gen_args(ap: argparse.ArgumentParser) -> None:
                          "(dflash.train.code_prompts); the rest are synthetic templates")
     ap.add_argument("--reverse", action="store_true",
                     help="generate batches last-to-first (a second writer next to a running one)")
+    ap.add_argument("--prompt-seed", type=int, default=0,
+                    help="seed of the prompt draw: another seed gives other prompts, to add data "
+                         "to a run whose batches are all answered (with --start-batch past them)")
 
 
 def _train_args(ap: argparse.ArgumentParser) -> None:
@@ -77,7 +80,7 @@ def _datagen(args, target_dir: str, data_dir: str) -> None:
                     target_layer_ids=tuple(default_target_layer_ids(30, 5)),
                     num_prompts=args.num_prompts, batch_size=args.gen_batch,
                     max_new_tokens=args.max_new_tokens, time_budget_min=args.gen_budget_min,
-                    reverse=args.reverse, start_batch=args.start_batch)
+                    reverse=args.reverse, start_batch=args.start_batch, seed=args.prompt_seed)
     generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed,
                                        code_fraction=args.code_fraction))
 
