@@ -251,8 +251,8 @@ class SpeculationPolicy:
         elif (b, floor) not in self._cost:
             # The step without (further) speculation is the baseline every other k must beat
             # and the cheapest step to try: measure it first in every batch bucket instead of
-            # extrapolating it (at 32 sessions k = 2 ran a whole level without k = 0 ever
-            # being measured there, 0.82x of no speculation).
+            # extrapolating it (a logged c=32 level ran k = 1-2 at every step of bucket 32
+            # without k = 0 ever being measured there).
             best, explored = 0, True
         else:
             best = max(cands, key=lambda k: gain(k) / max(self._estimate(b, max(k, floor), model), 1e-9))
