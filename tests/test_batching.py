@@ -155,7 +155,7 @@ def test_long_prefill_is_chunked_between_decode_steps(target_model, hf_target):
     engine.prefill_chunk = lambda job, budget: log.append(("prefill", job.req.request_id)) or \
         real_prefill(job, budget)
     engine.decode_step = lambda jobs, waiting=0: log.append(("decode", tuple(j.req.request_id for j in jobs))) or \
-        real_decode(jobs)
+        real_decode(jobs, waiting)
     short, long = prompts(1, seed=9)[0], list(range(200, 250)) * 18
     out = {}
     started = threading.Event()

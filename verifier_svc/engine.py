@@ -368,11 +368,10 @@ class VerifierEngine:
         self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
                                  draft_s if any(d[3] for d in drafted) else 0.0)
         if log.isEnabledFor(logging.DEBUG):
-            d = self.policy.last_decision
-            log.debug("step batch=%d waiting=%d k=%s explored=%s expected=%.2f estimated=%.1fms "
-                      "measured verify=%.1fms draft=%.1fms", len(jobs), waiting, d and d.k,
-                      d and d.explored, d.expected_tokens if d else 0, 1e3 * (d.cost_seconds if d else 0),
-                      1e3 * verify_s, 1e3 * draft_s)
+            d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
+            log.debug("step batch=%d waiting=%d k=%d explored=%s expected=%.2f estimated=%.1fms "
+                      "measured verify=%.1fms draft=%.1fms", len(jobs), waiting, d.k, d.explored,
+                      d.expected_tokens, 1e3 * d.cost_seconds, 1e3 * verify_s, 1e3 * draft_s)
         events = []
         verified: dict[str, list[tuple[int, int]]] = {}   # drafter label -> (drafts, accepted)
         for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(

@@ -142,8 +142,9 @@ class TargetModel:
             k = ks[0].new_empty((b, ks[0].shape[1], ctx + room, ks[0].shape[3]))
             v = vs[0].new_empty((b, vs[0].shape[1], ctx + room, vs[0].shape[3]))
             for i, n in enumerate(lens):
-                k[i, :, :ctx - n] = 0             # left padding: masked, but must be finite
-                v[i, :, :ctx - n] = 0
+                if n < ctx:                       # left padding: masked, but must be finite
+                    k[i, :, :ctx - n] = 0
+                    v[i, :, :ctx - n] = 0
                 k[i, :, ctx - n:ctx] = ks[i][0]
                 v[i, :, ctx - n:ctx] = vs[i][0]
             if room:
