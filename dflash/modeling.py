@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash.config import DrafterConfig
+from kernels.skinny_linear import skinny_linear
 
 # One layer's cached context keys and values: ([b, kv_heads, n, head_dim], same).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -192,6 +193,8 @@ class TargetHead(nn.Module):
     same tensor for both.
     """
 
+    skinny_max_rows: int = 0
+
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()
         self.register_buffer("embed", embed, persistent=False)
@@ -207,5 +210,7 @@ class TargetHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (float32). ``weight`` [N, H]: a subset of the LM
-        head's rows (a draft vocabulary, ``dflash.draft_vocab``) -> logits [..., N]."""
-        return F.linear(hidden, self.lm_head if weight is None else weight).float()
+        head's rows (a draft vocabulary, ``dflash.draft_vocab``) -> logits [..., N].
+        ``skinny_max_rows`` (attribute, 0 = off): see ``kernels.skinny_linear``."""
+        w = self.lm_head if weight is None else weight
+        return skinny_linear(hidden, w, max_rows=self.skinny_max_rows).float()

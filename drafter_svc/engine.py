@@ -22,6 +22,7 @@ from dflash.draft_vocab import load_draft_vocab
 from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
+from kernels.skinny_linear import DEFAULT_MAX_ROWS, use_skinny_linear
 
 
 @dataclasses.dataclass
@@ -41,12 +42,16 @@ class DrafterEngine:
         max_sessions: LRU bound on kept session contexts.
         draft_vocab: int64 [N] target ids the drafter may propose (``dflash.draft_vocab``);
             None = the full vocabulary. Its LM head is then ``N x H`` instead of ``V x H``.
+        skinny_max_rows: linear layers and the LM head with 2..N rows use the transposed
+            product (``kernels.skinny_linear``); 0 = plain ``F.linear``.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS):
         self.drafter = drafter
         self.head = head
+        use_skinny_linear(drafter, skinny_max_rows)
+        head.skinny_max_rows = skinny_max_rows
         self.cfg = drafter.cfg
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
@@ -68,7 +73,8 @@ class DrafterEngine:
     @classmethod
     def from_pretrained(cls, drafter_dir: str | Path, target_dir: str | Path, *,
                         dtype: str = "float32", name: str | None = None,
-                        version: str | None = None, draft_vocab_size: int = -1) -> "DrafterEngine":
+                        version: str | None = None, draft_vocab_size: int = -1,
+                        skinny_max_rows: int = DEFAULT_MAX_ROWS) -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -85,7 +91,7 @@ class DrafterEngine:
             drafter.cfg = dataclasses.replace(drafter.cfg,
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
-        return cls(drafter, head, draft_vocab=vocab)
+        return cls(drafter, head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows)
 
     @property
     def num_sessions(self) -> int:

@@ -10,6 +10,7 @@ from dflash.server import add_common_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.observe import ObservedDrafterServicer
+from kernels.skinny_linear import DEFAULT_MAX_ROWS as SKINNY_MAX_ROWS
 
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -38,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
                    help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
                         "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
+    p.add_argument("--skinny-max-rows", type=int,
+                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
+                   help="CPU float32: linear layers with 2..N rows use the transposed product, "
+                        "0 = off (kernels/skinny_linear.py) [DFLASH_SKINNY_MAX_ROWS]")
     add_common_args(p)
     return p.parse_args(argv)
 
@@ -55,7 +60,8 @@ def main(argv=None) -> None:
         serve_metrics(telemetry.registry, a.metrics_port)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
-                                           version=a.version, draft_vocab_size=a.draft_vocab_size)
+                                           version=a.version, draft_vocab_size=a.draft_vocab_size,
+                                           skinny_max_rows=a.skinny_max_rows)
     engine.warmup()
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)

@@ -10,6 +10,7 @@ import threading
 from dflash.server import add_common_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from kernels.skinny_linear import DEFAULT_MAX_ROWS as SKINNY_MAX_ROWS
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.servicer import DrafterPool
 
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
                    help="torch CPU threads, 0 = torch default [DFLASH_TORCH_THREADS]")
+    p.add_argument("--skinny-max-rows", type=int,
+                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
+                   help="CPU float32: linear layers with 2..N rows (a verify block) use the "
+                        "transposed product, 0 = off (kernels/skinny_linear.py; expert-parallel "
+                        "ranks keep the default) "
+                        "[DFLASH_SKINNY_MAX_ROWS]")
     p.add_argument("--spec-log-interval", type=float,
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
                    help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
@@ -123,7 +130,7 @@ def _load_target(a, rt):
     from verifier_svc.target import TargetModel
 
     if a.ep_size <= 1:
-        return TargetModel(a.target, dtype=a.dtype)
+        return TargetModel(a.target, dtype=a.dtype, skinny_max_rows=a.skinny_max_rows)
     from verifier_svc.ep import DistributedTarget
 
     target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, threads=a.threads,

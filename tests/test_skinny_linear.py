@@ -1,0 +1,82 @@
+"""kernels.skinny_linear: the transposed product for 2..N rows equals F.linear (float32 rounding),
+is taken only where it was measured to help, and is what the target and drafter run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import skinny_linear as sk
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", [(2, 64), (1, 5, 64), (3, 4, 64), (16, 64), (17, 64), (1, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(shape, bias, two_threads):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(48, 64, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    out = sk.skinny_linear(x, w, b, max_rows=16)
+    ref = F.linear(x, w, b)
+    assert out.shape == ref.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _calls(monkeypatch):
+    """Count the products skinny_linear hands to F.linear (the path it did not take)."""
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(sk.F, "linear", lambda *a: seen.append(a[0].shape) or real(*a))
+    return seen
+
+
+def test_dispatch_takes_transposed_product_only_for_2_to_max_rows(monkeypatch, two_threads):
+    seen = _calls(monkeypatch)
+    w = torch.randn(8, 4)
+    for rows in (1, 2, 16, 17):
+        sk.skinny_linear(torch.randn(rows, 4), w, max_rows=16)
+    assert seen == [(1, 4), (17, 4)]
+    seen.clear()
+    sk.skinny_linear(torch.randn(4, 4), w, max_rows=0)                       # off
+    sk.skinny_linear(torch.randn(4, 4).double(), w.double(), max_rows=16)    # not float32
+    assert len(seen) == 2
+    torch.set_num_threads(1)                                                  # one thread: slower
+    seen.clear()
+    sk.skinny_linear(torch.randn(4, 4), w, max_rows=16)
+    assert len(seen) == 1
+
+
+def test_use_skinny_linear_switches_plain_linears_and_keeps_weights():
+    class Sub(torch.nn.Linear):
+        pass
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), Sub(8, 2))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(3, 4)
+    ref = m(x)
+    assert sk.use_skinny_linear(m, max_rows=0) == 0 and type(m[0]) is torch.nn.Linear
+    assert sk.use_skinny_linear(m, max_rows=8) == 1
+    assert type(m[0]) is sk.SkinnyLinear and type(m[2]) is Sub
+    assert m.state_dict().keys() == before.keys()
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_target_and_drafter_engine_use_it(tiny_target, make_drafter):
+    from drafter_svc.engine import DrafterEngine
+    from verifier_svc.target import TargetModel
+
+    t = TargetModel(tiny_target)
+    assert any(type(m) is sk.SkinnyLinear for m in t.model.modules())
+    off = TargetModel(tiny_target, skinny_max_rows=0)
+    assert not any(type(m) is sk.SkinnyLinear for m in off.model.modules())
+    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target)
+    assert any(type(m) is sk.SkinnyLinear for m in d.drafter.modules())
+    assert d.head.skinny_max_rows == sk.DEFAULT_MAX_ROWS
