@@ -33,64 +33,87 @@ def _tpot(latency: float, ttft: float, n: int) -> float:
     return (latency - ttft) / max(n - 1, 1)
 
 
-def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
-                mode: str = "", progress=None) -> list[dict]:
-    from dflash.client import GatewayClient, build_request
+def gateway_row(client, task_id: str, prompt: str, *, max_tokens: int, speculation: bool,
+                drafter: str = "", mode: str = "") -> dict:
+    """One HumanEval prompt through the running stack (``client``: ``dflash.client.GatewayClient``).
+
+    Returns one result row: tokens, token_ids, ttft_s / latency_s / tpot_s (seconds),
+    decode_tok_s, the acceptance counters and tau, the drafter label, draft_s / verify_s.
+    """
+    from dflash.client import build_request
     from dflash.convert import stats_from_proto
     from dflash.humaneval import format_prompt
+
+    req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
+                        speculation=speculation, drafter=drafter, speculation_mode=mode)
+    c = client.complete(req, timeout=1800)
+    st = stats_from_proto(c.acceptance)
+    n = c.usage.completion_tokens
+    return {"task_id": task_id, "tokens": n, "token_ids": c.token_ids,
+            "ttft_s": c.ttft_s, "latency_s": c.latency_s,
+            "tpot_s": _tpot(c.latency_s, c.ttft_s, n),
+            "decode_tok_s": (n - 1) / max(c.latency_s - c.ttft_s, 1e-9),
+            "drafts": st.drafts, "draft_tokens": st.draft_tokens,
+            "accepted": st.accepted_tokens, "accepted_per_position": st.accepted_per_position,
+            "tau": st.mean_acceptance_length, "drafter": c.drafter,
+            "draft_s": st.draft_seconds, "verify_s": st.verify_seconds}
+
+
+def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
+                mode: str = "", progress=None) -> list[dict]:
+    """:func:`gateway_row` for every ``(task_id, prompt)`` in ``prompts``, in order."""
+    from dflash.client import GatewayClient
 
     client = GatewayClient(addr)
     rows = []
     for task_id, prompt in prompts:
-        req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
-                            speculation=speculation, drafter=drafter, speculation_mode=mode)
-        c = client.complete(req, timeout=1800)
-        st = stats_from_proto(c.acceptance)
-        n = c.usage.completion_tokens
-        rows.append({"task_id": task_id, "tokens": n, "token_ids": c.token_ids,
-                     "ttft_s": c.ttft_s, "latency_s": c.latency_s,
-                     "tpot_s": _tpot(c.latency_s, c.ttft_s, n),
-                     "decode_tok_s": (n - 1) / max(c.latency_s - c.ttft_s, 1e-9),
-                     "drafts": st.drafts, "draft_tokens": st.draft_tokens,
-                     "accepted": st.accepted_tokens, "accepted_per_position": st.accepted_per_position,
-                     "tau": st.mean_acceptance_length, "drafter": c.drafter,
-                     "draft_s": st.draft_seconds, "verify_s": st.verify_seconds})
+        rows.append(gateway_row(client, task_id, prompt, max_tokens=max_tokens,
+                                speculation=speculation, drafter=drafter, mode=mode))
         if progress:
             progress.update(1)
     client.close()
     return rows
 
 
-def run_peer(target_dir: str, drafter_dir: str, prompts, *, max_tokens: int, progress=None) -> list[dict]:
-    """transformers' own DFlash generation, in process, same weights (batch 1, greedy)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from dflash.hf_peer import load_peer_drafter, record_acceptance
-    from dflash.humaneval import encode_prompt
+class Peer:
+    """transformers' own DFlash generation, in process, same weights (batch 1, greedy, float32).
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafter = load_peer_drafter(drafter_dir)
-    rows = []
-    with record_acceptance() as matches:
-        for task_id, prompt in prompts:
-            ids = torch.tensor([encode_prompt(tok, prompt)])
-            matches.clear()
+    ``row(task_id, prompt)`` generates one answer with ``generate(..., speculation_type="dflash")``
+    and returns its row: tokens, token_ids, latency_s, decode_tok_s, tau, drafts, accepted.
+    """
+
+    def __init__(self, target_dir: str, drafter_dir: str, *, max_tokens: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dflash.hf_peer import load_peer_drafter
+
+        self.tok = AutoTokenizer.from_pretrained(target_dir)
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.drafter = load_peer_drafter(drafter_dir)
+        self.max_tokens = max_tokens
+
+    def row(self, task_id: str, prompt: str) -> dict:
+        import torch
+
+        from dflash.hf_peer import record_acceptance
+        from dflash.humaneval import encode_prompt
+
+        ids = torch.tensor([encode_prompt(self.tok, prompt)])
+        with record_acceptance() as matches:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = target.generate(ids, assistant_model=drafter, speculation_type="dflash",
-                                      do_sample=False, max_new_tokens=max_tokens)
+                out = self.target.generate(ids, assistant_model=self.drafter,
+                                           speculation_type="dflash", do_sample=False,
+                                           max_new_tokens=self.max_tokens)
             dt = time.perf_counter() - t0
-            new = out[0, ids.shape[1]:].tolist()
-            st = AcceptanceCounter()
-            for m in matches:
-                st.record(drafter.config.block_size - 1, m)
-            rows.append({"task_id": task_id, "tokens": len(new), "token_ids": new, "latency_s": dt,
-                         "decode_tok_s": len(new) / dt, "tau": st.mean_acceptance_length,
-                         "drafts": st.drafts, "accepted": st.accepted_tokens})
-            if progress:
-                progress.update(1)
-    return rows
+        new = out[0, ids.shape[1]:].tolist()
+        st = AcceptanceCounter()
+        for m in matches:
+            st.record(self.drafter.config.block_size - 1, m)
+        return {"task_id": task_id, "tokens": len(new), "token_ids": new, "latency_s": dt,
+                "decode_tok_s": len(new) / dt, "tau": st.mean_acceptance_length,
+                "drafts": st.drafts, "accepted": st.accepted_tokens}
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -196,21 +219,38 @@ def cmd_bench(a) -> int:
 
         stack = LocalStack(_stack_config(a)).start()
         a.gateway = stack.gateway_addr
-    rows: dict[str, list[dict]] = {}
+    rows: dict[str, list[dict]] = {m[0]: [] for m in modes}
+    client = peer = None
     try:
+        from dflash.client import GatewayClient
+
+        client = GatewayClient(a.gateway)
+        runs = [(m, lambda t, p, m=m: gateway_row(client, t, p, max_tokens=a.max_tokens,
+                                                   speculation=m[1], drafter=m[2], mode=m[3]))
+                for m in modes]
+        if a.peer:
+            target = a.target or (stack.cfg.target if stack else None)
+            drafter = (a.drafter or [None])[0] or (stack.cfg.drafters[0].path if stack else None)
+            if not target or not drafter:
+                raise SystemExit("--peer needs --target and --drafter (or --start)")
+            peer = Peer(target, drafter, max_tokens=a.max_tokens)
+            rows["peer"] = []
+            runs.append((("peer",), peer.row))
+        # Interleaved: every prompt through every mode before the next prompt, the order rotated
+        # per prompt. This machine's speed drifts by tens of percent within minutes (one-token
+        # decode measured 57 and 84 ms a quarter of an hour apart); mode after mode, a drift
+        # would land on one mode and pass for a speedup or a slowdown.
+        t0 = time.monotonic()
         with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
-            for mode, spec, d, policy in modes:
-                bar.set_postfix_str(mode)
-                rows[mode] = run_gateway(a.gateway, prompts, max_tokens=a.max_tokens,
-                                         speculation=spec, drafter=d, mode=policy, progress=bar)
-            if a.peer:
-                bar.set_postfix_str("peer")
-                target = a.target or (stack.cfg.target if stack else None)
-                drafter = (a.drafter or [None])[0] or (stack.cfg.drafters[0].path if stack else None)
-                if not target or not drafter:
-                    raise SystemExit("--peer needs --target and --drafter (or --start)")
-                rows["peer"] = run_peer(target, drafter, prompts, max_tokens=a.max_tokens, progress=bar)
+            for i, (task_id, prompt) in enumerate(prompts):
+                for (mode, *_), run in runs[i % len(runs):] + runs[:i % len(runs)]:
+                    bar.set_postfix_str(mode)
+                    start = time.monotonic() - t0
+                    rows[mode].append({**run(task_id, prompt), "t_start_s": start})
+                    bar.update(1)
     finally:
+        if client:
+            client.close()
         if stack:
             stack.stop()
     results = {"config": {"prompts": len(prompts), "max_tokens": a.max_tokens, "gateway": a.gateway,

@@ -202,11 +202,12 @@ def cmd_load(a, prompts, out: Path) -> int:
     drafter = (a.use_drafter or [""])[0]
     repeats = max(1, getattr(a, "repeats", 1))
     levels = []
-    # each concurrency level runs its modes back to back, ``repeats`` rounds of them, so that
-    # the modes of one level are compared under the same conditions and their spread is known
+    # each concurrency level runs its modes back to back, ``repeats`` rounds of them (the order
+    # rotated per round), so that the modes of one level are compared under the same conditions
+    # and their spread is known
     for c in conc:
         for rep in range(repeats):
-            for m in modes:
+            for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                 # warm-up: one request so first-use costs (drafter stream, caches) stay out
                 if not levels:
                     run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,

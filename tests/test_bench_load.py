@@ -88,3 +88,35 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
     assert "run-to-run spread" in md and (tmp_path / "out" / "load.png").exists()
     for log in (tmp_path / "logs").iterdir():
         assert "stopped" in log.read_text(), log.name
+
+
+@pytest.mark.slow
+def test_humaneval_bench_cli_interleaves_modes(tmp_path):
+    """`dflash bench --start --tiny --spec-modes fixed,adaptive --peer`: every prompt runs through
+    every mode (and the in-process peer) before the next prompt starts, so a drift in the
+    machine's speed lands on all modes alike; outputs and the lossless counts are written."""
+    import json
+    import subprocess
+    import sys
+
+    from test_processes import free_ports
+
+    gw, ver, dr = free_ports(3)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "bench", "--start", "--tiny", "--limit", "3",
+         "--max-tokens", "6", "--spec-modes", "fixed,adaptive", "--peer",
+         "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs"),
+         "--gateway-port", str(gw), "--verifier-port", str(ver), "--drafter-port", str(dr)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    modes = set(res["rows"])
+    assert modes == {"spec[fixed]", "spec[adaptive]", "off", "peer"}
+    runs = sorted((r["t_start_s"], r["task_id"], m) for m, rs in res["rows"].items() for r in rs)
+    tasks = [t for _, t, _ in runs]
+    assert len(runs) == 3 * len(modes)
+    assert tasks == sorted(tasks, key=tasks.index) and len(set(tasks[:4])) == 1, runs
+    firsts = [[m for _, t, m in runs if t == task][0] for task in dict.fromkeys(tasks)]
+    assert len(set(firsts)) == 3, f"mode order not rotated per prompt: {firsts}"
+    assert res["lossless"] == {"spec[fixed]": 3, "spec[adaptive]": 3, "peer": 3}
+    assert (tmp_path / "out" / "bench.md").exists() and (tmp_path / "out" / "bench.png").exists()
