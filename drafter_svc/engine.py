@@ -13,6 +13,7 @@ import hashlib
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from dflash.draft_vocab import load_draft_vocab
 from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
+from dflash.threads import claim
 from kernels.skinny_linear import DEFAULT_MAX_ROWS, use_skinny_linear
 
 
@@ -44,11 +46,18 @@ class DrafterEngine:
             None = the full vocabulary. Its LM head is then ``N x H`` instead of ``V x H``.
         skinny_max_rows: linear layers and the LM head with 2..N rows use the transposed
             product (``kernels.skinny_linear``); 0 = plain ``F.linear``.
+        threads: torch threads of the engine's compute thread, which runs every draft (calls
+            come from any gRPC thread); it then is the process's only multi-threaded torch
+            thread (``dflash.threads.claim``). 0 = leave torch's threads alone.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
-                 draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS):
+                 draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
+                 threads: int = 0):
         self.drafter = drafter
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
+                                           initializer=claim if threads else None,
+                                           initargs=(threads,) if threads else ())
         self.head = head
         use_skinny_linear(drafter, skinny_max_rows)
         head.skinny_max_rows = skinny_max_rows
@@ -74,7 +83,7 @@ class DrafterEngine:
     def from_pretrained(cls, drafter_dir: str | Path, target_dir: str | Path, *,
                         dtype: str = "float32", name: str | None = None,
                         version: str | None = None, draft_vocab_size: int = -1,
-                        skinny_max_rows: int = DEFAULT_MAX_ROWS) -> "DrafterEngine":
+                        skinny_max_rows: int = DEFAULT_MAX_ROWS, threads: int = 0) -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -91,7 +100,8 @@ class DrafterEngine:
             drafter.cfg = dataclasses.replace(drafter.cfg,
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
-        return cls(drafter, head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows)
+        return cls(drafter, head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
+                   threads=threads)
 
     @property
     def num_sessions(self) -> int:
@@ -116,7 +126,11 @@ class DrafterEngine:
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         """Every session of one verifier step at once: one context forward for all sessions'
         new rows, then one drafter forward over all blocks (context K/V left-padded, blocks
-        right-padded, a mask hiding both). A bad item fails alone."""
+        right-padded, a mask hiding both). A bad item fails alone. Runs on the engine's
+        compute thread (the caller waits)."""
+        return self._compute.submit(self._propose, requests).result()
+
+    def _propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         out: list[Proposal | DraftError | None] = [None] * len(requests)
         with self._lock, torch.inference_mode():
             sessions: list[tuple[int, ProposalRequest, _SessionCtx]] = []

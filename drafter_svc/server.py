@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
                    help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
                         "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
+    p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
+                   help="torch CPU threads of the drafting thread, 0 = torch default "
+                        "[DFLASH_TORCH_THREADS]")
     p.add_argument("--skinny-max-rows", type=int,
                    default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
                    help="CPU float32: linear layers with 2..N rows use the transposed product, "
@@ -48,11 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    from dflash.threads import reserve
     from drafter_svc.engine import DrafterEngine
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    threads = reserve(a.threads)   # loading runs single-threaded; the compute thread claims these
     telemetry = Telemetry.from_env("drafter")
     rt = build(None, a.bind, telemetry=telemetry)  # health answers NOT_SERVING while weights load
     rt.server.start()
@@ -61,7 +66,7 @@ def main(argv=None) -> None:
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
-                                           skinny_max_rows=a.skinny_max_rows)
+                                           skinny_max_rows=a.skinny_max_rows, threads=threads)
     engine.warmup()
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)

@@ -154,12 +154,16 @@ class VerifierEngine:
         max_batch: sessions verified per step.
         context_flush: on steps without speculation, send the drafter a session's context once
             this many rows are unsent (1 = every step).
+        threads: torch threads of the scheduler thread, which runs every forward; it then is
+            the process's only multi-threaded torch thread (``dflash.threads.claim``; the
+            service calls ``dflash.threads.reserve`` at start). 0 = leave torch's threads alone.
     """
 
     def __init__(self, target: TargetModel, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
                  spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64,
-                 context_flush: int = 8):
+                 context_flush: int = 8, threads: int = 0):
         self.target = target
+        self.threads = threads
         self.context_flush = max(1, context_flush)
         self.spec_mode = spec_mode
         self.policy = SpeculationPolicy(spec_mode)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from dflash.stats import AcceptanceCounter
+from dflash.threads import claim
 
 log = logging.getLogger("dflash.verifier.scheduler")
 
@@ -133,6 +134,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        if getattr(self.engine, "threads", 0):
+            claim(self.engine.threads)       # the one thread that runs forwards multi-threaded
         while True:
             with self._cv:
                 while not (self._incoming or self._waiting or self._stop

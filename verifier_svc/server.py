@@ -86,16 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    import torch
-
     from dflash.checkpoint import torch_dtype
+    from dflash.threads import reserve
     from verifier_svc.engine import VerifierEngine
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
     telemetry = Telemetry.from_env("verifier")
     rt = build(None, a.bind, telemetry=telemetry)
     rt.server.start()
@@ -104,7 +102,7 @@ def main(argv=None) -> None:
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
     target = _load_target(a, rt)
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
-                            prefill_chunk=a.prefill_chunk, max_batch=a.max_batch)
+                            prefill_chunk=a.prefill_chunk, max_batch=a.max_batch, threads=threads)
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)

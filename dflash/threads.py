@@ -1,0 +1,51 @@
+"""One thread per process runs torch's multi-threaded (OpenMP) work.
+
+Why: libgomp keeps a thread team per thread that ever ran a parallel region, and once the
+process holds more OpenMP threads than CPUs it throttles the busy-wait of every team (to about a
+thousand spins; libgomp ``do_spin``), so each of the hundreds of parallel regions in a forward
+pays a sleep and a wake-up. A verifier that loads its model on the main thread and decodes on its
+scheduler thread has two teams: measured on this 2-core machine, SmolLM2, a 16-token verify took
+233-262 ms on the scheduler thread against 128-156 ms on the main thread, and a 30-layer
+16-row product 96-100 ms against 46 ms once the main thread had run nothing multi-threaded.
+
+How: :func:`reserve` (the main thread, at start, before any torch work) sets torch's thread
+count to 1, so loading and every other thread run single-threaded and create no team;
+:func:`claim` (the one compute thread, when it starts) takes the threads for itself and puts the
+default for threads started later back to 1.
+
+torch semantics relied on (``aten/src/ATen/ParallelOpenMP.cpp``): ``torch.set_num_threads`` sets
+the calling thread's OpenMP and MKL thread counts and a process-wide default; a thread takes the
+default once, at its first ``get_num_threads`` or parallel region, and keeps its own count after.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def reserve(threads: int = 0) -> int:
+    """Call on the main thread before any torch work: torch runs single-threaded everywhere
+    until :func:`claim`. Returns the thread count to claim later (``threads``, or torch's
+    default when 0)."""
+    n = threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    return n
+
+
+def claim(threads: int) -> None:
+    """Make the calling thread run torch's parallel regions on ``threads`` threads, and every
+    thread that has not run torch work yet single-threaded (their default becomes 1).
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    torch.get_num_threads()              # this thread takes its count now (lazy init in torch)
+    if threads > 1:                      # the process-wide default back to 1, from a thread
+        t = threading.Thread(target=torch.set_num_threads, args=(1,), name="threads-reset")
+        t.start()                        # that exits at once (its own count dies with it)
+        t.join()

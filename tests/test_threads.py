@@ -1,0 +1,65 @@
+"""dflash.threads: one multi-threaded torch thread per process (libgomp throttles every team's
+busy-wait once a process holds more OpenMP threads than CPUs)."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+_SCRIPT = r"""
+import threading, torch
+from dflash.threads import claim, reserve
+n = reserve(3)
+seen = {"main_after_reserve": torch.get_num_threads()}
+def compute():
+    claim(n)
+    torch.ones(1 << 17).add_(1)                      # a parallel region on this thread
+    seen["compute"] = torch.get_num_threads()
+    done.set(); stop.wait()
+    seen["compute_later"] = torch.get_num_threads()
+done, stop = threading.Event(), threading.Event()
+t = threading.Thread(target=compute); t.start(); done.wait()
+other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
+other.start(); other.join()
+stop.set(); t.join()
+seen["main"] = torch.get_num_threads()
+print(seen)
+"""
+
+
+def test_claim_gives_one_thread_the_threads_and_every_other_one():
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert eval(out) == {"main_after_reserve": 1, "compute": 3, "other": 1, "compute_later": 3,
+                         "main": 1}
+
+
+def test_claim_rejects_zero():
+    from dflash.threads import claim
+
+    with pytest.raises(ValueError, match="threads"):
+        claim(0)
+
+
+def test_drafter_engine_drafts_on_its_compute_thread(tiny_target, make_drafter, monkeypatch):
+    from dflash.proposer import ProposalRequest
+    from dflash.sampling import Sampling
+    from drafter_svc.engine import DrafterEngine
+
+    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target)
+    names = []
+    real = d._draft_blocks
+    monkeypatch.setattr(d, "_draft_blocks",
+                        lambda items: names.append(threading.current_thread().name) or real(items))
+    import torch
+
+    req = ProposalRequest(session_id="s", context_start=0,
+                          context=torch.zeros(3, d.cfg.context_size), anchor_token=1,
+                          block_size=4, sampling=Sampling())
+    caller = []
+    t = threading.Thread(target=lambda: caller.append(d.propose([req])))
+    t.start()
+    t.join()
+    assert caller[0][0].tokens.numel() == 3
+    assert names and all(n.startswith("drafter-compute") for n in names)
