@@ -55,16 +55,16 @@ class DrafterEngine:
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  threads: int = 0):
         self.drafter = drafter
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
-                                           initializer=claim if threads else None,
-                                           initargs=(threads,) if threads else ())
         self.head = head
-        use_skinny_linear(drafter, skinny_max_rows)
-        head.skinny_max_rows = skinny_max_rows
         self.cfg = drafter.cfg
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
+        use_skinny_linear(drafter, skinny_max_rows)
+        head.skinny_max_rows = skinny_max_rows
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
+                                           initializer=claim if threads else None,
+                                           initargs=(threads,) if threads else ())
         self.draft_vocab = draft_vocab
         self._draft_head = head.lm_head[draft_vocab].contiguous() if draft_vocab is not None else None
         self.max_sessions = max_sessions

@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
-                   help="torch CPU threads, 0 = torch default [DFLASH_TORCH_THREADS]")
+                   help="torch CPU threads of the decode (scheduler) thread, which runs every "
+                        "forward; loading runs on one; 0 = torch default [DFLASH_TORCH_THREADS]")
     p.add_argument("--skinny-max-rows", type=int,
                    default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
                    help="CPU float32: linear layers with 2..N rows (a verify block) use the "
