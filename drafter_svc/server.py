@@ -6,11 +6,10 @@ import argparse
 import logging
 import os
 
-from dflash.server import add_common_args, create_server, run_until_signal
+from dflash.server import add_common_args, add_compute_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.observe import ObservedDrafterServicer
-from kernels.skinny_linear import DEFAULT_MAX_ROWS as SKINNY_MAX_ROWS
 
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -39,13 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
                    help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
                         "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
-    p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
-                   help="torch CPU threads of the drafting thread, 0 = torch default "
-                        "[DFLASH_TORCH_THREADS]")
-    p.add_argument("--skinny-max-rows", type=int,
-                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
-                   help="CPU float32: linear layers with 2..N rows use the transposed product, "
-                        "0 = off (kernels/skinny_linear.py) [DFLASH_SKINNY_MAX_ROWS]")
+    add_compute_args(p, "drafting thread")
     add_common_args(p)
     return p.parse_args(argv)
 

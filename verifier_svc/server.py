@@ -7,10 +7,9 @@ import logging
 import os
 import threading
 
-from dflash.server import add_common_args, create_server, run_until_signal
+from dflash.server import add_common_args, add_compute_args, create_server, run_until_signal
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
-from kernels.skinny_linear import DEFAULT_MAX_ROWS as SKINNY_MAX_ROWS
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.servicer import DrafterPool
 
@@ -62,15 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
-    p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
-                   help="torch CPU threads of the decode (scheduler) thread, which runs every "
-                        "forward; loading runs on one; 0 = torch default [DFLASH_TORCH_THREADS]")
-    p.add_argument("--skinny-max-rows", type=int,
-                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(SKINNY_MAX_ROWS))),
-                   help="CPU float32: linear layers with 2..N rows (a verify block) use the "
-                        "transposed product, 0 = off (kernels/skinny_linear.py; expert-parallel "
-                        "ranks keep the default) "
-                        "[DFLASH_SKINNY_MAX_ROWS]")
+    add_compute_args(p, "decode (scheduler) thread")
     p.add_argument("--spec-log-interval", type=float,
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
                    help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
