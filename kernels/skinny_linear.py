@@ -48,7 +48,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         max_rows: largest row count that takes the transposed product; 0 = never. Only on
             CPU, float32, with at least two torch threads.
     Returns:
-        [..., out_features], ``x``'s dtype.
+        [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
@@ -56,10 +56,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if (rows < 2 or rows > max_rows or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or torch.get_num_threads() < 2):
         return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, x.shape[-1]).T).T
+    # Row-major like F.linear's result: the transposed view's last-dim stride is ``rows``, and
+    # consumers pay for that layout. Attention then left the flash SDPA kernel for the math one
+    # (it needs a unit last-dim stride) and every elementwise op on the activations kept the
+    # strided layout: a 3-token SmolLM2 verify took 110 ms strided vs 84 ms with this copy of
+    # rows x out_features floats (2 cores, interleaved, median of 7; logits unchanged to 7e-5).
+    out = (weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
     if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class SkinnyLinear(torch.nn.Linear):

@@ -26,6 +26,7 @@ def test_matches_f_linear(shape, bias, two_threads):
     out = sk.skinny_linear(x, w, b, max_rows=16)
     ref = F.linear(x, w, b)
     assert out.shape == ref.shape == (*shape[:-1], 48)
+    assert out.stride() == ref.stride()          # row-major: consumers get F.linear's layout
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -80,3 +81,32 @@ def test_target_and_drafter_engine_use_it(tiny_target, make_drafter):
     d = DrafterEngine.from_pretrained(make_drafter(), tiny_target)
     assert any(type(m) is sk.SkinnyLinear for m in d.drafter.modules())
     assert d.head.skinny_max_rows == sk.DEFAULT_MAX_ROWS
+
+
+def test_target_verify_runs_flash_attention_on_grouped_kv(tiny_target, monkeypatch, two_threads):
+    """A multi-token forward (a verify) after a prefill: the skinny projections hand attention
+    row-major activations, so PyTorch's flash SDPA kernel runs (a transposed layout sent it to the
+    math kernel), and K/V reach it grouped, never repeated to the query heads."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.integrations import sdpa_attention
+
+    from verifier_svc.target import TargetModel
+
+    repeats = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or real_repeat(*a))
+    t = TargetModel(tiny_target)
+    assert t.config.num_key_value_heads < t.config.num_attention_heads
+    cache = t.new_cache()
+    t.forward(list(range(3, 40)), cache, None, logits_to_keep=1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits, _ = t.forward([5, 6, 7], cache, None)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    assert not repeats
+    ref = TargetModel(tiny_target, skinny_max_rows=0)
+    ref_cache = ref.new_cache()
+    ref.forward(list(range(3, 40)), ref_cache, None, logits_to_keep=1)
+    torch.testing.assert_close(logits, ref.forward([5, 6, 7], ref_cache, None)[0],
+                               rtol=1e-4, atol=1e-4)
