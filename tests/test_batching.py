@@ -240,25 +240,29 @@ def test_a_slow_reader_does_not_hold_back_the_batch(target_model):
     assert sum("r0" in s for s in steps) >= 11
 
 
-def test_block_room_layer_matches_concatenation():
+def test_append_layer_matches_concatenation():
     """The batched cache layer writes a block into its preallocated room; the K/V it returns
-    equal DynamicLayer's concatenation, also once a block overflows the room."""
+    equal DynamicLayer's concatenation, also once a block overflows the room (one copy into a
+    larger buffer) and after a crop (the next block overwrites the cropped positions)."""
     from transformers.cache_utils import DynamicLayer
 
-    from verifier_svc.target import _BlockRoomLayer
+    from verifier_svc.target import _AppendLayer
 
     g = torch.Generator().manual_seed(0)
     past_k, past_v = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
     room_k = torch.cat([past_k, torch.full((2, 3, 3, 4), float("nan"))], 2)
     room_v = torch.cat([past_v, torch.full((2, 3, 3, 4), float("nan"))], 2)
-    room, ref = _BlockRoomLayer(room_k, room_v, 5), DynamicLayer()
+    room, ref = _AppendLayer(room_k, room_v, 5), DynamicLayer()
     ref.update(past_k, past_v)
-    for n in (2, 1, 2):                                    # 2 + 1 fill the room; 2 overflow it
+    for n, crop in ((2, 0), (1, 0), (2, 0), (3, 2), (1, 0)):  # 2 + 1 fill the room; 2 overflow
         k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
         got, want = room.update(k, v), ref.update(k, v)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-    assert room.get_seq_length() == ref.get_seq_length() == 10
+        room.crop(-crop)
+        ref.crop(-crop)
+    assert room.get_seq_length() == ref.get_seq_length() == 12
+    assert room.keys.data_ptr() == room._kbuf.data_ptr() != room_k.data_ptr()
 
 
 def test_a_step_that_loses_events_fails_its_requests_instead_of_hanging(target_model):
