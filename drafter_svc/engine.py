@@ -154,6 +154,13 @@ class DrafterEngine:
                     out[i] = self._sample(r, sess, lg)
         return out
 
+    def close(self) -> None:
+        """Stop the compute thread once queued drafts finish (a later ``propose`` raises
+        RuntimeError); session contexts are dropped."""
+        self._compute.shutdown(wait=True)
+        with self._lock:
+            self._sessions.clear()
+
     def release(self, session_ids: list[str]) -> None:
         with self._lock:
             for s in session_ids:

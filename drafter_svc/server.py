@@ -66,4 +66,4 @@ def main(argv=None) -> None:
     rt.servicer.engine = engine
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)
-    run_until_signal(rt, a.grace, on_stop=telemetry.shutdown)
+    run_until_signal(rt, a.grace, on_stop=lambda: (engine.close(), telemetry.shutdown()))

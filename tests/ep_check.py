@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from kernels.skinny_linear import SkinnyLinear
 from verifier_svc.ep import DistributedTarget
 from verifier_svc.target import TargetModel
 
@@ -19,7 +20,7 @@ from verifier_svc.target import TargetModel
 def main(path: str) -> None:
     torch.set_num_threads(1)
     one = TargetModel(path)
-    ep = DistributedTarget(path, ep_size=2, threads=1)
+    ep = DistributedTarget(path, ep_size=2, threads=1, skinny_max_rows=8)
     assert ep.fingerprint == one.fingerprint and ep.vocab_size == one.vocab_size
     logit_diff, tap_diff, same = 0.0, 0.0, True
 
@@ -60,7 +61,10 @@ def main(path: str) -> None:
         ep.forward([4, 5], c5, None)
     ep.close()
     print(json.dumps({"max_logit_diff": logit_diff, "max_tap_diff": tap_diff, "same_argmax": same,
-                      "worker_exit_codes": [p.returncode for p in ep.workers]}))
+                      "worker_exit_codes": [p.returncode for p in ep.workers],
+                      "worker_args": [list(p.args) for p in ep.workers],
+                      "rank0_skinny_rows": sorted({m.skinny_max_rows for m in ep.shard.model.modules()
+                                                   if isinstance(m, SkinnyLinear)})}))
 
 
 if __name__ == "__main__":

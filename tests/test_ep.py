@@ -55,6 +55,8 @@ def test_ep2_logits_match_one_rank(moe_target):
     assert res["max_tap_diff"] < 1e-5, res
     assert res["same_argmax"], res
     assert res["worker_exit_codes"] == [0], res
+    (args,) = res["worker_args"]                   # every rank gets the verifier's skinny limit
+    assert args[args.index("--skinny-max-rows") + 1] == "8" and res["rank0_skinny_rows"] == [8]
 
 
 # ---------------------------------------------------------------- the real verifier process

@@ -63,3 +63,9 @@ def test_drafter_engine_drafts_on_its_compute_thread(tiny_target, make_drafter, 
     t.join()
     assert caller[0][0].tokens.numel() == 3
     assert names and all(n.startswith("drafter-compute") for n in names)
+    compute = [th for th in threading.enumerate() if th.name in names]
+    assert compute and all(th.is_alive() for th in compute)
+    d.close()                                 # the compute thread ends with the engine
+    assert not any(th.is_alive() for th in compute)
+    with pytest.raises(RuntimeError):
+        d.propose([req])

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from kernels.skinny_linear import DEFAULT_MAX_ROWS
 from verifier_svc.target import TargetModel, TargetUnavailable
 
 log = logging.getLogger("dflash.verifier.ep")
@@ -69,9 +70,10 @@ def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float,
 class EPShard(TargetModel):
     """This rank's part of the target: transformers' EP sharding of the experts (process group up)."""
 
-    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu",
+                 skinny_max_rows: int = DEFAULT_MAX_ROWS):
         self.ep_size = ep_size
-        super().__init__(path, dtype=dtype, device=device)
+        super().__init__(path, dtype=dtype, device=device, skinny_max_rows=skinny_max_rows)
 
     def _load(self) -> torch.nn.Module:
         from transformers.distributed import DistributedConfig
@@ -125,6 +127,7 @@ class DistributedTarget:
         path: MoE target directory.
         ep_size: ranks (>= 2); starts ``ep_size - 1`` worker processes.
         threads: torch threads per worker (0 = torch default).
+        skinny_max_rows: every rank's ``TargetModel`` option (``kernels.skinny_linear``).
         timeout_s: collective timeout (gloo/NCCL); bounds a hung (not dead) rank.
         heartbeat_s: idle rank 0 pings the workers this often (< timeout_s).
     Attributes: the card fields of TargetModel (delegated to this rank's shard), ``failure``
@@ -133,7 +136,7 @@ class DistributedTarget:
 
     def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu",
                  threads: int = 0, timeout_s: float = 60.0, heartbeat_s: float = 5.0,
-                 master_addr: str = "127.0.0.1"):
+                 master_addr: str = "127.0.0.1", skinny_max_rows: int = DEFAULT_MAX_ROWS):
         if ep_size < 2:
             raise ValueError("ep_size must be >= 2 (use TargetModel for one rank)")
         self.ep_size = ep_size
@@ -145,12 +148,13 @@ class DistributedTarget:
         self._closing = False
         self._torn_down = threading.Event()
         port = _free_port(master_addr)
-        self.workers = [self._spawn(r, path, dtype, device, threads, timeout_s, master_addr, port)
-                        for r in range(1, ep_size)]
+        self.workers = [self._spawn(r, path, dtype, device, threads, timeout_s, master_addr, port,
+                                    skinny_max_rows) for r in range(1, ep_size)]
         try:
             init_group(0, ep_size, addr=master_addr, port=port, timeout_s=timeout_s, device=device)
             self.shard = EPShard(path, ep_size=ep_size, dtype=dtype,
-                                 device=f"cuda:0" if device.startswith("cuda") else device)
+                                 device=f"cuda:0" if device.startswith("cuda") else device,
+                                 skinny_max_rows=skinny_max_rows)
         except BaseException:
             self._stop_workers()
             raise
@@ -280,13 +284,15 @@ class DistributedTarget:
             _destroy_group()
         self._stop_workers(timeout_s)
 
-    def _spawn(self, rank, path, dtype, device, threads, timeout_s, addr, port) -> subprocess.Popen:
+    def _spawn(self, rank, path, dtype, device, threads, timeout_s, addr, port, skinny_max_rows
+               ) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         args = [sys.executable, "-m", "verifier_svc.ep_worker", "--target", str(path),
                 "--dtype", dtype, "--device", device, "--rank", str(rank),
                 "--world-size", str(self.ep_size), "--master-addr", addr, "--master-port", str(port),
-                "--timeout", str(timeout_s), "--threads", str(threads)]
+                "--timeout", str(timeout_s), "--threads", str(threads),
+                "--skinny-max-rows", str(skinny_max_rows)]
         return subprocess.Popen(args, env=env)  # logs go to the verifier's stdout/stderr
 
     def _stop_workers(self, timeout_s: float = 5.0) -> None:

@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from kernels.skinny_linear import DEFAULT_MAX_ROWS
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verifier_svc.ep_worker")
@@ -29,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--skinny-max-rows", type=int, default=DEFAULT_MAX_ROWS)
     return p.parse_args(argv)
 
 
@@ -87,7 +90,8 @@ def main(argv=None) -> int:
     device = f"cuda:{a.rank}" if a.device.startswith("cuda") else a.device
     init_group(a.rank, a.world_size, addr=a.master_addr, port=a.master_port, timeout_s=a.timeout,
                device=a.device)
-    shard = EPShard(a.target, ep_size=a.world_size, dtype=a.dtype, device=device)
+    shard = EPShard(a.target, ep_size=a.world_size, dtype=a.dtype, device=device,
+                    skinny_max_rows=a.skinny_max_rows)
     log.info("rank %d of %d ready", a.rank, a.world_size)
 
     def recv():

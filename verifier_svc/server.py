@@ -124,7 +124,7 @@ def _load_target(a, rt):
     from verifier_svc.ep import DistributedTarget
 
     target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, threads=a.threads,
-                               timeout_s=a.ep_timeout)
+                               timeout_s=a.ep_timeout, skinny_max_rows=a.skinny_max_rows)
     target.on_failure.append(lambda reason: rt.set_serving(False))
     return target
 
