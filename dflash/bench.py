@@ -314,6 +314,10 @@ def add_parser(sub) -> None:
     b.add_argument("--requests", type=int, default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")
+    b.add_argument("--requests-per-client", type=int, default=1,
+                   help="at least this many requests per client (--concurrency): with one, a level "
+                        "is a single wave of arrivals and departures; with several, finished "
+                        "requests are replaced and the level reaches a steady batch")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs of every (concurrency, mode) cell, back to back per level: the table "
                         "shows means and ranges, and the run-to-run spread (--concurrency)")

@@ -1,8 +1,12 @@
 """``dflash bench --concurrency 1,2,4,...``: many users at once, speculation off / fixed / adaptive.
 
 For each concurrency ``c`` and each mode, ``c`` closed-loop clients (each sends its next request
-when the previous one finished) run ``ceil(requests / c)`` HumanEval prompts each through the
-gateway, greedy (every level sees at least ``requests`` requests, and ``c`` at least). Figures per (mode, c):
+when the previous one finished) run ``max(ceil(requests / c), requests_per_client)`` HumanEval prompts each through the
+gateway, greedy (every level sees at least ``requests`` requests, and ``c`` at least). With one
+request per client a level is a single wave: prompts arrive together, queue for prefill, and the
+batch drains as requests finish, so ramp and tail weigh on it; several per client keep ``c``
+requests in flight (vLLM's ``benchmark_serving`` likewise sends many more prompts than its
+``--max-concurrency``). Figures per (mode, c):
 
 * aggregate tokens/s = completion tokens of all requests / wall time of the level;
 * per-request tokens/s = mean over requests of completion tokens / end-to-end latency;
@@ -212,7 +216,8 @@ def cmd_load(a, prompts, out: Path) -> int:
                 if not levels:
                     run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
                               max_tokens=8, mode=m, drafter=drafter)
-                x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=-(-a.requests // c),
+                per_client = max(-(-a.requests // c), getattr(a, "requests_per_client", 1))
+                x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=per_client,
                               max_tokens=a.max_tokens, mode=m, drafter=drafter)
                 x["repeat"] = rep
                 levels.append(x)
@@ -234,5 +239,6 @@ def _report(x: dict, a, out: Path, conc, modes, repeats: int, levels) -> None:
           file=sys.stderr, flush=True)
     (out / "load.json").write_text(json.dumps({"config": {
         "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
-        "requests": a.requests, "repeats": repeats, "gateway": a.gateway},
+        "requests": a.requests, "requests_per_client": getattr(a, "requests_per_client", 1),
+        "repeats": repeats, "gateway": a.gateway},
         "levels": levels}, indent=1))

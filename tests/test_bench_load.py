@@ -65,7 +65,8 @@ def test_repeats_show_means_ranges_and_spread(tmp_path):
 @pytest.mark.slow
 def test_sweep_cli_on_a_tiny_stack(tmp_path):
     """`dflash bench --start --tiny --concurrency ... --repeats 2` end to end: every cell runs
-    twice, the stack is stopped, the three outputs are written."""
+    twice, each client sends at least --requests-per-client requests, the stack is stopped, the
+    three outputs are written."""
     import json
     import subprocess
     import sys
@@ -75,7 +76,8 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
     gw, ver, dr = free_ports(3)
     out = subprocess.run(
         [sys.executable, "-m", "dflash.cli", "bench", "--start", "--tiny", "--concurrency", "1,2",
-         "--requests", "2", "--max-tokens", "6", "--limit", "2", "--repeats", "2",
+         "--requests", "2", "--requests-per-client", "2", "--max-tokens", "6", "--limit", "2",
+         "--repeats", "2",
          "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs"),
          "--gateway-port", str(gw), "--verifier-port", str(ver), "--drafter-port", str(dr)],
         capture_output=True, text=True, timeout=600)
@@ -83,7 +85,8 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
     res = json.loads((tmp_path / "out" / "load.json").read_text())
     cells = sorted((x["concurrency"], x["mode"], x["repeat"]) for x in res["levels"])
     assert cells == sorted((c, m, r) for c in (1, 2) for m in bench_load.MODES for r in (0, 1))
-    assert all(x["tokens"] > 0 and x["requests"] == 2 for x in res["levels"])
+    assert all(x["tokens"] > 0 and x["requests"] == 2 * x["concurrency"] for x in res["levels"])
+    assert res["config"]["requests_per_client"] == 2
     md = (tmp_path / "out" / "load.md").read_text()
     assert "run-to-run spread" in md and (tmp_path / "out" / "load.png").exists()
     for log in (tmp_path / "logs").iterdir():
