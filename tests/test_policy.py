@@ -325,3 +325,33 @@ def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
     p.observe_step(6, 0, flat(8, 0), 0.0)                            # bucket 8: only k=0
     k = p.choose([job() for _ in range(6)])[0]
     assert k < 7 or p.last_decision.cost_seconds >= 1.5
+
+
+def test_a_slow_first_measurement_does_not_price_a_block_out():
+    """Cost cells start as running means: one slow first step of k = 3 (say, a request's first
+    draft carrying its whole prompt to the drafter) followed by normal ones leaves the cell at
+    their mean (with a plain EMA the first value decayed by 5% a step: after 20 steps k = 3 still
+    looked twice as dear as it is)."""
+    p = SpeculationPolicy("adaptive", explore_every=0)
+    p.observe_step(1, 3, 0.300, 0.0)                  # the slow first step
+    for _ in range(4):
+        p.observe_step(1, 3, 0.075, 0.0)
+    assert p.cost_table()[(1, 3)] == pytest.approx((0.300 + 4 * 0.075) / 5)
+    for _ in range(15):
+        p.observe_step(1, 3, 0.075, 0.0)
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.075 + 0.225 / 20)   # plain EMA: 0.16
+    for _ in range(100):                              # then an EMA (memory ~1 / alpha steps)
+        p.observe_step(1, 3, 0.075, 0.0)
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.075, abs=1e-4)
+
+
+def test_exploration_from_no_speculation_always_tries_a_longer_block():
+    """At the bottom of the candidates (k = 0 best) every exploration step tries k = 1; the
+    alternation with the shorter neighbour wasted every other one on a plain k = 0 step."""
+    p = SpeculationPolicy("adaptive", explore_every=5)
+    p.observe_acceptance(LABEL, [(15, 0)] * 4)             # drafts always rejected
+    for k in CANDIDATES:
+        p.observe_step(1, k, 0.060 + 0.010 * k, 0.0)
+    picks = [p.choose([job()])[0] for _ in range(20)]
+    assert picks.count(1) == 4 and set(picks) == {0, 1}
+    assert all(picks[i] == 1 for i in (4, 9, 14, 19))

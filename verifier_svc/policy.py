@@ -26,7 +26,8 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   floored by the dearest measured cell with no more sessions and no more drafts (until two token
   counts were measured, candidates are simply tried in order);
   a neighbour of the best k is re-measured every ``explore_every`` steps so the estimates
-  follow load and acceptance. In each batch bucket ``k = 0`` is measured first: it is the
+  follow load and acceptance (each cell's EMA starts as a running mean, so one slow first
+  measurement does not price a k out for long). In each batch bucket ``k = 0`` is measured first: it is the
   baseline the others must beat, and the cheapest step to try.
 
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
@@ -72,12 +73,19 @@ class Decision:
 
 
 class _EMA:
+    """Exponential moving average that starts as a running mean: the i-th observation (from 1)
+    weighs ``max(alpha, 1 / i)``, so the first one is not a starting value that only decays by
+    ``1 - alpha`` per step. A cell first measured on a slow step (the first draft of a request
+    carries its whole prompt's context to the drafter) otherwise kept adaptive from choosing
+    it: in a HumanEval bench at batch 1 the policy stayed at k = 0 for six prompts (576 tokens),
+    0.98x of no speculation, where another run at k = 3 made 1.24x."""
+
     def __init__(self, alpha: float):
         self.alpha, self.value, self.n = alpha, 0.0, 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.n == 0 else self.value + self.alpha * (x - self.value)
         self.n += 1
+        self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
 
 
 class SpeculationPolicy:
@@ -259,8 +267,12 @@ class SpeculationPolicy:
             explored = best in unmeasured
             self._steps += 1
             if self.explore_every and self._steps % self.explore_every == 0:
+                # alternately the next longer and the next shorter block; at either end of the
+                # candidates the one neighbour every time (from k = 0 the alternation made every
+                # other exploration a plain k = 0 step)
                 i = cands.index(best)
-                nb = cands[min(i + 1, len(cands) - 1)] if (self._steps // self.explore_every) % 2 \
+                up = (self._steps // self.explore_every) % 2 == 1 or i == 0
+                nb = cands[min(i + 1, len(cands) - 1)] if up and i + 1 < len(cands) \
                     else cands[max(i - 1, 0)]
                 best, explored = nb, nb != best
         cost = self._estimate(b, max(best, floor), model) if model or (b, max(best, floor)) in self._cost else 0.0
