@@ -1,8 +1,9 @@
 """``dflash bench --concurrency 1,2,4,...``: many users at once, speculation off / fixed / adaptive.
 
 For each concurrency ``c`` and each mode, ``c`` closed-loop clients (each sends its next request
-when the previous one finished) run ``max(ceil(requests / c), requests_per_client)`` HumanEval prompts each through the
-gateway, greedy (every level sees at least ``requests`` requests, and ``c`` at least). With one
+when the previous one finished) run ``max(ceil(requests / c), requests_per_client)`` HumanEval
+prompts each through the gateway, greedy (every level sees at least ``requests`` requests, and
+``c`` at least). With one
 request per client a level is a single wave: prompts arrive together, queue for prefill, and the
 batch drains as requests finish, so ramp and tail weigh on it; several per client keep ``c``
 requests in flight (vLLM's ``benchmark_serving`` likewise sends many more prompts than its

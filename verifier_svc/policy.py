@@ -27,8 +27,8 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   counts were measured, candidates are simply tried in order);
   a neighbour of the best k is re-measured every ``explore_every`` steps so the estimates
   follow load and acceptance (each cell's EMA starts as a running mean, so one slow first
-  measurement does not price a k out for long). In each batch bucket ``k = 0`` is measured first: it is the
-  baseline the others must beat, and the cheapest step to try.
+  measurement does not price a k out for long). In each batch bucket ``k = 0`` is measured
+  first: it is the baseline the others must beat, and the cheapest step to try.
 
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
   prefill chunk per step, so a longer step holds every waiting request out of the batch for
