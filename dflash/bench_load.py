@@ -206,6 +206,10 @@ def cmd_load(a, prompts, out: Path) -> int:
             raise SystemExit(f"--spec-modes: {m!r} not one of {', '.join(MODES)}")
     drafter = (a.use_drafter or [""])[0]
     repeats = max(1, getattr(a, "repeats", 1))
+    min_per_client = max(1, getattr(a, "requests_per_client", 1))
+    config = {"concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
+              "requests": a.requests, "requests_per_client": min_per_client,
+              "repeats": repeats, "gateway": a.gateway}
     levels = []
     # each concurrency level runs its modes back to back, ``repeats`` rounds of them (the order
     # rotated per round), so that the modes of one level are compared under the same conditions
@@ -217,12 +221,12 @@ def cmd_load(a, prompts, out: Path) -> int:
                 if not levels:
                     run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
                               max_tokens=8, mode=m, drafter=drafter)
-                per_client = max(-(-a.requests // c), getattr(a, "requests_per_client", 1))
+                per_client = max(-(-a.requests // c), min_per_client)
                 x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=per_client,
                               max_tokens=a.max_tokens, mode=m, drafter=drafter)
                 x["repeat"] = rep
                 levels.append(x)
-                _report(x, a, out, conc, modes, repeats, levels)
+                _report(x, out, config, levels)
     md = markdown(levels)
     (out / "load.md").write_text(md)
     plot(levels, out / "load.png")
@@ -231,15 +235,11 @@ def cmd_load(a, prompts, out: Path) -> int:
     return 0
 
 
-def _report(x: dict, a, out: Path, conc, modes, repeats: int, levels) -> None:
+def _report(x: dict, out: Path, config: dict, levels) -> None:
     """One cell's line on stderr; load.json rewritten with every cell so far."""
     m, c = x["mode"], x["concurrency"]
     print(f"c={c:>3} {m:>8}: {x['agg_tok_s']:7.1f} tok/s aggregate, "
           f"{x['req_tok_s']:6.1f} per request, tau {x['tau']:.2f}, "
           f"TTFT p50 {x['ttft_ms_p50']:.0f} ms, ITL p50 {x['itl_ms_p50']:.1f} ms",
           file=sys.stderr, flush=True)
-    (out / "load.json").write_text(json.dumps({"config": {
-        "concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
-        "requests": a.requests, "requests_per_client": getattr(a, "requests_per_client", 1),
-        "repeats": repeats, "gateway": a.gateway},
-        "levels": levels}, indent=1))
+    (out / "load.json").write_text(json.dumps({"config": config, "levels": levels}, indent=1))

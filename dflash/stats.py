@@ -7,6 +7,9 @@ Definitions (written once; the same meaning as vLLM's spec-decoding counters):
 * ``accepted_tokens``: proposed tokens accepted *and emitted*; an EOS / stop / max_tokens cut
   inside an accepted block ends the count there (vLLM ``num_accepted_tokens``).
 * ``accepted_per_position[i]``: steps whose draft position ``i + 1`` was accepted.
+* ``drafted_per_position[i]``: steps whose block reached draft position ``i + 1`` (with blocks
+  of varying length, ``accepted_per_position[i] / drafted_per_position[i]`` is position
+  ``i + 1``'s acceptance where it was tried; the speculation policy reads it per request).
 * mean acceptance length ``tau = 1 + accepted_tokens / drafts`` (the bonus token included;
   DFlash paper's tau, SGLang's ``accept len``).
 * per-position acceptance rate ``i = accepted_per_position[i] / drafts``.
@@ -26,6 +29,7 @@ class AcceptanceCounter:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
     fallback_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -40,18 +44,19 @@ class AcceptanceCounter:
         self.accepted_tokens += num_accepted
         if len(self.accepted_per_position) < num_draft_tokens:
             self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        if len(self.drafted_per_position) < num_draft_tokens:
+            self.drafted_per_position += [0] * (num_draft_tokens - len(self.drafted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        for i in range(num_draft_tokens):
+            self.drafted_per_position[i] += 1
 
     def merge(self, other: "AcceptanceCounter") -> None:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        for i, v in enumerate(other.accepted_per_position):
-            a[i] += v
-        self.accepted_per_position = a
+        self.accepted_per_position = _add(self.accepted_per_position, other.accepted_per_position)
+        self.drafted_per_position = _add(self.drafted_per_position, other.drafted_per_position)
         self.fallback_steps += other.fallback_steps
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
@@ -68,3 +73,9 @@ class AcceptanceCounter:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists of possibly different lengths."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

@@ -356,6 +356,9 @@ class VerifierEngine:
         ks = self.policy.choose(jobs, waiting)
         anchors = [j.session.tokens[-1] for j in jobs]
         lens = [j.session.cached for j in jobs]
+        # a session whose drafter holds none of its context yet sends its whole prompt this step
+        joining = any(j.req.proposer is not None and j.session.drafter is j.req.proposer
+                      and j.session.drafter_len == 0 for j in jobs)
         td = time.perf_counter()
         drafted = self._draft_all(jobs, anchors, lens, ks)
         draft_s = time.perf_counter() - td
@@ -369,13 +372,17 @@ class VerifierEngine:
             else:  # a target without batching (test doubles): one forward per session
                 outs = [t.forward(b, c, ids) for b, c, ids in zip(blocks, caches, tap_ids)]
         verify_s = time.perf_counter() - tv
-        self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
-                                 draft_s if any(d[3] for d in drafted) else 0.0)
+        if not (waiting or joining):
+            # Ramp steps (prompts waiting: no speculation whatever the cells say) and steps that
+            # carry a joining session's prompt to the drafter are not what a steady step at this
+            # k costs: recorded, they priced k = 0 ~15% above a plain step (c=16 log: (16, 0)
+            # cell 217 ms, steady no-speculation steps 185 ms), so adaptive speculated at a
+            # load where it lost.
+            self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
+                                     draft_s if any(d[3] for d in drafted) else 0.0)
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
-            log.debug("step batch=%d waiting=%d k=%d explored=%s expected=%.2f estimated=%.1fms "
-                      "measured verify=%.1fms draft=%.1fms", len(jobs), waiting, d.k, d.explored,
-                      d.expected_tokens, 1e3 * d.cost_seconds, 1e3 * verify_s, 1e3 * draft_s)
+
         events = []
         verified: dict[str, list[tuple[int, int]]] = {}   # drafter label -> (drafts, accepted)
         for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(
@@ -411,6 +418,13 @@ class VerifierEngine:
                                     policy=self.policy.last_decision))
         for label, label_blocks in verified.items():
             self.policy.observe_acceptance(label, label_blocks)
+        if log.isEnabledFor(logging.DEBUG):
+            d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
+            log.debug("step batch=%d waiting=%d joining=%s k=%d explored=%s expected=%.2f "
+                      "committed=%d estimated=%.1fms measured verify=%.1fms draft=%.1fms",
+                      len(jobs), waiting, joining, d.k, d.explored, d.expected_tokens,
+                      sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
+                      1e3 * verify_s, 1e3 * draft_s)
         return events
 
     def _draft_all(self, jobs, anchors, lens, ks):

@@ -148,8 +148,11 @@ class DistributedTarget:
         self._closing = False
         self._torn_down = threading.Event()
         port = _free_port(master_addr)
-        self.workers = [self._spawn(r, path, dtype, device, threads, timeout_s, master_addr, port,
-                                    skinny_max_rows) for r in range(1, ep_size)]
+        worker_args = ["--target", str(path), "--dtype", dtype, "--device", device,
+                       "--world-size", str(ep_size), "--master-addr", master_addr,
+                       "--master-port", str(port), "--timeout", str(timeout_s),
+                       "--threads", str(threads), "--skinny-max-rows", str(skinny_max_rows)]
+        self.workers = [self._spawn(r, worker_args) for r in range(1, ep_size)]
         try:
             init_group(0, ep_size, addr=master_addr, port=port, timeout_s=timeout_s, device=device)
             self.shard = EPShard(path, ep_size=ep_size, dtype=dtype,
@@ -284,15 +287,12 @@ class DistributedTarget:
             _destroy_group()
         self._stop_workers(timeout_s)
 
-    def _spawn(self, rank, path, dtype, device, threads, timeout_s, addr, port, skinny_max_rows
-               ) -> subprocess.Popen:
+    @staticmethod
+    def _spawn(rank: int, worker_args: list[str]) -> subprocess.Popen:
+        """Start rank ``rank``'s ``verifier_svc.ep_worker`` with the options every rank shares."""
         root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        args = [sys.executable, "-m", "verifier_svc.ep_worker", "--target", str(path),
-                "--dtype", dtype, "--device", device, "--rank", str(rank),
-                "--world-size", str(self.ep_size), "--master-addr", addr, "--master-port", str(port),
-                "--timeout", str(timeout_s), "--threads", str(threads),
-                "--skinny-max-rows", str(skinny_max_rows)]
+        args = [sys.executable, "-m", "verifier_svc.ep_worker", "--rank", str(rank), *worker_args]
         return subprocess.Popen(args, env=env)  # logs go to the verifier's stdout/stderr
 
     def _stop_workers(self, timeout_s: float = 5.0) -> None:

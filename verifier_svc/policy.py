@@ -7,8 +7,10 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
 * ``adaptive``: per step, the ``k`` that maximises expected committed tokens per second of the
   whole batch::
 
-      E_i[k]  = 1 + sum_{p <= k} rate_p          (rate_p: unconditional acceptance of draft
-                                                  position p, EMA per drafter version)
+      E_i[k]  = 1 + sum_{p <= k} rate_ip         (rate_ip: unconditional acceptance of draft
+                                                  position p in request i: its own counts, with
+                                                  the drafter version's EMA as a prior worth
+                                                  SESSION_PRIOR_STEPS steps; session_table)
       cost(k) = verify(B, K) + draft(B, K)       (EMA seconds per step, by batch-size bucket B
                                                   and the batch's largest block K)
               + overhead                         (EMA seconds of each decode cycle spent outside
@@ -49,6 +51,8 @@ import numpy as np
 MODES = ("off", "fixed", "adaptive")
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
+# How many steps of its own a request's acceptance needs to weigh as much as the drafter's EMA.
+SESSION_PRIOR_STEPS = 4.0
 
 
 def bucket(batch: int) -> int:
@@ -70,6 +74,41 @@ class Decision:
     cost_seconds: float = 0.0       # estimated step seconds at k
     explored: bool = False
     waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
+
+
+def session_table(prior: list[float], stats, strength: float = SESSION_PRIOR_STEPS) -> list[float]:
+    """``[E[0], ..., E[top]]`` for one request: ``prior`` (the drafter's table, same form) moved
+    towards the request's own acceptance.
+
+    Per position p (1-based) the request's rate is ``(accepted_p + strength * prior_p) /
+    (drafted_p + strength)`` from its ``AcceptanceCounter`` (``accepted_per_position``,
+    ``drafted_per_position``): the prior counts as ``strength`` steps. Positions the request never
+    drafted scale the last one it did by the prior's decay from there.
+
+    Why per request: acceptance differs several-fold between prompts (HumanEval in process:
+    tau 1.19-3.15 per prompt) and falls within an answer. The drafter-wide EMA lags a batch whose
+    sessions move in step: a c=16 log had the policy expect 2,686 tokens over its speculative
+    steps and commit 2,108 (k = 7: +16%), so it kept speculating where it lost to no
+    speculation. ``stats`` None (or without per-position counts) returns ``prior``."""
+    acc = getattr(stats, "accepted_per_position", None)
+    tried = getattr(stats, "drafted_per_position", None)
+    if not tried:
+        return prior
+    table, total, last, last_prior = [1.0], 1.0, None, None
+    for p in range(len(prior) - 1):
+        base = prior[p + 1] - prior[p]
+        n = tried[p] if p < len(tried) else 0
+        if n:
+            a = acc[p] if p < len(acc) else 0
+            r = (a + strength * base) / (n + strength)
+        else:
+            r = last * base / last_prior if last_prior else base
+        if last is not None:
+            r = min(r, last)      # unconditional rates never rise with the position
+        last, last_prior = r, base
+        total += r
+        table.append(total)
+    return table
 
 
 class _EMA:
@@ -237,13 +276,15 @@ class SpeculationPolicy:
         top = max(limits[i] for i in adaptive)
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
         top_all = max(limits)
-        tables: dict[str, list[float]] = {}
+        tables: dict = {}     # drafter label -> its table; job index -> the request's table
 
         def e(i: int, k: int) -> float:
-            label = jobs[i].req.proposer.card.label
-            if label not in tables:
-                tables[label] = self.expected_table(label, top_all)
-            return tables[label][k]
+            if i not in tables:
+                label = jobs[i].req.proposer.card.label
+                if label not in tables:
+                    tables[label] = self.expected_table(label, top_all)
+                tables[i] = session_table(tables[label], getattr(jobs[i], "stats", None))
+            return tables[i][k]
 
         fixed_tokens = sum(e(i, ks[i]) for i in range(len(jobs)) if modes[i] == "fixed") + \
             sum(1.0 for m in modes if m == "off")
