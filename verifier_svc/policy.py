@@ -82,8 +82,9 @@ def session_table(prior: list[float], stats, strength: float = SESSION_PRIOR_STE
 
     Per position p (1-based) the request's rate is ``(accepted_p + strength * prior_p) /
     (drafted_p + strength)`` from its ``AcceptanceCounter`` (``accepted_per_position``,
-    ``drafted_per_position``): the prior counts as ``strength`` steps. Positions the request never
-    drafted scale the last one it did by the prior's decay from there.
+    ``drafted_per_position``): the prior counts as ``strength`` steps (a shrinkage estimate, as a
+    Beta prior on each position's rate would give). Positions the request never drafted scale
+    the last one it did by the prior's decay from there; no rate exceeds the one before it.
 
     Why per request: acceptance differs several-fold between prompts (HumanEval in process:
     tau 1.19-3.15 per prompt) and falls within an answer. The drafter-wide EMA lags a batch whose
@@ -276,14 +277,15 @@ class SpeculationPolicy:
         top = max(limits[i] for i in adaptive)
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
         top_all = max(limits)
-        tables: dict = {}     # drafter label -> its table; job index -> the request's table
+        priors: dict[str, list[float]] = {}   # drafter label -> its E table
+        tables: dict[int, list[float]] = {}   # job index -> the request's E table
 
         def e(i: int, k: int) -> float:
             if i not in tables:
                 label = jobs[i].req.proposer.card.label
-                if label not in tables:
-                    tables[label] = self.expected_table(label, top_all)
-                tables[i] = session_table(tables[label], getattr(jobs[i], "stats", None))
+                if label not in priors:
+                    priors[label] = self.expected_table(label, top_all)
+                tables[i] = session_table(priors[label], getattr(jobs[i], "stats", None))
             return tables[i][k]
 
         fixed_tokens = sum(e(i, ks[i]) for i in range(len(jobs)) if modes[i] == "fixed") + \
