@@ -63,3 +63,43 @@ def test_a_bad_item_fails_alone(make_drafter, tiny_target):
     out = engine.propose([reqs[0], bad, reqs[1]])
     assert isinstance(out[1], DraftError) and out[1].reason == "context_gap"
     assert out[0].tokens.numel() == 7 and out[2].tokens.numel() == 3
+
+
+def test_session_context_appends_in_place():
+    """A session's context K/V grows in its buffers (no copy per step), a crop only shortens
+    the views, and outgrowing the room copies once: the views always equal the concatenation
+    of what was appended after the last crop."""
+    from drafter_svc.engine import _SessionCtx
+
+    torch.manual_seed(0)
+    sess = _SessionCtx(kv=[], length=0)
+    ref = [[torch.empty(1, 2, 0, 4), torch.empty(1, 2, 0, 4)] for _ in range(2)]
+
+    def add(n):
+        rows = [(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)) for _ in range(2)]
+        sess.append(rows)
+        for r, (k, v) in zip(ref, rows):
+            r[0], r[1] = torch.cat([r[0], k], 2), torch.cat([r[1], v], 2)
+
+    def check():
+        assert sess.length == ref[0][0].shape[2]
+        for (k, v), (rk, rv) in zip(sess.kv, ref):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+
+    add(5)
+    buffers = [kb.data_ptr() for kb, _ in sess.buffers]
+    for n in (1, 3, 2):
+        add(n)
+        check()
+    assert [kb.data_ptr() for kb, _ in sess.buffers] == buffers      # appended in place
+    sess.kv = [(k[:, :, :7], v[:, :, :7]) for k, v in sess.kv]          # the engine's crop
+    sess.length = 7
+    for r in ref:
+        r[0], r[1] = r[0][:, :, :7], r[1][:, :, :7]
+    add(4)
+    check()
+    assert [kb.data_ptr() for kb, _ in sess.buffers] == buffers
+    add(_SessionCtx.ROOM)                                              # past the room: one copy
+    check()
+    assert [kb.data_ptr() for kb, _ in sess.buffers] != buffers
+    assert sess.buffers[0][0].shape[2] == sess.length + _SessionCtx.ROOM
