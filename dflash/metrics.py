@@ -130,6 +130,8 @@ class PolicyGauges:
       per step at that batch-size bucket and largest block;
     * ``dflash_spec_policy_overhead_seconds``: EMA of each decode cycle's seconds outside
       verify and draft (added to every candidate's cost);
+    * ``dflash_spec_policy_accuracy``: committed / expected drafted tokens of recent
+      speculative adaptive steps (the factor on every expected gain);
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
     """
 
@@ -162,6 +164,11 @@ class PolicyGauges:
                                  "EMA seconds per decode cycle outside verify and draft (policy input).")
         over.add_metric([], policy.overhead_seconds)
         yield over
+        acc = GaugeMetricFamily("dflash_spec_policy_accuracy",
+                                "Committed / expected drafted tokens of recent speculative adaptive "
+                                "steps (policy input).")
+        acc.add_metric([], policy.accuracy)
+        yield acc
         g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
         g.add_metric([], float(e.scheduler.batch_size))
         yield g

@@ -44,6 +44,8 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
         return entry_to_proto(e, self._is_default(e.label))
 
     def DeregisterDrafter(self, request, context):
+        if not request.drafter:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drafter: required (name@version)")
         try:
             e = self.registry.deregister(request.drafter)
         except InvalidParam as err:
@@ -51,6 +53,8 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
         return entry_to_proto(e, False)
 
     def SetDefaultDrafter(self, request, context):
+        if not request.drafter:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drafter: required (name@version)")
         try:
             e = self.registry.set_default(request.drafter)
         except InvalidParam as err:

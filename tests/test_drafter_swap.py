@@ -100,6 +100,10 @@ def test_admin_register_refuses_mismatch_and_unknown(stack, target_model):
     with pytest.raises(grpc.RpcError) as e:
         admin.SetDefaultDrafter(gateway_pb2.DrafterRef(drafter="nope@1"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    for call in (admin.SetDefaultDrafter, admin.DeregisterDrafter):
+        with pytest.raises(grpc.RpcError) as e:
+            call(gateway_pb2.DrafterRef(drafter=""))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "drafter" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         admin.SetDrafterWeights(gateway_pb2.SetDrafterWeightsRequest(weights={"nope@1": 1}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope@1" in e.value.details()

@@ -418,6 +418,7 @@ class VerifierEngine:
                                     policy=self.policy.last_decision))
         for label, label_blocks in verified.items():
             self.policy.observe_acceptance(label, label_blocks)
+        self.policy.observe_outcome([len(ev.tokens) for ev in events])
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
             log.debug("step batch=%d waiting=%d joining=%s k=%d explored=%s expected=%.2f "
@@ -432,17 +433,26 @@ class VerifierEngine:
 
         A job that speculates asks for ``k + 1``-token blocks (with every context row the
         drafter lacks). A job that does not speculate this step sends its new context only
-        (block_size 1) once ``context_flush`` rows are unsent, so the drafter stays (nearly)
-        current at a fraction of the calls, and acceptance does not collapse when speculation
-        resumes: the draft request always carries the rest.
+        (block_size 1) once ``context_flush`` rows are unsent, or whenever its drafter is called
+        this step anyway, so the drafter stays (nearly) current at a fraction of the calls, and
+        acceptance does not collapse when speculation resumes: the draft request always carries
+        the rest.
         """
         results: list = [([], None, None, False)] * len(jobs)
-        groups: dict[int, list[int]] = {}
+        candidates: dict[int, list[tuple[int, bool, bool]]] = {}   # proposer -> (job, must, may)
         for i, j in enumerate(jobs):
+            if j.req.proposer is None or j.session.drafter is not j.req.proposer:
+                continue
             room = j.block_limit > 1 and j.req.max_tokens - j.emitted > 1   # could speculate
-            flush = room and lens[i] - j.session.drafter_len >= self.context_flush
-            if j.req.proposer is not None and j.session.drafter is j.req.proposer and (ks[i] or flush):
-                groups.setdefault(id(j.req.proposer), []).append(i)
+            unsent = lens[i] - j.session.drafter_len
+            must = bool(ks[i]) or (room and unsent >= self.context_flush)
+            candidates.setdefault(id(j.req.proposer), []).append((i, must, room and unsent > 0))
+        # Once a drafter is called this step, every session with unsent context rides along:
+        # the call, not the rows, is the cost (gRPC round trip, one drafter forward), and
+        # flushing each session on its own schedule called the drafter on most no-speculation
+        # steps of a batch (4 sessions out of phase, flush every 8 rows: ~every other step).
+        groups = {p: [i for i, must, may in c if must or may] for p, c in candidates.items()
+                  if any(must for _, must, _ in c)}
         for idx in groups.values():
             proposer = jobs[idx[0]].req.proposer
             prs = []

@@ -16,7 +16,9 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
               + overhead                         (EMA seconds of each decode cycle spent outside
                                                   verify and draft: acceptance, events, gRPC,
                                                   the readers' turnaround; the same for every k)
-      k*      = argmax_k  sum_i E_i[k] / cost(k)
+      k*      = argmax_k  sum_i (1 + accuracy * (E_i[k] - 1)) / cost(k)
+                                                 (accuracy: committed / expected drafted tokens
+                                                  of recent speculative steps, EMA)
 
   Leaving the per-step overhead out would favour short blocks and no speculation: it is paid
   once per step whatever k is, so it is amortised over more tokens by longer accepted blocks.
@@ -147,6 +149,11 @@ class SpeculationPolicy:
         self._accepted: dict[str, list[float]] = {}  # label -> per-position EMA acceptance
         self._cost: dict[tuple[int, int], _EMA] = {}  # (bucket, K) -> step seconds
         self._overhead = _EMA(alpha)                 # seconds per cycle outside verify + draft
+        # calibration: drafted tokens the adaptive sessions' speculative steps were expected to
+        # add (uncalibrated) and what they committed beyond the bonus token (EMAs per step)
+        self._expected_extra = _EMA(alpha)
+        self._committed_extra = _EMA(alpha)
+        self._pending: tuple[list[int], float] | None = None   # (adaptive job indices, expected)
         self._steps = 0
         self.last_decision: Decision | None = None
 
@@ -182,6 +189,27 @@ class SpeculationPolicy:
         """Seconds of one decode cycle (step end to step end, no prefill in between) spent
         outside verify and draft."""
         self._overhead.add(max(0.0, seconds))
+
+    def observe_outcome(self, committed: list[int]) -> None:
+        """Tokens each job of the step just chosen emitted (bonus token included). Speculative
+        adaptive steps feed the calibration :attr:`accuracy`; other steps are ignored."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        idx, expected = pending
+        self._expected_extra.add(expected)
+        self._committed_extra.add(sum(max(committed[i] - 1, 0) for i in idx))
+
+    @property
+    def accuracy(self) -> float:
+        """Committed / expected drafted tokens of recent speculative adaptive steps (1.0 until 5
+        were seen), clamped to [0.25, 1.5]. Every request's expected drafted tokens are scaled
+        by it: a c=16 log had the per-request estimates still 5-10% above what the steps
+        committed (acceptance falls within an answer faster than its counts follow), which
+        is the whole margin between speculating and not at that load."""
+        if self._expected_extra.n < 5 or self._expected_extra.value <= 0:
+            return 1.0
+        return min(1.5, max(0.25, self._committed_extra.value / self._expected_extra.value))
 
     @property
     def overhead_seconds(self) -> float:
@@ -261,6 +289,7 @@ class SpeculationPolicy:
         """Drafts per job this step. ``jobs``: objects with ``mode``, ``block_limit``,
         ``req.max_tokens``, ``emitted`` and ``req.proposer`` (the scheduler's jobs);
         ``waiting``: requests whose prompts wait for prefill behind this step."""
+        self._pending = None
         limits = [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
         modes = [j.mode if j.req.proposer is not None else "off" for j in jobs]
         ks = [lim if m == "fixed" else 0 for m, lim in zip(modes, limits)]
@@ -280,13 +309,18 @@ class SpeculationPolicy:
         priors: dict[str, list[float]] = {}   # drafter label -> its E table
         tables: dict[int, list[float]] = {}   # job index -> the request's E table
 
-        def e(i: int, k: int) -> float:
+        accuracy = self.accuracy
+
+        def raw(i: int, k: int) -> float:
             if i not in tables:
                 label = jobs[i].req.proposer.card.label
                 if label not in priors:
                     priors[label] = self.expected_table(label, top_all)
                 tables[i] = session_table(priors[label], getattr(jobs[i], "stats", None))
             return tables[i][k]
+
+        def e(i: int, k: int) -> float:
+            return 1.0 + accuracy * (raw(i, k) - 1.0)
 
         fixed_tokens = sum(e(i, ks[i]) for i in range(len(jobs)) if modes[i] == "fixed") + \
             sum(1.0 for m in modes if m == "off")
@@ -324,4 +358,6 @@ class SpeculationPolicy:
                                       explored=explored)
         for i in adaptive:
             ks[i] = min(best, limits[i])
+        if best > 0:
+            self._pending = (adaptive, sum(raw(i, ks[i]) - 1.0 for i in adaptive))
         return ks
