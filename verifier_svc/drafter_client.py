@@ -9,12 +9,14 @@ loop; a broken stream is reopened on a later call after a short back-off.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import grpc
@@ -57,6 +59,8 @@ class RemoteProposer:
         wire_dtype: dtype of context features on the wire (float32 keeps tests bit-exact).
     """
 
+    MAX_IN_FLIGHT = 4   # unanswered send_context batches before the next one waits
+
     def __init__(self, address: str, card: DrafterCard, *, timeout_s: float = 2.0,
                  reconnect_backoff_s: float = 0.5, wire_dtype=None):
         self.address = address
@@ -76,6 +80,7 @@ class RemoteProposer:
         self._broken_at = 0.0
         self.last_wire_bytes = 0
         self.wire_stats: dict[str, WireStat] = {}   # session id -> last call (take_wire_stat)
+        self._in_flight: collections.deque[Future] = collections.deque()   # send_context's
 
     # ------------------------------------------------------------------ stream management
     def _open_locked(self) -> queue.Queue | None:
@@ -127,7 +132,7 @@ class RemoteProposer:
                 fut.set_exception(DraftError("unavailable", "drafter stream closed"))
 
     # ------------------------------------------------------------------ Proposer
-    def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
+    def _items(self, requests: list[ProposalRequest]) -> list:
         items = []
         nbytes = 0
         caller = inject_context()  # the caller's span; each item may carry its request's own
@@ -140,15 +145,28 @@ class RemoteProposer:
                 anchor_token=r.anchor_token, block_size=r.block_size,
                 sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller))
         self.last_wire_bytes = nbytes
-        t_send = time.perf_counter()
+        return items
+
+    def _send(self, items: list) -> tuple[int, Future] | None:
+        """Queue one DraftBatch on the stream: (batch id, future of its reply), or None in
+        reconnect back-off."""
         bid = next(self._ids)
         fut: Future = Future()
         with self._lock:
             q = self._open_locked()
             if q is None:
-                return [DraftError("unavailable", "drafter stream reconnect back-off")] * len(requests)
+                return None
             self._pending[bid] = fut
         q.put(drafter_pb2.DraftBatch(batch_id=bid, items=items))
+        return bid, fut
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
+        items = self._items(requests)
+        t_send = time.perf_counter()
+        sent = self._send(items)
+        if sent is None:
+            return [DraftError("unavailable", "drafter stream reconnect back-off")] * len(requests)
+        bid, fut = sent
         try:
             resp = fut.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -161,6 +179,51 @@ class RemoteProposer:
             return [DraftError("malformed_block", "result count mismatch")] * len(requests)
         self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
         return [self._convert(r) for r in resp.results]
+
+    def send_context(self, requests: list[ProposalRequest],
+                     on_failed: Callable[[list[str]], None]) -> None:
+        """Send context-only requests (``block_size`` 1) without waiting for the reply.
+
+        The stream is ordered and the drafter handles its batches one after the other, so a
+        later ``propose`` for the same sessions sees this context. The verifier's step does not
+        wait for the drafter's round trip (on this 2-core machine ~13 ms per call, paid on
+        most no-speculation steps of a busy batch: every join uploads its prompt). Sessions
+        whose update failed (error reply, broken stream, back-off) are passed to ``on_failed``
+        from the reader thread; the caller resends their whole context. A later ``propose``
+        of such a session also fails (``context_gap``) instead of drafting from a stale
+        context.
+        """
+        while len(self._in_flight) >= self.MAX_IN_FLIGHT:   # a slow drafter: bound its backlog
+            try:
+                self._in_flight.popleft().result(timeout=self.timeout_s)
+            except Exception:
+                pass   # its callback reports the failure
+        items = self._items(requests)
+        ids = [r.session_id for r in requests]
+        t_send = time.perf_counter()
+        sent = self._send(items)
+        if sent is None:
+            on_failed(ids)
+            return
+
+        def done(f: Future) -> None:
+            try:
+                resp = f.result()
+            except Exception:
+                on_failed(ids)
+                return
+            if len(resp.results) != len(ids):
+                on_failed(ids)
+                return
+            bad = [r.session_id or sid for r, sid in zip(resp.results, ids) if r.error]
+            if bad:
+                on_failed(bad)
+            self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
+
+        sent[1].add_done_callback(done)
+        self._in_flight.append(sent[1])
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.popleft()
 
     def _record_wire(self, items, round_trip_s: float, drafter_s: float) -> None:
         with self._lock:

@@ -128,12 +128,18 @@ class Session:
     tap_ids: tuple[int, ...] = ()
     drafter: Proposer | None = None
     drafter_len: int = 0               # context positions the drafter holds
+    drafter_epoch: int = 0             # bumped by reset_drafter: older async failures are moot
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     busy: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def cached(self) -> int:
         return self.cache.get_seq_length()
+
+    def reset_drafter(self) -> None:
+        """The drafter holds none of this session's context now: the next call resends it all."""
+        self.drafter_len = 0
+        self.drafter_epoch += 1
 
     def tap_rows(self, start: int) -> torch.Tensor:
         rows = torch.cat(self.taps, dim=0) if self.taps else torch.empty(0)
@@ -174,6 +180,8 @@ class VerifierEngine:
         self._lock = threading.Lock()
         self.totals = AcceptanceCounter()
         self.step_listeners: list[Callable[[Request, StepEvent], None]] = []
+        self._context_failed: set[tuple[str, int]] = set()   # (session, epoch) of failed
+                                                             # async context updates
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -229,7 +237,8 @@ class VerifierEngine:
                 s.drafter.release([s.id])
             except Exception:  # a drafter failure never fails the verifier
                 log.warning("drafter release failed for session %s", s.id, exc_info=True)
-            s.drafter, s.drafter_len = None, 0
+            s.drafter = None
+            s.reset_drafter()
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: Request) -> None:
@@ -306,7 +315,8 @@ class VerifierEngine:
         if s.drafter is not None and s.drafter is not proposer:
             self._release_drafter(s)
         if job.tap_ids != s.tap_ids:
-            s.taps, s.tap_ids, s.drafter_len = [], job.tap_ids, 0
+            s.taps, s.tap_ids = [], job.tap_ids
+            s.reset_drafter()
             reuse = 0  # taps of the cached prefix are for other layers: recompute them
         else:
             reuse = _common_prefix(s.tokens, req.prompt)
@@ -436,9 +446,15 @@ class VerifierEngine:
         (block_size 1) once ``context_flush`` rows are unsent, or whenever its drafter is called
         this step anyway, so the drafter stays (nearly) current at a fraction of the calls, and
         acceptance does not collapse when speculation resumes: the draft request always carries
-        the rest.
+        the rest. A call without any speculation goes to a remote drafter without waiting for
+        its reply (``RemoteProposer.send_context``; ``_send_context``).
         """
         results: list = [([], None, None, False)] * len(jobs)
+        with self._lock:
+            failed, self._context_failed = self._context_failed, set()
+        for j in jobs:   # an earlier context-only update did not land: resend it all
+            if (j.session.id, j.session.drafter_epoch) in failed:
+                j.session.reset_drafter()
         candidates: dict[int, list[tuple[int, bool, bool]]] = {}   # proposer -> (job, must, may)
         for i, j in enumerate(jobs):
             if j.req.proposer is None or j.session.drafter is not j.req.proposer:
@@ -455,6 +471,11 @@ class VerifierEngine:
                   if any(must for _, must, _ in c)}
         for idx in groups.values():
             proposer = jobs[idx[0]].req.proposer
+            if not any(ks[i] for i in idx) and hasattr(proposer, "send_context"):
+                self._send_context(proposer, [jobs[i] for i in idx], [lens[i] for i in idx])
+                for i in idx:
+                    results[i] = ([], None, None, True)
+                continue
             prs = []
             for i in idx:
                 s = jobs[i].session
@@ -471,13 +492,43 @@ class VerifierEngine:
                 s, k = jobs[i].session, ks[i]
                 reason = self._malformed(r, k)
                 if reason:
-                    s.drafter_len = 0  # resend the whole context once a drafter is healthy again
+                    s.reset_drafter()  # resend the whole context once a drafter is healthy again
                     log.info("session %s: drafter fallback (%s)", s.id, reason)
                     results[i] = ([], None, reason if k else None, True)
                 else:
                     s.drafter_len = lens[i]
                     results[i] = (r.tokens.tolist(), r.probs, None, True)
         return results
+
+    def _send_context(self, proposer, jobs, lens) -> None:
+        """Context-only update of ``jobs`` that nothing this step waits for (a remote drafter).
+
+        ``drafter_len`` advances now; a failed update (reported later by the client's reader
+        thread) resets the session's drafter context at the next step (unless it was reset
+        since), so its whole context is resent before the drafter drafts for it again; a
+        draft request that overtakes the news fails with ``context_gap`` and falls back.
+        """
+        prs, epochs = [], {}
+        for j in jobs:
+            epochs[j.session.id] = j.session.drafter_epoch
+            start = j.session.drafter_len
+            prs.append(ProposalRequest(
+                session_id=j.session.id, context_start=start, context=j.session.tap_rows(start),
+                anchor_token=j.session.tokens[-1], block_size=1, sampling=j.req.sampling,
+                trace_context=j.trace_context))
+
+        def failed(ids: list[str]) -> None:
+            log.info("context update failed for %d session(s); resending", len(ids))
+            with self._lock:
+                self._context_failed.update((i, epochs[i]) for i in ids if i in epochs)
+
+        try:
+            proposer.send_context(prs, failed)
+        except Exception as e:  # the drafter must never fail the request
+            log.info("context update raised %r; resending", e)
+            failed([p.session_id for p in prs])
+        for j, n in zip(jobs, lens):
+            j.session.drafter_len = n
 
     def close(self) -> None:
         """Stop the scheduler thread (requests still running fail)."""
