@@ -84,17 +84,17 @@ def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and
     ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS)."""
-    from kernels.skinny_linear import DEFAULT_MAX_ROWS   # here: the gateway never imports torch
+    from kernels.skinny_linear import AUTO   # here: the gateway never imports torch
 
     env = os.environ.get
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
                    help=f"torch CPU threads of the {thread}, which runs every forward; loading "
                         "runs on one; 0 = torch default [DFLASH_TORCH_THREADS]")
     p.add_argument("--skinny-max-rows", type=int,
-                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(DEFAULT_MAX_ROWS))),
+                   default=int(env("DFLASH_SKINNY_MAX_ROWS", str(AUTO))),
                    help="CPU float32: linear layers with 2..N input rows (a verify block) use the "
-                        "transposed product, 0 = off (kernels/skinny_linear.py) "
-                        "[DFLASH_SKINNY_MAX_ROWS]")
+                        "transposed product, 0 = off, -1 = measure both at start and keep the "
+                        "faster (kernels/skinny_linear.py) [DFLASH_SKINNY_MAX_ROWS]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:

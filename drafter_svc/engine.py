@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,9 @@ from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
 from dflash.threads import claim
-from kernels.skinny_linear import DEFAULT_MAX_ROWS, use_skinny_linear
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, use_skinny_linear
+
+log = logging.getLogger("dflash.drafter")
 
 
 @dataclasses.dataclass
@@ -90,7 +93,8 @@ class DrafterEngine:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
         use_skinny_linear(drafter, skinny_max_rows)
-        head.skinny_max_rows = skinny_max_rows
+        self.skinny_max_rows = skinny_max_rows
+        head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=claim if threads else None,
                                            initargs=(threads,) if threads else ())
@@ -142,13 +146,29 @@ class DrafterEngine:
         return sum(s.length for s in list(self._sessions.values()))
 
     def warmup(self) -> None:
-        """One tiny draft so first requests don't pay lazy initialisation."""
+        """One tiny draft so first requests don't pay lazy initialisation; then, with
+        ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
+        compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
+        and without the transposed product; ``kernels.skinny_linear.tune_max_rows``)."""
         from dflash.sampling import Sampling
 
-        req = ProposalRequest(session_id="__warmup__", context_start=0,
-                              context=torch.zeros(2, self.cfg.context_size),
-                              anchor_token=0, block_size=self.cfg.block_size, sampling=Sampling())
-        self.propose([req])
+        def req(block: int, rows: int = 2) -> ProposalRequest:
+            return ProposalRequest(session_id="__warmup__", context_start=0,
+                                   context=torch.zeros(rows, self.cfg.context_size),
+                                   anchor_token=0, block_size=block, sampling=Sampling())
+
+        self.propose([req(self.cfg.block_size)])
+        if self.skinny_max_rows == AUTO:
+            rows = tuple(n for n in (2, 4, 8, 16) if n <= self.cfg.block_size) or (2,)
+
+            def tune():
+                return tune_max_rows(self.drafter, lambda n: self._propose([req(n, 64)]),
+                                     rows=rows, also=[self.head])
+
+            self.skinny_max_rows, timings = self._compute.submit(tune).result()
+            log.info("skinny_max_rows tuned to %d (ms, transposed vs F.linear: %s)",
+                     self.skinny_max_rows, ", ".join(f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}"
+                                                     for n, (a, b) in timings.items()))
         self.release(["__warmup__"])
 
     # ------------------------------------------------------------------ Proposer

@@ -25,16 +25,29 @@ float32 dot products in a different summation order: results may differ in the l
 block forward already differs from one-token forwards (the verify path is not bit-identical to
 decode anywhere in the field; see the lossless tests for how near-ties are handled).
 
+Whether it pays depends on the CPU: on a later machine of this project (Xeon with AVX-512 and
+AMX, 300 MiB L3), MKL's small-M sgemm was the faster path at every row count (SmolLM2 verify of
+2 / 5 / 16 tokens: ``F.linear`` 53 / 82 / 101 ms, transposed 98 / 103 / 110 ms; decode 53 ms).
+So the services tune the row limit at start (:func:`tune_max_rows`, ``--skinny-max-rows -1``,
+the default): the real model's forward, timed both ways on the thread that runs it.
+
 The torch reference is ``F.linear`` itself; ``tests/test_skinny_linear.py`` compares them.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 #: Default row limit: up to 16 rows (a block of 16) the transposed product was faster above.
 DEFAULT_MAX_ROWS = 16
+#: ``max_rows`` value meaning "measure at start" (:func:`tune_max_rows`); switched layers use
+#: ``DEFAULT_MAX_ROWS`` until tuned.
+AUTO = -1
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -80,13 +93,16 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
     """Switch every plain ``nn.Linear`` in ``model`` to :class:`SkinnyLinear`, in place.
 
     Parameters, hooks and the state dict are untouched (only the class changes). Subclasses of
-    ``nn.Linear`` (quantised or sharded layers) are left alone. ``max_rows`` 0 changes nothing.
+    ``nn.Linear`` (quantised or sharded layers) are left alone. ``max_rows`` 0 changes nothing;
+    :data:`AUTO` (negative) switches with ``DEFAULT_MAX_ROWS`` (then :func:`tune_max_rows`).
 
     Returns:
         The number of layers switched.
     """
-    if max_rows <= 0:
+    if max_rows == 0:
         return 0
+    if max_rows < 0:
+        max_rows = DEFAULT_MAX_ROWS
     n = 0
     for m in model.modules():
         if type(m) is torch.nn.Linear:
@@ -94,3 +110,57 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
             m.skinny_max_rows = max_rows
             n += 1
     return n
+
+
+def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] = ()) -> None:
+    """Set the row limit of every :class:`SkinnyLinear` in ``model`` and of each object in
+    ``also`` that has a ``skinny_max_rows`` attribute (e.g. the drafter's target head)."""
+    for m in model.modules():
+        if isinstance(m, SkinnyLinear):
+            m.skinny_max_rows = max_rows
+    for o in also:
+        o.skinny_max_rows = max_rows
+
+
+def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
+                  rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 3, margin: float = 0.03,
+                  also: Iterable[object] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
+    """Choose the row limit of ``model``'s skinny layers by timing the real workload.
+
+    For each ``n`` in ``rows``, ``probe(n)`` (a forward whose linear layers see ``n`` input
+    rows, e.g. a verify of ``n`` tokens) runs ``reps`` times with the transposed product and
+    ``reps`` times with ``F.linear``, interleaved (the order alternating), after one untimed
+    call each way. The limit is the largest ``n`` such that the transposed product's median
+    was more than ``margin`` faster at that and every smaller tested ``n``; 0 when it does not
+    win at ``rows[0]``. Call it on the thread that runs the model's forwards, with its torch
+    thread count (:func:`skinny_linear` keeps ``F.linear`` on one thread, so a tune there
+    finds no difference and returns 0). ``model`` (and ``also``) are left at the result.
+
+    Returns:
+        (limit, {n: (transposed median s, F.linear median s)}).
+    """
+    also = list(also)
+    if not also and not any(isinstance(m, SkinnyLinear) for m in model.modules()):
+        return 0, {}
+    limit = max(rows)
+    for on in (limit, 0):
+        set_max_rows(model, on, also)
+        probe(rows[0])
+    timings: dict[int, tuple[float, float]] = {}
+    for n in rows:
+        runs: dict[int, list[float]] = {limit: [], 0: []}
+        for r in range(reps):
+            for on in ((limit, 0) if r % 2 else (0, limit)):
+                set_max_rows(model, on, also)
+                t0 = time.perf_counter()
+                probe(n)
+                runs[on].append(time.perf_counter() - t0)
+        timings[n] = (statistics.median(runs[limit]), statistics.median(runs[0]))
+    best = 0
+    for n in rows:
+        t_skinny, t_linear = timings[n]
+        if t_skinny >= t_linear * (1 - margin):
+            break
+        best = n
+    set_max_rows(model, best, also)
+    return best, timings

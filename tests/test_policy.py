@@ -158,11 +158,39 @@ def test_context_flushed_every_n_rows_without_speculation(target_model, hf_targe
     engine.close()
 
 
+def run_overlapping(engine, proposer, prompts: dict[str, list[int]], n: int, after: int) -> None:
+    """Greedy requests, one per session id, ``n`` tokens each: the first starts alone, each
+    next one once the previous has streamed ``after`` events; then the engine is closed."""
+    import threading
+
+    threads, errors = [], []
+    for sid, prompt in prompts.items():
+        started = threading.Event()
+
+        def run(sid=sid, prompt=prompt, started=started):
+            try:
+                for i, _ in enumerate(engine.generate(Request(
+                        request_id=sid, session_id=sid, prompt=prompt, max_tokens=n,
+                        ignore_eos=True, proposer=proposer))):
+                    if i + 1 == after:
+                        started.set()
+            except Exception as e:   # re-raised below, in the test's thread
+                errors.append(e)
+            started.set()
+
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        assert started.wait(60)
+    for t in threads:
+        t.join(60)
+    engine.close()
+    if errors:
+        raise errors[0]
+
+
 def test_sessions_without_speculation_flush_together(target_model, hf_target):
     """Without speculation, once the drafter is called in a step (a session's context is due, or
     a session joins) every session with unsent context rides along in that call."""
-    import threading
-
     pa, pb = PROMPTS[1], PROMPTS[2]
     n = 30
     refs = {"a": pa + reference(hf_target, pa, n, ignore_eos=True),
@@ -184,20 +212,7 @@ def test_sessions_without_speculation_flush_together(target_model, hf_target):
         return out
 
     engine._draft_all = draft_all
-    started = threading.Event()
-
-    def run(sid, prompt, signal=None):
-        for i, _ in enumerate(engine.generate(Request(request_id=sid, session_id=sid, prompt=prompt,
-                                                      max_tokens=n, ignore_eos=True, proposer=oracle))):
-            if signal is not None and i == 2:
-                signal.set()
-
-    ta = threading.Thread(target=run, args=("a", pa, started))
-    ta.start()
-    assert started.wait(60)
-    run("b", pb)
-    ta.join(60)
-    engine.close()
+    run_overlapping(engine, oracle, {"a": pa, "b": pb}, n, after=3)
     for call in calls:
         for unsent, room, sent in call:
             assert sent == (room and unsent > 0), calls
@@ -208,8 +223,6 @@ def test_sessions_without_speculation_flush_together(target_model, hf_target):
 def test_cost_cells_skip_ramp_and_joining_steps(target_model, hf_target):
     """Steps with prompts waiting for prefill (forced k = 0) and steps that carry a joining
     session's whole prompt to the drafter do not feed the cost cells; steady steps do."""
-    import threading
-
     pa, pb = PROMPTS[1], PROMPTS[2] * 4
     n = 24
     refs = {"a": pa + reference(hf_target, pa, n, ignore_eos=True),
@@ -228,20 +241,7 @@ def test_cost_cells_skip_ramp_and_joining_steps(target_model, hf_target):
         real_observe(*a)
 
     engine.decode_step, engine.policy.observe_step = decode, observe
-    started = threading.Event()
-
-    def run(sid, prompt, signal=None):
-        for i, _ in enumerate(engine.generate(Request(request_id=sid, session_id=sid, prompt=prompt,
-                                                      max_tokens=n, ignore_eos=True, proposer=oracle))):
-            if signal is not None and i == 3:
-                signal.set()
-
-    ta = threading.Thread(target=run, args=("a", pa, started))
-    ta.start()
-    assert started.wait(60)
-    run("b", pb)
-    ta.join(60)
-    engine.close()
+    run_overlapping(engine, oracle, {"a": pa, "b": pb}, n, after=4)
     assert [w > 0 for w, _, _ in steps].count(True) >= 2, steps      # a ramp happened
     assert [j for _, j, _ in steps].count(True) >= 2, steps          # both sessions joined
     assert [r for _, _, r in steps].count(True) >= 5, steps

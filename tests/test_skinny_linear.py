@@ -110,3 +110,101 @@ def test_target_verify_runs_flash_attention_on_grouped_kv(tiny_target, monkeypat
     ref.forward(list(range(3, 40)), ref_cache, None, logits_to_keep=1)
     torch.testing.assert_close(logits, ref.forward([5, 6, 7], ref_cache, None)[0],
                                rtol=1e-4, atol=1e-4)
+
+
+def _timed_probe(model, slow):
+    """A probe whose cost is set by the test: ``slow(n, skinny_on)`` -> seconds to sleep."""
+    import time
+
+    calls = []
+
+    def probe(n):
+        on = model[0].skinny_max_rows >= n
+        calls.append((n, on))
+        time.sleep(slow(n, on))
+
+    return probe, calls
+
+
+@pytest.mark.parametrize("skinny_wins_up_to,expected", [(16, 16), (4, 4), (0, 0)])
+def test_tune_keeps_the_faster_product_per_row_count(skinny_wins_up_to, expected):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    sk.use_skinny_linear(m, sk.AUTO)
+    assert m[0].skinny_max_rows == sk.DEFAULT_MAX_ROWS
+    head = type("Head", (), {"skinny_max_rows": 16})()
+    probe, calls = _timed_probe(
+        m, lambda n, on: 0.002 if on == (n <= skinny_wins_up_to) else 0.012)
+    best, timings = sk.tune_max_rows(m, probe, rows=(2, 4, 8, 16), reps=3, also=[head])
+    assert best == expected
+    assert m[0].skinny_max_rows == head.skinny_max_rows == expected   # left at the result
+    assert sorted(timings) == [2, 4, 8, 16]
+    for n, (t_on, t_off) in timings.items():
+        assert (t_on < t_off) == (n <= skinny_wins_up_to)
+    assert {(n, on) for n, on in calls} == {(n, on) for n in (2, 4, 8, 16) for on in (True, False)}
+
+
+def test_tune_stops_at_the_first_row_count_where_skinny_loses():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    sk.use_skinny_linear(m, sk.AUTO)
+    probe, _ = _timed_probe(m, lambda n, on: 0.002 if on == (n != 4) else 0.012)
+    assert sk.tune_max_rows(m, probe, rows=(2, 4, 8, 16), reps=3)[0] == 2
+
+
+def test_target_tunes_on_the_scheduler_thread(tiny_target, monkeypatch):
+    """The verifier tunes its target on the thread that runs every forward
+    (``Scheduler.run_on_loop``), and only when asked to (AUTO)."""
+    import threading
+
+    from verifier_svc.engine import VerifierEngine
+    from verifier_svc.target import TargetModel
+
+    t = TargetModel(tiny_target, skinny_max_rows=sk.AUTO)
+    engine = VerifierEngine(t)
+    seen = []
+    real = sk.tune_max_rows
+
+    def spy(*a, **kw):
+        seen.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr("verifier_svc.target.tune_max_rows", spy)
+    try:
+        chosen = engine.scheduler.run_on_loop(t.tune_skinny)
+        assert seen == ["verifier-scheduler"]
+        assert chosen == t.skinny_max_rows and chosen in (0, 2, 4, 8, 16)
+        assert all(m.skinny_max_rows == chosen for m in t.model.modules()
+                   if isinstance(m, sk.SkinnyLinear))
+        fixed = TargetModel(tiny_target, skinny_max_rows=8)
+        assert engine.scheduler.run_on_loop(fixed.tune_skinny) == 8 and len(seen) == 1
+        with pytest.raises(ZeroDivisionError):
+            engine.scheduler.run_on_loop(lambda: 1 / 0)
+    finally:
+        engine.close()
+
+
+def test_drafter_tunes_on_its_compute_thread(tiny_target, make_drafter, monkeypatch):
+    import threading
+
+    from drafter_svc.engine import DrafterEngine
+
+    seen = []
+    real = sk.tune_max_rows
+
+    def spy(*a, **kw):
+        seen.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr("drafter_svc.engine.tune_max_rows", spy)
+    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, skinny_max_rows=sk.AUTO)
+    d.warmup()
+    assert len(seen) == 1 and seen[0].startswith("drafter-compute")
+    assert d.skinny_max_rows in (0, 2, 4, 8, 16)
+    assert d.head.skinny_max_rows == d.skinny_max_rows
+    assert all(m.skinny_max_rows == d.skinny_max_rows for m in d.drafter.modules()
+               if isinstance(m, sk.SkinnyLinear))
+    assert d.num_sessions == 0                     # the probe session is gone
+    d.close()
+    fixed = DrafterEngine.from_pretrained(make_drafter(), tiny_target, skinny_max_rows=8)
+    fixed.warmup()
+    assert len(seen) == 1 and fixed.skinny_max_rows == 8
+    fixed.close()

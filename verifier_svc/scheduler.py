@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -90,20 +91,34 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._last_step_end = 0.0            # for the policy's per-cycle overhead
+        self._calls: list[tuple[Callable[[], object], Future]] = []   # run_on_loop
 
     @property
     def batch_size(self) -> int:
         return len(self._running)
 
+    def _start_locked(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name="verifier-scheduler")
+            self._thread.start()
+
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._thread is None or not self._thread.is_alive():
-                self._stop = False
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="verifier-scheduler")
-                self._thread.start()
+            self._start_locked()
             self._incoming.append(job)
             self._cv.notify()
+
+    def run_on_loop(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the scheduler thread (the one that owns the torch threads and runs
+        every forward) between iterations; returns its result or raises its exception."""
+        fut: Future = Future()
+        with self._cv:
+            self._start_locked()
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut.result()
 
     def want_next(self, job: Job, trace_context: dict) -> None:
         """The reader of ``job`` asks for its next event (from its current span).
@@ -138,7 +153,7 @@ class Scheduler:
             claim(self.engine.threads)       # the one thread that runs forwards multi-threaded
         while True:
             with self._cv:
-                while not (self._incoming or self._waiting or self._stop
+                while not (self._incoming or self._waiting or self._stop or self._calls
                            or any(j.demand or j.closed for j in self._running)):
                     if not self._running:          # idle, not just waiting for a reader:
                         self._last_step_end = 0.0  # the next cycle is not a per-step cost
@@ -146,9 +161,19 @@ class Scheduler:
                 if self._stop:
                     for j in self._incoming + self._waiting + self._running:
                         self._fail(j, RuntimeError("verifier engine stopped"))
+                    for _, fut in self._calls:
+                        fut.set_exception(RuntimeError("verifier engine stopped"))
                     return
                 self._waiting += self._incoming
                 self._incoming = []
+                calls, self._calls = self._calls, []
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+            if calls and not (self._waiting or self._running):
+                continue
             try:
                 self._iteration()
             except Exception as e:  # a failed forward fails the requests in it, not the loop

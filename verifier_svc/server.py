@@ -130,7 +130,13 @@ def _load_target(a, rt):
 
 
 def _warmup(engine) -> None:
+    """Tune the skinny-product row limit on the scheduler thread (``TargetModel.tune_skinny``;
+    expert-parallel targets keep theirs), then one tiny request."""
     from verifier_svc.engine import Request
+
+    tune = getattr(engine.target, "tune_skinny", None)
+    if tune is not None:
+        engine.scheduler.run_on_loop(tune)
 
     for _ in engine.generate(Request(request_id="warmup", prompt=[0, 1, 2], max_tokens=2,
                                      ignore_eos=True)):

@@ -7,6 +7,7 @@ returns the logits and the tapped hidden states (``dflash.taps`` convention).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -17,7 +18,9 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.taps import hidden_state_indices
-from kernels.skinny_linear import DEFAULT_MAX_ROWS, use_skinny_linear
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, use_skinny_linear
+
+log = logging.getLogger("dflash.verifier.target")
 
 
 class TargetUnavailable(RuntimeError):
@@ -64,6 +67,7 @@ class TargetModel:
         if self.device.type == "cpu":
             grouped_kv_attention()
         self.model = self._load()
+        self.skinny_max_rows = skinny_max_rows
         use_skinny_linear(self.model, skinny_max_rows)
         self.config = self.model.config
         raw = json.loads((self.path / "config.json").read_text())
@@ -131,6 +135,29 @@ class TargetModel:
                 layer.release_buffers()
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+    def tune_skinny(self, context: int = 64) -> int:
+        """With ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`: time verify-shaped
+        forwards (2 / 4 / 8 / 16 tokens after ``context`` cached positions) with and without
+        the transposed product and keep the faster (``kernels.skinny_linear.tune_max_rows``).
+        Call on the thread that runs the forwards. Returns the row limit in use (unchanged
+        when it was set explicitly)."""
+        if self.skinny_max_rows != AUTO:
+            return self.skinny_max_rows
+        cache = self.new_cache()
+        ids = [i % self.vocab_size for i in range(1, context + 1)]
+        self.forward(ids, cache, None, logits_to_keep=1)
+
+        def probe(n: int) -> None:
+            self.forward(ids[:n], cache, None)
+            self.crop(cache, context)
+
+        with self.lock:
+            self.skinny_max_rows, timings = tune_max_rows(self.model, probe)
+        log.info("skinny_max_rows tuned to %d (ms, transposed vs F.linear: %s)",
+                 self.skinny_max_rows, ", ".join(f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}"
+                                                 for n, (a, b) in timings.items()))
+        return self.skinny_max_rows
 
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
