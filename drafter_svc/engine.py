@@ -25,7 +25,8 @@ from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
 from dflash.threads import claim
-from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, use_skinny_linear
+from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
+                                   use_skinny_linear)
 
 log = logging.getLogger("dflash.drafter")
 
@@ -166,9 +167,7 @@ class DrafterEngine:
                                      rows=rows, also=[self.head])
 
             self.skinny_max_rows, timings = self._compute.submit(tune).result()
-            log.info("skinny_max_rows tuned to %d (ms, transposed vs F.linear: %s)",
-                     self.skinny_max_rows, ", ".join(f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}"
-                                                     for n, (a, b) in timings.items()))
+            log.info("%s", tuning_summary(self.skinny_max_rows, timings))
         self.release(["__warmup__"])
 
     # ------------------------------------------------------------------ Proposer

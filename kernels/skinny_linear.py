@@ -94,14 +94,18 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
 
     Parameters, hooks and the state dict are untouched (only the class changes). Subclasses of
     ``nn.Linear`` (quantised or sharded layers) are left alone. ``max_rows`` 0 changes nothing;
-    :data:`AUTO` (negative) switches with ``DEFAULT_MAX_ROWS`` (then :func:`tune_max_rows`).
+    :data:`AUTO` (-1) switches with ``DEFAULT_MAX_ROWS`` (then :func:`tune_max_rows`).
 
     Returns:
         The number of layers switched.
+    Raises:
+        ValueError: ``max_rows`` below :data:`AUTO`.
     """
+    if max_rows < AUTO:
+        raise ValueError(f"skinny_max_rows: must be -1 (tune), 0 (off) or a row limit, got {max_rows}")
     if max_rows == 0:
         return 0
-    if max_rows < 0:
+    if max_rows == AUTO:
         max_rows = DEFAULT_MAX_ROWS
     n = 0
     for m in model.modules():
@@ -164,3 +168,9 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
         best = n
     set_max_rows(model, best, also)
     return best, timings
+
+
+def tuning_summary(limit: int, timings: dict[int, tuple[float, float]]) -> str:
+    """One log line for a :func:`tune_max_rows` result."""
+    return f"skinny_max_rows tuned to {limit} (ms, transposed vs F.linear: " + ", ".join(
+        f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}" for n, (a, b) in timings.items()) + ")"

@@ -150,24 +150,29 @@ def test_tune_stops_at_the_first_row_count_where_skinny_loses():
     assert sk.tune_max_rows(m, probe, rows=(2, 4, 8, 16), reps=3)[0] == 2
 
 
+def _tuning_threads(monkeypatch, module: str) -> list[str]:
+    """Names of the threads that call ``module.tune_max_rows`` (which still runs)."""
+    import threading
+
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(threading.current_thread().name)
+        return sk.tune_max_rows(*a, **kw)
+
+    monkeypatch.setattr(f"{module}.tune_max_rows", spy)
+    return seen
+
+
 def test_target_tunes_on_the_scheduler_thread(tiny_target, monkeypatch):
     """The verifier tunes its target on the thread that runs every forward
     (``Scheduler.run_on_loop``), and only when asked to (AUTO)."""
-    import threading
-
     from verifier_svc.engine import VerifierEngine
     from verifier_svc.target import TargetModel
 
     t = TargetModel(tiny_target, skinny_max_rows=sk.AUTO)
     engine = VerifierEngine(t)
-    seen = []
-    real = sk.tune_max_rows
-
-    def spy(*a, **kw):
-        seen.append(threading.current_thread().name)
-        return real(*a, **kw)
-
-    monkeypatch.setattr("verifier_svc.target.tune_max_rows", spy)
+    seen = _tuning_threads(monkeypatch, "verifier_svc.target")
     try:
         chosen = engine.scheduler.run_on_loop(t.tune_skinny)
         assert seen == ["verifier-scheduler"]
@@ -183,18 +188,9 @@ def test_target_tunes_on_the_scheduler_thread(tiny_target, monkeypatch):
 
 
 def test_drafter_tunes_on_its_compute_thread(tiny_target, make_drafter, monkeypatch):
-    import threading
-
     from drafter_svc.engine import DrafterEngine
 
-    seen = []
-    real = sk.tune_max_rows
-
-    def spy(*a, **kw):
-        seen.append(threading.current_thread().name)
-        return real(*a, **kw)
-
-    monkeypatch.setattr("drafter_svc.engine.tune_max_rows", spy)
+    seen = _tuning_threads(monkeypatch, "drafter_svc.engine")
     d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, skinny_max_rows=sk.AUTO)
     d.warmup()
     assert len(seen) == 1 and seen[0].startswith("drafter-compute")
@@ -208,3 +204,24 @@ def test_drafter_tunes_on_its_compute_thread(tiny_target, make_drafter, monkeypa
     fixed.warmup()
     assert len(seen) == 1 and fixed.skinny_max_rows == 8
     fixed.close()
+
+
+def test_row_limits_below_auto_are_refused_naming_the_field():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pytest.raises(ValueError, match="skinny_max_rows"):
+        sk.use_skinny_linear(m, -2)
+    assert type(m[0]) is torch.nn.Linear
+
+
+def test_service_flag_refuses_row_limits_below_auto(capsys):
+    import argparse
+
+    from dflash.server import add_compute_args
+
+    p = argparse.ArgumentParser()
+    add_compute_args(p, "verifier")
+    assert p.parse_args([]).skinny_max_rows == sk.AUTO
+    assert p.parse_args(["--skinny-max-rows", "8"]).skinny_max_rows == 8
+    with pytest.raises(SystemExit):
+        p.parse_args(["--skinny-max-rows", "-3"])
+    assert "--skinny-max-rows" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.taps import hidden_state_indices
-from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, use_skinny_linear
+from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
+                                   use_skinny_linear)
 
 log = logging.getLogger("dflash.verifier.target")
 
@@ -154,9 +155,7 @@ class TargetModel:
 
         with self.lock:
             self.skinny_max_rows, timings = tune_max_rows(self.model, probe)
-        log.info("skinny_max_rows tuned to %d (ms, transposed vs F.linear: %s)",
-                 self.skinny_max_rows, ", ".join(f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}"
-                                                 for n, (a, b) in timings.items()))
+        log.info("%s", tuning_summary(self.skinny_max_rows, timings))
         return self.skinny_max_rows
 
     @staticmethod
