@@ -81,6 +81,17 @@ def add_common_args(p) -> None:
                    help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
 
 
+def at_least(low: int):
+    """argparse ``type`` for an int flag with a lower bound: a smaller value is refused with an
+    error naming the flag (argparse adds the name)."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    return parse
+
+
 def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and

@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 
-from dflash.server import add_common_args, add_compute_args, create_server, run_until_signal
+from dflash.server import (add_common_args, add_compute_args, at_least, create_server,
+                           run_until_signal)
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.observe import ObservedDrafterServicer
@@ -39,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ids the drafter may propose: -1 = the checkpoint's draft_vocab.safetensors "
                         "if present, 0 = full vocabulary, N = its first N ids [DFLASH_DRAFT_VOCAB_SIZE]")
     add_compute_args(p, "drafting thread")
+    p.add_argument("--context-threads", type=at_least(0),
+                   default=env("DFLASH_CONTEXT_THREADS", "1"),
+                   help="torch threads for a call that only carries context features (no block to "
+                        "draft): it overlaps the verifier's forward, which it slows less on fewer "
+                        "threads; 0 = as many as drafting [DFLASH_CONTEXT_THREADS]")
     add_common_args(p)
     return p.parse_args(argv)
 
@@ -59,7 +65,8 @@ def main(argv=None) -> None:
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
-                                           skinny_max_rows=a.skinny_max_rows, threads=threads)
+                                           skinny_max_rows=a.skinny_max_rows, threads=threads,
+                                           context_threads=a.context_threads)
     engine.warmup()
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)

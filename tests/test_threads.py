@@ -68,3 +68,45 @@ def test_drafter_engine_drafts_on_its_compute_thread(tiny_target, make_drafter, 
     assert not any(th.is_alive() for th in names)
     with pytest.raises(RuntimeError):
         d.propose([req])
+
+
+def test_context_only_calls_run_on_context_threads(tiny_target, make_drafter, monkeypatch):
+    """A call whose items only carry context (the verifier's updates it does not wait for) runs
+    on ``context_threads``; a call with a block to draft, on the engine's drafting threads."""
+    import torch
+
+    from dflash.proposer import ProposalRequest
+    from dflash.sampling import Sampling
+    from drafter_svc.engine import DrafterEngine
+
+    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, threads=2, context_threads=1)
+    seen = []
+    real = d.drafter.context_kv
+    monkeypatch.setattr(d.drafter, "context_kv",
+                        lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+
+    def req(start, rows, block):
+        return ProposalRequest(session_id="s", context_start=start,
+                               context=torch.randn(rows, d.cfg.context_size), anchor_token=1,
+                               block_size=block, sampling=Sampling())
+    try:
+        assert not isinstance(d.propose([req(0, 3, 1)])[0], Exception)
+        assert len(d.propose([req(3, 2, 4)])[0].tokens) == 3
+        assert not isinstance(d.propose([req(5, 2, 1)])[0], Exception)
+        assert seen == [1, 2, 1]
+        assert d.cached_tokens == 7
+    finally:
+        d.close()
+    with pytest.raises(ValueError, match="context_threads"):
+        DrafterEngine.from_pretrained(make_drafter(), tiny_target, context_threads=-1)
+
+
+def test_context_flush_below_one_is_refused(tiny_target):
+    from verifier_svc.engine import VerifierEngine
+    from verifier_svc.server import parse_args
+    from verifier_svc.target import TargetModel
+
+    with pytest.raises(ValueError, match="context_flush"):
+        VerifierEngine(TargetModel(tiny_target), context_flush=0)
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--context-flush", "0"])

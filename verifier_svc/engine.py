@@ -159,7 +159,7 @@ class VerifierEngine:
         prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
         max_batch: sessions verified per step.
         context_flush: on steps without speculation, send the drafter a session's context once
-            this many rows are unsent (1 = every step).
+            this many rows are unsent (1 = every step). Raises ValueError below 1.
         threads: torch threads of the scheduler thread, which runs every forward; it then is
             the process's only multi-threaded torch thread (``dflash.threads.claim``; the
             service calls ``dflash.threads.reserve`` at start). 0 = leave torch's threads alone.
@@ -170,7 +170,9 @@ class VerifierEngine:
                  context_flush: int = 8, threads: int = 0):
         self.target = target
         self.threads = threads
-        self.context_flush = max(1, context_flush)
+        if context_flush < 1:
+            raise ValueError(f"context_flush must be >= 1, got {context_flush}")
+        self.context_flush = context_flush
         self.spec_mode = spec_mode
         self.policy = SpeculationPolicy(spec_mode)
         self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch)

@@ -7,7 +7,8 @@ import logging
 import os
 import threading
 
-from dflash.server import add_common_args, add_compute_args, create_server, run_until_signal
+from dflash.server import (add_common_args, add_compute_args, at_least, create_server,
+                           run_until_signal)
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -61,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
+    p.add_argument("--context-flush", type=at_least(1), default=int(env("DFLASH_CONTEXT_FLUSH", "8")),
+                   help="on steps without speculation, send a session's new context features to "
+                        "its drafter once this many rows are unsent (1 = every step); a draft "
+                        "request always carries the rest [DFLASH_CONTEXT_FLUSH]")
     add_compute_args(p, "decode (scheduler) thread")
     p.add_argument("--spec-log-interval", type=float,
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
@@ -94,7 +99,8 @@ def main(argv=None) -> None:
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
     target = _load_target(a, rt)
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
-                            prefill_chunk=a.prefill_chunk, max_batch=a.max_batch, threads=threads)
+                            prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
+                            context_flush=a.context_flush, threads=threads)
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)
