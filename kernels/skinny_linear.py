@@ -51,8 +51,9 @@ AUTO = -1
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  max_rows: int = DEFAULT_MAX_ROWS) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, as ``(weight @ x2d.T).T`` when it has 2..``max_rows`` rows.
+                  max_rows: int = DEFAULT_MAX_ROWS, one_row: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, as ``(weight @ x2d.T).T`` when it has 2..``max_rows`` rows
+    (and, with ``one_row``, for one row, computed as two copies of it).
 
     Args:
         x: [..., in_features]; rows = the product of the leading dimensions.
@@ -60,15 +61,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         bias: [out_features] or None.
         max_rows: largest row count that takes the transposed product; 0 = never. Only on
             CPU, float32, with at least two torch threads.
+        one_row: one row (a decode step) takes the transposed product of the row and a copy
+            of it: on an AMD EPYC (Zen 5) 2-core machine both ``F.linear`` and ``weight @ x``
+            ran SmolLM2's one-token forward in 40-41 ms (a matrix-vector kernel), the
+            two-column product in 27 ms (in process, ~200 cached positions, median of 9).
+            Same conditions as ``max_rows``; :func:`tune_max_rows` decides it.
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows < 2 or rows > max_rows or x.device.type != "cpu" or x.dtype != torch.float32
+    if (rows < (1 if one_row else 2) or rows > max(max_rows, 1 if one_row else 0)
+            or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or torch.get_num_threads() < 2):
         return F.linear(x, weight, bias)
+    if rows == 1:   # the matrix-vector kernel is the slow path: two columns, keep one
+        out = (weight @ x.reshape(1, x.shape[-1]).repeat(2, 1).T)[:, :1].T.contiguous()
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], weight.shape[0])
     # Row-major like F.linear's result: the transposed view's last-dim stride is ``rows``, and
     # consumers pay for that layout. Attention then left the flash SDPA kernel for the math one
     # (it needs a unit last-dim stride) and every elementwise op on the activations kept the
@@ -84,9 +96,10 @@ class SkinnyLinear(torch.nn.Linear):
     """``nn.Linear`` whose forward is :func:`skinny_linear` (same parameters and state dict)."""
 
     skinny_max_rows: int = DEFAULT_MAX_ROWS
+    skinny_one_row: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows)
+        return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows, self.skinny_one_row)
 
 
 def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
@@ -116,12 +129,16 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
     return n
 
 
-def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] = ()) -> None:
+def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] = (),
+                 one_row: bool | None = None) -> None:
     """Set the row limit of every :class:`SkinnyLinear` in ``model`` and of each object in
-    ``also`` that has a ``skinny_max_rows`` attribute (e.g. the drafter's target head)."""
+    ``also`` that has a ``skinny_max_rows`` attribute (e.g. the drafter's target head); with
+    ``one_row`` not None, also the layers' one-row switch."""
     for m in model.modules():
         if isinstance(m, SkinnyLinear):
             m.skinny_max_rows = max_rows
+            if one_row is not None:
+                m.skinny_one_row = one_row
     for o in also:
         o.skinny_max_rows = max_rows
 
@@ -140,12 +157,36 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
     thread count (:func:`skinny_linear` keeps ``F.linear`` on one thread, so a tune there
     finds no difference and returns 0). ``model`` (and ``also``) are left at the result.
 
+    A 1 in ``rows`` (a decode-shaped probe) is timed the same way and decided on its own: the
+    layers of ``model`` take the two-copy product for one row (``skinny_one_row``) when it won
+    by ``margin``; it neither counts for nor stops the limit. Without a 1 the switch is left
+    off.
+
     Returns:
         (limit, {n: (transposed median s, F.linear median s)}).
     """
     also = list(also)
     if not also and not any(isinstance(m, SkinnyLinear) for m in model.modules()):
         return 0, {}
+    one = 1 in rows
+    rows = tuple(n for n in rows if n != 1)
+    one_row = False
+    if one:
+        t1: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False):
+            set_max_rows(model, 0, also, one_row=on)
+            probe(1)
+        for r in range(reps):
+            for on in ((True, False) if r % 2 else (False, True)):
+                set_max_rows(model, 0, also, one_row=on)
+                t0 = time.perf_counter()
+                probe(1)
+                t1[on].append(time.perf_counter() - t0)
+        one_t = (statistics.median(t1[True]), statistics.median(t1[False]))
+        one_row = one_t[0] < one_t[1] * (1 - margin)
+    set_max_rows(model, 0, also, one_row=one_row)
+    if not rows:
+        return 0, ({1: one_t} if one else {})
     limit = max(rows)
     for on in (limit, 0):
         set_max_rows(model, on, also)
@@ -160,6 +201,8 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
                 probe(n)
                 runs[on].append(time.perf_counter() - t0)
         timings[n] = (statistics.median(runs[limit]), statistics.median(runs[0]))
+    if one:
+        timings = {1: one_t, **timings}
     best = 0
     for n in rows:
         t_skinny, t_linear = timings[n]
@@ -172,5 +215,8 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
 
 def tuning_summary(limit: int, timings: dict[int, tuple[float, float]]) -> str:
     """One log line for a :func:`tune_max_rows` result."""
-    return f"skinny_max_rows tuned to {limit} (ms, transposed vs F.linear: " + ", ".join(
+    one = timings.get(1)
+    head = f"skinny_max_rows tuned to {limit}" + (
+        f", one row {'two-copy product' if one[0] < one[1] * (1 - 0.03) else 'F.linear'}" if one else "")
+    return head + " (ms, transposed vs F.linear: " + ", ".join(
         f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}" for n, (a, b) in timings.items()) + ")"

@@ -1,6 +1,8 @@
 """kernels.skinny_linear: the transposed product for 2..N rows equals F.linear (float32 rounding),
 is taken only where it was measured to help, and is what the target and drafter run."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,3 +227,43 @@ def test_service_flag_refuses_row_limits_below_auto(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--skinny-max-rows", "-3"])
     assert "--skinny-max-rows" in capsys.readouterr().err
+
+
+def test_one_row_takes_the_two_copy_product_only_when_asked(two_threads):
+    w, b = torch.randn(48, 32), torch.randn(48)
+    x = torch.randn(1, 1, 32)
+    ref = F.linear(x, w, b)
+    torch.testing.assert_close(sk.skinny_linear(x, w, b, 16, one_row=True), ref, rtol=1e-5, atol=1e-5)
+    calls = []
+    real = torch.Tensor.repeat
+    try:
+        torch.Tensor.repeat = lambda self, *a: calls.append(a) or real(self, *a)
+        sk.skinny_linear(x, w, b, 16)
+        assert calls == []                       # one row, switch off: F.linear
+        sk.skinny_linear(x, w, b, 0, one_row=True)
+        assert calls == [(2, 1)]                 # independent of the multi-row limit
+    finally:
+        torch.Tensor.repeat = real
+
+
+def test_tune_decides_one_row_on_its_own():
+    """A 1 in ``rows`` sets the layers' one-row switch from its own timing; it neither counts
+    for nor stops the multi-row limit."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    sk.use_skinny_linear(m, sk.AUTO)
+    calls = []
+
+    def probe(n):
+        on = m[0].skinny_one_row if n == 1 else m[0].skinny_max_rows >= n
+        calls.append((n, on))
+        time.sleep(0.002 if on == (n != 1 or one_wins) else 0.012)
+
+    for one_wins in (True, False):
+        best, timings = sk.tune_max_rows(m, probe, rows=(1, 2, 4), reps=3)
+        assert best == 4 and m[0].skinny_max_rows == 4
+        assert m[0].skinny_one_row is one_wins
+        assert sorted(timings) == [1, 2, 4]
+        assert ("one row two-copy product" in sk.tuning_summary(best, timings)) is one_wins
+    assert {(n, on) for n, on in calls if n == 1} == {(1, True), (1, False)}
+    sk.tune_max_rows(m, probe, rows=(2, 4), reps=1)
+    assert m[0].skinny_one_row is False          # no decode probe: the switch stays off

@@ -138,9 +138,10 @@ class TargetModel:
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
 
     def tune_skinny(self, context: int = 64) -> int:
-        """With ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`: time verify-shaped
-        forwards (2 / 4 / 8 / 16 tokens after ``context`` cached positions) with and without
-        the transposed product and keep the faster (``kernels.skinny_linear.tune_max_rows``).
+        """With ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`: time decode- and
+        verify-shaped forwards (1 / 2 / 4 / 8 / 16 tokens after ``context`` cached positions)
+        with and without the transposed product and keep the faster, per row count for one
+        row (``kernels.skinny_linear.tune_max_rows``).
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
         when it was set explicitly)."""
         if self.skinny_max_rows != AUTO:
@@ -154,7 +155,7 @@ class TargetModel:
             self.crop(cache, context)
 
         with self.lock:
-            self.skinny_max_rows, timings = tune_max_rows(self.model, probe)
+            self.skinny_max_rows, timings = tune_max_rows(self.model, probe, rows=(1, 2, 4, 8, 16))
         log.info("%s", tuning_summary(self.skinny_max_rows, timings))
         return self.skinny_max_rows
 
