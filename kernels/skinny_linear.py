@@ -144,7 +144,7 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] =
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
-                  rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 3, margin: float = 0.03,
+                  rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 5, margin: float = 0.03,
                   also: Iterable[object] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
     """Choose the row limit of ``model``'s skinny layers by timing the real workload.
 
