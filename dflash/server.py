@@ -102,13 +102,7 @@ def add_compute_args(p, thread: str) -> None:
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),
                    help=f"torch CPU threads of the {thread}, which runs every forward; loading "
                         "runs on one; 0 = torch default [DFLASH_TORCH_THREADS]")
-    def max_rows(text: str) -> int:
-        n = int(text)
-        if n < AUTO:
-            raise argparse.ArgumentTypeError(f"must be -1 (tune), 0 (off) or a row limit, got {n}")
-        return n
-
-    p.add_argument("--skinny-max-rows", type=max_rows,
+    p.add_argument("--skinny-max-rows", type=at_least(AUTO),
                    default=env("DFLASH_SKINNY_MAX_ROWS", str(AUTO)),
                    help="CPU float32: linear layers with 2..N input rows (a verify block) use the "
                         "transposed product, 0 = off, -1 = measure both at start and keep the "

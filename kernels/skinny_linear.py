@@ -48,6 +48,8 @@ DEFAULT_MAX_ROWS = 16
 #: ``max_rows`` value meaning "measure at start" (:func:`tune_max_rows`); switched layers use
 #: ``DEFAULT_MAX_ROWS`` until tuned.
 AUTO = -1
+#: How much faster (fraction) the transposed product must be to be chosen.
+MARGIN = 0.03
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -72,9 +74,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows < (1 if one_row else 2) or rows > max(max_rows, 1 if one_row else 0)
-            or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or torch.get_num_threads() < 2):
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or torch.get_num_threads() < 2
+            or not (2 <= rows <= max_rows or (rows == 1 and one_row))):
         return F.linear(x, weight, bias)
     if rows == 1:   # the matrix-vector kernel is the slow path: two columns, keep one
         out = (weight @ x.reshape(1, x.shape[-1]).repeat(2, 1).T)[:, :1].T.contiguous()
@@ -144,7 +146,7 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] =
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
-                  rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 5, margin: float = 0.03,
+                  rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 5, margin: float = MARGIN,
                   also: Iterable[object] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
     """Choose the row limit of ``model``'s skinny layers by timing the real workload.
 
@@ -168,55 +170,51 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
     also = list(also)
     if not also and not any(isinstance(m, SkinnyLinear) for m in model.modules()):
         return 0, {}
-    one = 1 in rows
-    rows = tuple(n for n in rows if n != 1)
-    one_row = False
-    if one:
-        t1: dict[bool, list[float]] = {True: [], False: []}
-        for on in (True, False):
-            set_max_rows(model, 0, also, one_row=on)
-            probe(1)
+
+    def timed(n: int, use: Callable[[bool], None], warm: bool) -> tuple[float, float]:
+        """Medians of ``reps`` probes of ``n`` rows with ``use(True)`` (transposed) and
+        ``use(False)``, interleaved (order alternating), after one untimed call each way
+        when ``warm``."""
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for state in (True, False) if warm else ():
+            use(state)
+            probe(n)
         for r in range(reps):
-            for on in ((True, False) if r % 2 else (False, True)):
-                set_max_rows(model, 0, also, one_row=on)
-                t0 = time.perf_counter()
-                probe(1)
-                t1[on].append(time.perf_counter() - t0)
-        one_t = (statistics.median(t1[True]), statistics.median(t1[False]))
-        one_row = one_t[0] < one_t[1] * (1 - margin)
-    set_max_rows(model, 0, also, one_row=one_row)
-    if not rows:
-        return 0, ({1: one_t} if one else {})
-    limit = max(rows)
-    for on in (limit, 0):
-        set_max_rows(model, on, also)
-        probe(rows[0])
-    timings: dict[int, tuple[float, float]] = {}
-    for n in rows:
-        runs: dict[int, list[float]] = {limit: [], 0: []}
-        for r in range(reps):
-            for on in ((limit, 0) if r % 2 else (0, limit)):
-                set_max_rows(model, on, also)
+            for state in ((True, False) if r % 2 else (False, True)):
+                use(state)
                 t0 = time.perf_counter()
                 probe(n)
-                runs[on].append(time.perf_counter() - t0)
-        timings[n] = (statistics.median(runs[limit]), statistics.median(runs[0]))
-    if one:
-        timings = {1: one_t, **timings}
+                runs[state].append(time.perf_counter() - t0)
+        return statistics.median(runs[True]), statistics.median(runs[False])
+
+    timings: dict[int, tuple[float, float]] = {}
+    one_row = False
+    if 1 in rows:
+        timings[1] = timed(1, lambda state: set_max_rows(model, 0, also, one_row=state), True)
+        one_row = wins(*timings[1], margin)
+    set_max_rows(model, 0, also, one_row=one_row)
+    rows = tuple(n for n in rows if n != 1)
+    limit = max(rows, default=0)
+    for i, n in enumerate(rows):
+        timings[n] = timed(n, lambda state: set_max_rows(model, limit if state else 0, also), i == 0)
     best = 0
     for n in rows:
-        t_skinny, t_linear = timings[n]
-        if t_skinny >= t_linear * (1 - margin):
+        if not wins(*timings[n], margin):
             break
         best = n
     set_max_rows(model, best, also)
     return best, timings
 
 
+def wins(t_skinny: float, t_linear: float, margin: float = MARGIN) -> bool:
+    """The transposed product's time beats ``F.linear``'s by more than ``margin``."""
+    return t_skinny < t_linear * (1 - margin)
+
+
 def tuning_summary(limit: int, timings: dict[int, tuple[float, float]]) -> str:
     """One log line for a :func:`tune_max_rows` result."""
     one = timings.get(1)
     head = f"skinny_max_rows tuned to {limit}" + (
-        f", one row {'two-copy product' if one[0] < one[1] * (1 - 0.03) else 'F.linear'}" if one else "")
+        f", one row {'two-copy product' if wins(*one) else 'F.linear'}" if one else "")
     return head + " (ms, transposed vs F.linear: " + ", ".join(
         f"{n} rows {1e3 * a:.1f} vs {1e3 * b:.1f}" for n, (a, b) in timings.items()) + ")"

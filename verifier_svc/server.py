@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
-    p.add_argument("--context-flush", type=at_least(1), default=int(env("DFLASH_CONTEXT_FLUSH", "8")),
+    p.add_argument("--context-flush", type=at_least(1), default=env("DFLASH_CONTEXT_FLUSH", "8"),
                    help="on steps without speculation, send a session's new context features to "
                         "its drafter once this many rows are unsent (1 = every step); a draft "
                         "request always carries the rest [DFLASH_CONTEXT_FLUSH]")
