@@ -77,11 +77,12 @@ class LocalStack:
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.run_dir / f"{name}.log", "w")
-        # OpenMP wait policy: left at libgomp's default (spin ~300k iterations, then sleep).
+        # OpenMP wait policy: the services' entry points shorten libgomp's spin before sleep
+        # (dflash.omp.default_spin_count: GOMP_SPINCOUNT=10000 unless the user's env sets it).
         # Measured on the 2-core CI machine, SmolLM2 stack, 3 HumanEval prompts x 64 tokens,
         # speculation-off / fixed decode tok/s: PASSIVE (sleep at every barrier) 10.9 / 7.6,
         # default 14.5 / 12.5, GOMP_SPINCOUNT=100000 15.8 / 12.8, ACTIVE (spin forever) over
-        # 10x slower (three processes' idle threads spin on two cores). The user's env wins.
+        # 10x slower (three processes' idle threads spin on two cores).
         env = {**os.environ, **self.cfg.extra_env}
         if name in self.cfg.metrics_ports:
             env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])

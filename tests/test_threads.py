@@ -110,3 +110,36 @@ def test_context_flush_below_one_is_refused(tiny_target):
         VerifierEngine(TargetModel(tiny_target), context_flush=0)
     with pytest.raises(SystemExit):
         parse_args(["--target", "t", "--context-flush", "0"])
+
+
+def test_default_spin_count_yields_to_the_users_setting():
+    from dflash.omp import SPIN_COUNT, default_spin_count
+
+    env = {}
+    assert default_spin_count(env) and env == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    mine = {"GOMP_SPINCOUNT": "300000"}
+    assert not default_spin_count(mine) and mine == {"GOMP_SPINCOUNT": "300000"}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert not default_spin_count(passive) and passive == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+_ENTRY = r"""
+import os, runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+print("SPIN", os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize("service", ["verifier_svc", "drafter_svc"])
+def test_services_set_the_spin_count_before_torch_loads(service):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    r = subprocess.run([sys.executable, "-c", _ENTRY, service], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert "SPIN 10000" in r.stdout, r.stdout + r.stderr
+    assert "after torch was imported" not in r.stderr
