@@ -92,6 +92,17 @@ def at_least(low: int):
     return parse
 
 
+def one_of(choices: tuple[str, ...]):
+    """argparse ``type`` for a string flag with fixed choices. Unlike ``choices=``, argparse
+    also runs it on a string default (an environment variable's value), so a bad value there
+    is refused naming the flag too."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse
+
+
 def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and

@@ -34,18 +34,18 @@ def reserve(threads: int = 0) -> int:
     return n
 
 
-def claim(threads: int) -> None:
+def claim(threads: int, *, others: int = 1) -> None:
     """Make the calling thread run torch's parallel regions on ``threads`` threads, and every
-    thread that has not run torch work yet single-threaded (their default becomes 1).
+    thread that has not run torch work yet on ``others`` (default 1: single-threaded).
 
     Raises:
-        ValueError: ``threads`` < 1.
+        ValueError: ``threads`` or ``others`` < 1.
     """
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    if threads < 1 or others < 1:
+        raise ValueError(f"threads must be >= 1, got {threads} (others {others})")
     torch.set_num_threads(threads)
     torch.get_num_threads()              # this thread takes its count now (lazy init in torch)
-    if threads > 1:                      # the process-wide default back to 1, from a thread
-        t = threading.Thread(target=torch.set_num_threads, args=(1,), name="threads-reset")
-        t.start()                        # that exits at once (its own count dies with it)
+    if threads != others:                # the process-wide default back to `others`, from a
+        t = threading.Thread(target=torch.set_num_threads, args=(others,), name="threads-reset")
+        t.start()                        # thread that exits at once (its own count dies with it)
         t.join()

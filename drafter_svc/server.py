@@ -6,10 +6,11 @@ import argparse
 import logging
 import os
 
-from dflash.server import (add_common_args, add_compute_args, at_least, create_server,
+from dflash.server import (add_common_args, add_compute_args, at_least, create_server, one_of,
                            run_until_signal)
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+from drafter_svc.engine import CONTEXT_SCHED
 from drafter_svc.observe import ObservedDrafterServicer
 
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -44,7 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=env("DFLASH_CONTEXT_THREADS", "1"),
                    help="torch threads for a call that only carries context features (no block to "
                         "draft): it overlaps the verifier's forward, which it slows less on fewer "
-                        "threads; 0 = as many as drafting [DFLASH_CONTEXT_THREADS]")
+                        "threads; 0 = no separate thread: run them on the drafting thread "
+                        "[DFLASH_CONTEXT_THREADS]")
+    p.add_argument("--context-sched", type=one_of(CONTEXT_SCHED),
+                   default=env("DFLASH_CONTEXT_SCHED", "idle"),
+                   help="Linux scheduling policy of the thread running context-only calls: idle "
+                        "(SCHED_IDLE: only on a core nothing else wants, i.e. in the verifier's "
+                        "gaps) or normal [DFLASH_CONTEXT_SCHED]")
     add_common_args(p)
     return p.parse_args(argv)
 
@@ -66,7 +73,8 @@ def main(argv=None) -> None:
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
                                            skinny_max_rows=a.skinny_max_rows, threads=threads,
-                                           context_threads=a.context_threads)
+                                           context_threads=a.context_threads,
+                                           context_sched=a.context_sched)
     engine.warmup()
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)

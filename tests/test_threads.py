@@ -72,33 +72,75 @@ def test_drafter_engine_drafts_on_its_compute_thread(tiny_target, make_drafter, 
 
 def test_context_only_calls_run_on_context_threads(tiny_target, make_drafter, monkeypatch):
     """A call whose items only carry context (the verifier's updates it does not wait for) runs
-    on ``context_threads``; a call with a block to draft, on the engine's drafting threads."""
+    on the context thread with ``context_threads`` torch threads at SCHED_IDLE; a call with a
+    block to draft, on the compute thread with the engine's drafting threads."""
+    import os
+
     import torch
 
     from dflash.proposer import ProposalRequest
     from dflash.sampling import Sampling
     from drafter_svc.engine import DrafterEngine
 
-    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, threads=2, context_threads=1)
-    seen = []
-    real = d.drafter.context_kv
-    monkeypatch.setattr(d.drafter, "context_kv",
-                        lambda *a: seen.append(torch.get_num_threads()) or real(*a))
-
     def req(start, rows, block):
         return ProposalRequest(session_id="s", context_start=start,
                                context=torch.randn(rows, d.cfg.context_size), anchor_token=1,
                                block_size=block, sampling=Sampling())
-    try:
-        assert not isinstance(d.propose([req(0, 3, 1)])[0], Exception)
-        assert len(d.propose([req(3, 2, 4)])[0].tokens) == 3
-        assert not isinstance(d.propose([req(5, 2, 1)])[0], Exception)
-        assert seen == [1, 2, 1]
-        assert d.cached_tokens == 7
-    finally:
-        d.close()
+
+    for sched, policy in (("idle", os.SCHED_IDLE), ("normal", os.sched_getscheduler(0))):
+        d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, threads=2,
+                                          context_threads=1, context_sched=sched)
+        seen = []
+        real = d.drafter.context_kv
+        monkeypatch.setattr(d.drafter, "context_kv", lambda *a: seen.append(
+            (threading.current_thread().name.split("_")[0], torch.get_num_threads(),
+             os.sched_getscheduler(0))) or real(*a))
+        try:
+            assert not isinstance(d.propose([req(0, 3, 1)])[0], Exception)
+            assert len(d.propose([req(3, 2, 4)])[0].tokens) == 3
+            assert not isinstance(d.propose([req(5, 2, 1)])[0], Exception)
+            assert [(n, t) for n, t, _ in seen] == [("drafter-context", 1), ("drafter-compute", 2),
+                                                    ("drafter-context", 1)]
+            assert seen[0][2] == seen[2][2] == policy
+            assert d.cached_tokens == 7
+        finally:
+            d.close()
     with pytest.raises(ValueError, match="context_threads"):
         DrafterEngine.from_pretrained(make_drafter(), tiny_target, context_threads=-1)
+    with pytest.raises(ValueError, match="context_sched"):
+        DrafterEngine.from_pretrained(make_drafter(), tiny_target, context_sched="realtime")
+
+
+def test_context_threads_zero_runs_context_calls_on_the_compute_thread(tiny_target, make_drafter,
+                                                                       monkeypatch):
+    import torch
+
+    from dflash.proposer import ProposalRequest
+    from dflash.sampling import Sampling
+    from drafter_svc.engine import DrafterEngine
+
+    d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, context_threads=0)
+    names = []
+    real = d.drafter.context_kv
+    monkeypatch.setattr(d.drafter, "context_kv",
+                        lambda *a: names.append(threading.current_thread().name) or real(*a))
+    try:
+        d.propose([ProposalRequest(session_id="s", context_start=0,
+                                   context=torch.randn(3, d.cfg.context_size), anchor_token=1,
+                                   block_size=1, sampling=Sampling())])
+        assert len(names) == 1 and names[0].startswith("drafter-compute")
+    finally:
+        d.close()
+
+
+def test_context_sched_flag_checks_the_environment_too(monkeypatch):
+    from drafter_svc.server import parse_args
+
+    assert parse_args(["--drafter", "d", "--target", "t"]).context_sched == "idle"
+    assert parse_args(["--drafter", "d", "--target", "t", "--context-sched", "normal"]).context_sched == "normal"
+    monkeypatch.setenv("DFLASH_CONTEXT_SCHED", "fifo")
+    with pytest.raises(SystemExit):
+        parse_args(["--drafter", "d", "--target", "t"])
 
 
 def test_context_flush_below_one_is_refused(tiny_target):
