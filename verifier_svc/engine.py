@@ -38,6 +38,7 @@ from dflash.stats import AcceptanceCounter
 from dflash.tracing import inject_context
 from verifier_svc.policy import MODES, Decision, SpeculationPolicy
 from verifier_svc.scheduler import Job, Scheduler
+from verifier_svc.tap_buffer import TapRows
 from verifier_svc.target import TargetModel
 
 log = logging.getLogger("dflash.verifier")
@@ -124,7 +125,7 @@ class Session:
     id: str
     cache: object
     tokens: list[int] = dataclasses.field(default_factory=list)   # prompt + emitted
-    taps: list[torch.Tensor] = dataclasses.field(default_factory=list)  # rows for cached positions
+    taps: TapRows = dataclasses.field(default_factory=TapRows)   # rows for cached positions
     tap_ids: tuple[int, ...] = ()
     drafter: Proposer | None = None
     drafter_len: int = 0               # context positions the drafter holds
@@ -142,10 +143,8 @@ class Session:
         self.drafter_epoch += 1
 
     def tap_rows(self, start: int) -> torch.Tensor:
-        rows = torch.cat(self.taps, dim=0) if self.taps else torch.empty(0)
-        if len(self.taps) > 1:
-            self.taps = [rows]
-        return rows[start:]
+        """Taps of positions ``[start, cached)`` (a view; ``TapRows.rows``)."""
+        return self.taps.rows(start)
 
 
 class VerifierEngine:
@@ -317,7 +316,7 @@ class VerifierEngine:
         if s.drafter is not None and s.drafter is not proposer:
             self._release_drafter(s)
         if job.tap_ids != s.tap_ids:
-            s.taps, s.tap_ids = [], job.tap_ids
+            s.taps, s.tap_ids = TapRows(), job.tap_ids
             s.reset_drafter()
             reuse = 0  # taps of the cached prefix are for other layers: recompute them
         else:
@@ -333,7 +332,7 @@ class VerifierEngine:
         with t.lock:
             t.crop(s.cache, job.reuse)
         if job.tap_ids:
-            s.taps = [s.tap_rows(0)[:job.reuse]]
+            s.taps.truncate(job.reuse)
         s.drafter_len = min(s.drafter_len, job.reuse)
 
     def prefill_chunk(self, job: "Job", budget: int) -> StepEvent | None:
