@@ -22,6 +22,7 @@ import torch
 
 from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint, torch_dtype
 from dflash.draft_vocab import load_draft_vocab
+from dflash.growable import ROOM, append_into
 from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
@@ -47,27 +48,17 @@ class _SessionCtx:
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     buffers: list[LayerKV] = dataclasses.field(default_factory=list)
 
-    ROOM = 256
+    ROOM = ROOM
 
     def append(self, rows: list[LayerKV]) -> None:
-        """Per layer ``(k, v)`` of ``n`` new positions, each ``[1, kvh, n, d]``, after ``length``."""
-        n = rows[0][0].shape[2]
-        end = self.length + n
-        if not self.buffers or self.buffers[0][0].shape[2] < end:
-            grown = []
-            for layer, (k1, v1) in enumerate(rows):
-                shape = (1, k1.shape[1], end + self.ROOM, k1.shape[3])
-                kb, vb = k1.new_empty(shape), v1.new_empty(shape)
-                if self.length:
-                    kb[:, :, :self.length] = self.kv[layer][0]
-                    vb[:, :, :self.length] = self.kv[layer][1]
-                grown.append((kb, vb))
-            self.buffers = grown
-        for (kb, vb), (k1, v1) in zip(self.buffers, rows):
-            kb[:, :, self.length:end] = k1
-            vb[:, :, self.length:end] = v1
-        self.length = end
-        self.kv = [(kb[:, :, :end], vb[:, :, :end]) for kb, vb in self.buffers]
+        """Per layer ``(k, v)`` of ``n`` new positions, each ``[1, kvh, n, d]``, after ``length``
+        (``dflash.growable.append_into``: the views are prefixes of the buffers)."""
+        n = self.length
+        held = self.buffers or [(None, None)] * len(rows)
+        self.buffers = [(append_into(kb, n, k1, 2, self.ROOM), append_into(vb, n, v1, 2, self.ROOM))
+                        for (kb, vb), (k1, v1) in zip(held, rows)]
+        self.length = n + rows[0][0].shape[2]
+        self.kv = [(kb[:, :, :self.length], vb[:, :, :self.length]) for kb, vb in self.buffers]
 
 
 class DrafterEngine:
@@ -110,7 +101,6 @@ class DrafterEngine:
             raise ValueError(f"context_sched must be one of {', '.join(CONTEXT_SCHED)}, "
                              f"got {context_sched!r}")
         self.drafter = drafter
-        self.context_threads = context_threads
         self.head = head
         self.cfg = drafter.cfg
         if head.vocab_size != self.cfg.vocab_size:

@@ -9,7 +9,7 @@ def test_rows_equal_the_concatenation_across_growth_and_truncation():
     g = torch.Generator().manual_seed(0)
     taps, kept = TapRows(), []
     assert len(taps) == 0 and taps.rows(0).numel() == 0
-    for m in (5, 1, 0, 70, 3, 200, 1):          # grows past 64, 150, 552 rows
+    for m in (5, 1, 0, 70, 3, 200, 1):          # the 200-row append outgrows 5 + 256 rows
         chunk = torch.randn(m, 6, generator=g)
         taps.append(chunk)
         kept.append(chunk)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from dflash.growable import append_into
+
 
 class TapRows:
     """Rows ``[n, F]`` (F = len(target_layer_ids) x hidden, the target's dtype) appended in
-    place into a buffer with spare room (doubling), so reading the rows the drafter lacks
-    copies only those.
+    place into a buffer with spare room (``dflash.growable.append_into``), so reading the rows
+    the drafter lacks copies only those.
 
     Before: the session kept a list of per-step chunks and concatenated all of them (the whole
     context) every time it sent the drafter its new rows. At 32 concurrent HumanEval requests
@@ -25,18 +27,9 @@ class TapRows:
 
     def append(self, rows: torch.Tensor) -> None:
         """Append ``rows`` [m, F] after the last row (copied into the buffer)."""
-        m = rows.shape[0]
-        if m == 0:
-            return
-        end = self._n + m
-        if self._buf is None or self._buf.shape[0] < end or self._buf.shape[1:] != rows.shape[1:] \
-                or self._buf.dtype != rows.dtype:
-            grown = rows.new_empty((max(2 * end, 64), *rows.shape[1:]))
-            if self._n:
-                grown[:self._n] = self._buf[:self._n]
-            self._buf = grown
-        self._buf[self._n:end] = rows
-        self._n = end
+        if rows.shape[0]:
+            self._buf = append_into(self._buf, self._n, rows, 0)
+            self._n += rows.shape[0]
 
     def rows(self, start: int) -> torch.Tensor:
         """Rows ``[start, n)``: a view of the buffer (valid until the next append or

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from dflash.checkpoint import target_fingerprint, torch_dtype
+from dflash.growable import ROOM, append_into
 from dflash.taps import hidden_state_indices
 from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
                                    use_skinny_linear)
@@ -255,7 +256,7 @@ class _AppendLayer(DynamicLayer):
     """
 
     #: Spare positions allocated per growth (a copy of the cache every ROOM appended tokens).
-    ROOM = 256
+    ROOM = ROOM
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
                  length: int = 0):
@@ -283,14 +284,9 @@ class _AppendLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         cur = self.keys.shape[-2] if self.keys.numel() else 0
         end = cur + key_states.shape[-2]
-        if not self._holds(end, key_states):
-            shape = (*key_states.shape[:2], end + self.ROOM, key_states.shape[-1])
-            kbuf, vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
-            if cur:
-                kbuf[:, :, :cur] = self.keys
-                vbuf[:, :, :cur] = self.values
-            self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[:, :, cur:end] = key_states
-        self._vbuf[:, :, cur:end] = value_states
+        # Not (or no longer) our buffer: append_into copies the current views into a new one.
+        kb, vb = (self._kbuf, self._vbuf) if self._holds(end, key_states) else (self.keys, self.values)
+        self._kbuf = append_into(kb, cur, key_states, 2, self.ROOM)
+        self._vbuf = append_into(vb, cur, value_states, 2, self.ROOM)
         self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
         return self.keys, self.values
