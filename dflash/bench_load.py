@@ -135,11 +135,21 @@ def _spread(runs: list[dict]) -> float:
     return (max(v) - min(v)) / 2 / float(np.mean(v))
 
 
+def _paired(runs: list[dict], others: list[dict]) -> list[float]:
+    """Adaptive over the other mode within each round (``repeat``) that ran both: a paired
+    comparison, free of the drift between rounds that the per-mode spread includes (the modes
+    of one round run back to back, minutes apart at most)."""
+    other = {x.get("repeat", 0): x["agg_tok_s"] for x in others}
+    return [x["agg_tok_s"] / other[x.get("repeat", 0)] for x in runs
+            if other.get(x.get("repeat", 0))]
+
+
 def markdown(levels: list[dict]) -> str:
     """One table, modes side by side per concurrency; figures are means over the repeats, and
     aggregate tokens/s shows its range when a cell ran more than once. Then, per concurrency,
     adaptive's aggregate tokens/s over the better of the other modes, with the run-to-run
-    spread of both (the noise the comparison has to clear)."""
+    spread of both (the noise the comparison has to clear) and, with repeats, the ratio within
+    each round (:func:`_paired`)."""
     by = _cells(levels)
     modes = [m for m in MODES if any(x["mode"] == m for x in levels)]
     conc = sorted({x["concurrency"] for x in levels})
@@ -166,6 +176,9 @@ def markdown(levels: list[dict]) -> str:
             if len(by[("adaptive", c)]) > 1:
                 line += (f", run-to-run spread ±{100 * _spread(by[('adaptive', c)]):.0f}% / "
                          f"±{100 * _spread(by[(other, c)]):.0f}%")
+                paired = _paired(by[("adaptive", c)], by[(other, c)])
+                if len(paired) > 1:
+                    line += ", per round " + " / ".join(f"{r:.2f}x" for r in paired)
             best.append(line)
     if best:
         lines.append("\n" + "; ".join(best))

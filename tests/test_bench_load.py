@@ -58,6 +58,8 @@ def test_repeats_show_means_ranges_and_spread(tmp_path):
     assert f"c=8: adaptive {ad / off:.2f}x the better of the others (off)" in md
     spread_off = (12.5 - 10.0) / 2 / off
     assert f"spread ±{100 * (20 / 1.9 - 20 / 2.1) / 2 / ad:.0f}% / ±{100 * spread_off:.0f}%" in md
+    # paired within each round: round 0 adaptive 20/1.9 vs off 20/2.0, round 1 20/2.1 vs 20/1.6
+    assert f"per round {2.0 / 1.9:.2f}x / {1.6 / 2.1:.2f}x" in md
     bench_load.plot(levels, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 1000
 
