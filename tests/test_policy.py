@@ -36,7 +36,8 @@ def trained(rate_fn, cost_fn, batch=1, steps=400):
         p.observe_acceptance(LABEL, [(15, acc)])
     for k in CANDIDATES:
         if k <= 15:
-            p.observe_step(batch, k, cost_fn(k), 0.0)
+            for _ in range(2):    # confirmed cells (one step is provisional: _Cell)
+                p.observe_step(batch, k, cost_fn(k), 0.0)
     return p
 
 
@@ -470,14 +471,15 @@ def test_unmeasured_large_batch_priced_per_session_and_per_token():
 
 def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
     """A step with more sessions and no fewer drafts never costs less than a measured one: one
-    expensive cell among many cheap ones hardly moves the least-squares fit, but it bounds
-    every bigger cell's estimate from below."""
+    expensive cell (confirmed by two steps) among many cheap ones hardly moves the
+    least-squares fit, but it bounds every bigger cell's estimate from below."""
     flat = lambda b, k: 0.070 + 0.002 * b * (k + 1)                  # noqa: E731
     p = trained(lambda pos: 0.95, lambda k: flat(1, k))
     for b in (2, 4):
         for k in CANDIDATES:
             if k <= 15:
-                p.observe_step(b, k, 1.5 if (b, k) == (4, 7) else flat(b, k), 0.0)
+                for _ in range(2):
+                    p.observe_step(b, k, 1.5 if (b, k) == (4, 7) else flat(b, k), 0.0)
     model = p._cost_model()
     a, per_session, per_token = model
     assert a + per_session * 8 + per_token * 8 * 8 < 1.0             # the fit alone: cheap
@@ -489,21 +491,44 @@ def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
 
 
 def test_a_slow_first_measurement_does_not_price_a_block_out():
-    """Cost cells start as running means: one slow first step of k = 3 (say, a request's first
-    draft carrying its whole prompt to the drafter) followed by normal ones leaves the cell at
-    their mean (with a plain EMA the first value decayed by 5% a step: after 20 steps k = 3 still
-    looked twice as dear as it is)."""
+    """A cell starts from the faster of its first two steps (timing noise only adds time), then
+    is a running mean turning into an EMA: one stalled first step of k = 3 leaves no trace,
+    while a lasting change of cost is followed (a plain EMA from the first value still priced
+    k = 3 twice its cost after 20 steps)."""
     p = SpeculationPolicy("adaptive", explore_every=0)
-    p.observe_step(1, 3, 0.300, 0.0)                  # the slow first step
-    for _ in range(4):
-        p.observe_step(1, 3, 0.075, 0.0)
-    assert p.cost_table()[(1, 3)] == pytest.approx((0.300 + 4 * 0.075) / 5)
-    for _ in range(15):
-        p.observe_step(1, 3, 0.075, 0.0)
-    assert p.cost_table()[(1, 3)] == pytest.approx(0.075 + 0.225 / 20)   # plain EMA: 0.16
-    for _ in range(100):                              # then an EMA (memory ~1 / alpha steps)
-        p.observe_step(1, 3, 0.075, 0.0)
-    assert p.cost_table()[(1, 3)] == pytest.approx(0.075, abs=1e-4)
+    p.observe_step(1, 3, 0.300, 0.0)                  # the stalled first step
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.300) and p._cost[(1, 3)].provisional
+    p.observe_step(1, 3, 0.075, 0.0)
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.075) and not p._cost[(1, 3)].provisional
+    p.observe_step(1, 3, 0.105, 0.0)                  # later steps: a running mean ...
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.090)
+    for _ in range(200):                              # ... then an EMA that follows the cost
+        p.observe_step(1, 3, 0.150, 0.0)
+    assert p.cost_table()[(1, 3)] == pytest.approx(0.150, abs=1e-4)
+
+
+def test_one_stalled_step_neither_prices_its_block_out_nor_bounds_longer_ones():
+    """Session 20's c=4 log: the only steps measured at k = 3 and 4 were stalls (~2.5x), and as
+    the floor of every longer block they steered the batch to k = 11 (35 tokens/s where k = 1
+    ran 50). A cell measured once is priced no dearer than the cost model predicts and bounds no
+    other cell; its second step confirms what it costs."""
+    cost = lambda b, k: 0.060 + 0.015 * b + 0.004 * b * (k + 1)       # noqa: E731
+    p = trained(lambda pos: 0.8, lambda k: cost(1, k))
+    for k in (0, 1, 2, 11):
+        for _ in range(2):
+            p.observe_step(4, k, cost(4, k), 0.0)
+    p.observe_step(4, 3, 2.5 * cost(4, 3), 0.0)                     # one stall
+    model = p._cost_model()
+    ovh = p.overhead_seconds
+    assert p._estimate(4, 3, model) - ovh < 1.2 * cost(4, 3)
+    assert p._estimate(4, 5, model) - ovh < 1.2 * cost(4, 5)         # not floored by the stall
+    k = p.choose([job() for _ in range(4)])[0]
+    e = p.expected_table(LABEL, 15)
+    best = max((c for c in CANDIDATES if c <= 15), key=lambda c: e[c] / cost(4, c))
+    assert 3 <= best <= 9 and k == best
+    p.observe_step(4, 3, 2.5 * cost(4, 3), 0.0)                     # a second slow step: real
+    assert p._estimate(4, 3, p._cost_model()) - ovh == pytest.approx(2.5 * cost(4, 3))
+    assert p._estimate(4, 5, p._cost_model()) - ovh >= 2.5 * cost(4, 3)
 
 
 def test_exploration_from_no_speculation_always_tries_a_longer_block():

@@ -27,11 +27,12 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   of size 1 = context update only), so its context stays current and acceptance does not
   collapse when speculation resumes. A (bucket, k) cell not measured yet is estimated by least
   squares over every measured cell, step seconds ~ a + per_session * B + per_token * B * (k + 1),
-  floored by the dearest measured cell with no more sessions and no more drafts (until two token
-  counts were measured, candidates are simply tried in order);
+  floored by the dearest confirmed cell (measured twice or more) with no more sessions and no
+  more drafts (until two token counts were measured, candidates are simply tried in order);
   a neighbour of the best k is re-measured every ``explore_every`` steps so the estimates
-  follow load and acceptance (each cell's EMA starts as a running mean, so one slow first
-  measurement does not price a k out for long). In each batch bucket ``k = 0`` is measured
+  follow load and acceptance (a cell starts from the faster of its first two steps, then is a
+  running mean turning into an EMA, so one stalled step does not price a k out; ``_Cell``).
+  In each batch bucket ``k = 0`` is measured
   first: it is the baseline the others must beat, and the cheapest step to try.
 
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
@@ -130,6 +131,31 @@ class _EMA:
         self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
 
 
+class _Cell(_EMA):
+    """Step seconds of one (batch bucket, drafts) cell: an :class:`_EMA` whose first two
+    observations are screened for a one-off stall.
+
+    Timing noise on a shared CPU is one-sided (another process, a collection, a big context
+    upload only ever add time), so the cell starts from the *faster* of its first two steps,
+    then continues as a running mean / EMA over the later ones. Until its second step a cell is
+    ``provisional``: the policy prices it no dearer than the cost model predicts and it bounds
+    no other cell (:meth:`SpeculationPolicy._estimate`). Session 20 (c=4, SmolLM2, Xeon): the
+    single steps measured at k = 3 and 4 were stalls (391 and 373 ms against ~150 ms expected
+    and 224 ms measured at k = 11); as the floor of every longer block they kept k = 3-9 out,
+    and the batch ran k = 11 for 28 steps at 35 tokens/s where k = 1 ran at 50."""
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if self.n <= 2:
+            self.value = x if self.n == 1 else min(self.value, x)
+        else:   # the two first steps count as one
+            self.value += max(self.alpha, 1.0 / (self.n - 1)) * (x - self.value)
+
+    @property
+    def provisional(self) -> bool:
+        return self.n < 2
+
+
 class SpeculationPolicy:
     """Chooses per-step block lengths; learns acceptance and step cost online.
 
@@ -147,7 +173,7 @@ class SpeculationPolicy:
         self.explore_every = explore_every
         self._drafted: dict[str, list[_EMA]] = {}    # label -> per-position "was drafted" weight
         self._accepted: dict[str, list[float]] = {}  # label -> per-position EMA acceptance
-        self._cost: dict[tuple[int, int], _EMA] = {}  # (bucket, K) -> step seconds
+        self._cost: dict[tuple[int, int], _Cell] = {}  # (bucket, K) -> step seconds
         self._overhead = _EMA(alpha)                 # seconds per cycle outside verify + draft
         # calibration: drafted tokens the adaptive sessions' speculative steps were expected to
         # add (uncalibrated) and what they committed beyond the bonus token (EMAs per step)
@@ -183,7 +209,7 @@ class SpeculationPolicy:
 
     def observe_step(self, batch: int, k: int, verify_s: float, draft_s: float) -> None:
         """One step of ``batch`` sessions whose largest block had ``k`` drafts."""
-        self._cost.setdefault((bucket(batch), k), _EMA(self.alpha)).add(verify_s + draft_s)
+        self._cost.setdefault((bucket(batch), k), _Cell(self.alpha)).add(verify_s + draft_s)
 
     def observe_overhead(self, seconds: float) -> None:
         """Seconds of one decode cycle (step end to step end, no prefill in between) spent
@@ -251,14 +277,19 @@ class SpeculationPolicy:
 
     def _cost_model(self) -> tuple[float, float, float] | None:
         """``(a, per_session, per_token)`` with step seconds ~ a + per_session * B + per_token *
-        B * (K + 1), least squares over every measured (bucket B, drafts K) cell; None until
-        two token counts were measured.
+        B * (K + 1), least squares over the confirmed (bucket B, drafts K) cells once they span two
+        buckets and two block sizes (before that over every measured cell, so one stalled step
+        moves the fit only while nothing better is known); None until two token counts were
+        measured.
 
         Two slopes because a batched step pays per session (each session's KV cache is gathered
         into the batch and scattered back) as well as per verified token; a line in tokens
         alone cannot tell 16 sessions x 1 token from 1 session x 16 tokens. Until the cells
         separate the two (two batch buckets and two block sizes), per_session is 0."""
-        cells = [(b, b * (k + 1), e.value) for (b, k), e in self._cost.items()]
+        cells = [(b, b * (k + 1), e.value) for (b, k), e in self._cost.items() if not e.provisional]
+        if len({b for b, _, _ in cells}) < 2 or len({t / b for b, t, _ in cells}) < 2:
+            # the confirmed cells cannot separate the three terms: cells measured once count too
+            cells = [(b, b * (k + 1), e.value) for (b, k), e in self._cost.items()]
         if len({t for _, t, _ in cells}) < 2:
             return None
         y = np.array([c for _, _, c in cells])
@@ -274,15 +305,21 @@ class SpeculationPolicy:
 
     def _estimate(self, b: int, k: int, model) -> float:
         """Step seconds at (bucket ``b``, ``k`` drafts): measured, else from the fitted model,
-        but never below a measured cell with no more sessions and no more drafts (a step with
-        more work never costs less; this keeps a noisy or under-fitted model from making an
-        unmeasured large-batch cell look cheap, and trying one costs seconds)."""
+        but never below a confirmed cell (two steps or more, :class:`_Cell`) with no more
+        sessions and no more drafts (a step with more work never costs less; this keeps a noisy
+        or under-fitted model from making an unmeasured large-batch cell look cheap, and trying
+        one costs seconds). A cell measured once is priced at the lower of its step and that
+        estimate: one stalled step neither prices the cell out nor every cell above it."""
         e = self._cost.get((b, k))
-        if e is not None:
+        if e is not None and (not e.provisional or model is None):
             return e.value + self._overhead.value
         a, per_session, per_token = model
-        floor = max((c.value for (b2, k2), c in self._cost.items() if b2 <= b and k2 <= k), default=0.0)
-        return max(a + per_session * b + per_token * b * (k + 1), floor) + self._overhead.value
+        floor = max((c.value for (b2, k2), c in self._cost.items()
+                     if b2 <= b and k2 <= k and not c.provisional), default=0.0)
+        est = max(a + per_session * b + per_token * b * (k + 1), floor)
+        if e is not None:
+            est = min(est, e.value)
+        return est + self._overhead.value
 
     # ------------------------------------------------------------------ choice
     def choose(self, jobs, waiting: int = 0) -> list[int]:
