@@ -391,9 +391,6 @@ class VerifierEngine:
             # load where it lost.
             self.policy.observe_step(len(jobs), max(len(b) for b in blocks) - 1, verify_s,
                                      draft_s if any(d[3] for d in drafted) else 0.0)
-        if log.isEnabledFor(logging.DEBUG):
-            d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
-
         events = []
         verified: dict[str, list[tuple[int, int]]] = {}   # drafter label -> (drafts, accepted)
         for j, block, n, (drafts, probs, fallback, asked), (logits, taps) in zip(
@@ -433,10 +430,10 @@ class VerifierEngine:
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
             log.debug("step batch=%d waiting=%d joining=%s k=%d explored=%s expected=%.2f "
-                      "committed=%d estimated=%.1fms measured verify=%.1fms draft=%.1fms",
+                      "committed=%d estimated=%.1fms measured verify=%.1fms draft=%.1fms mode=%s",
                       len(jobs), waiting, joining, d.k, d.explored, d.expected_tokens,
                       sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
-                      1e3 * verify_s, 1e3 * draft_s)
+                      1e3 * verify_s, 1e3 * draft_s, d.mode or "-")
         return events
 
     def _draft_all(self, jobs, anchors, lens, ks):
