@@ -224,6 +224,7 @@ def cmd_bench(a) -> int:
     try:
         from dflash.client import GatewayClient
 
+        require_gateway(a.gateway)
         client = GatewayClient(a.gateway)
         runs = [(m, lambda t, p, m=m: gateway_row(client, t, p, max_tokens=a.max_tokens,
                                                    speculation=m[1], drafter=m[2], mode=m[3]))
@@ -274,6 +275,24 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def require_gateway(addr: str, timeout_s: float = 10.0) -> None:
+    """Raise ``SystemExit`` naming ``--gateway`` unless a gRPC server answers at ``addr`` within
+    ``timeout_s`` seconds (a forgotten ``dflash up`` otherwise surfaced as tracebacks from every
+    client thread)."""
+    import grpc
+
+    from dflash.server import channel_options
+
+    channel = grpc.insecure_channel(addr, options=channel_options())
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise SystemExit(f"--gateway {addr}: no gateway answered within {timeout_s:.0f} s "
+                         f"(start one with `dflash up`, or pass --start)") from None
+    finally:
+        channel.close()
+
+
 def _load_sweep(a, prompts, out: Path) -> int:
     """``--concurrency``: the many-users sweep (``dflash.bench_load``), on a started stack or not."""
     from dflash.bench_load import cmd_load
@@ -286,6 +305,7 @@ def _load_sweep(a, prompts, out: Path) -> int:
         stack = LocalStack(_stack_config(a)).start()
         a.gateway = stack.gateway_addr
     try:
+        require_gateway(a.gateway)
         return cmd_load(a, prompts, out)
     finally:
         if stack:
@@ -294,31 +314,34 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
 def add_parser(sub) -> None:
     from dflash.cli import _add_stack_args
+    from dflash.bench_load import MODES
+    from dflash.server import at_least, choice_list, int_list
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on HumanEval")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
     b.add_argument("--start", action="store_true", help="start the stack (dflash up) for the run")
-    b.add_argument("--limit", type=int, default=20, help="number of HumanEval prompts (164 = all)")
-    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--limit", type=at_least(1), default=20,
+                   help="number of HumanEval prompts (164 = all)")
+    b.add_argument("--max-tokens", type=at_least(1), default=128)
     b.add_argument("--use-drafter", action="append",
                    help="drafter name[@version] for the spec mode; repeat to compare versions")
     b.add_argument("--peer", action="store_true",
                    help="also run transformers' in-process DFlash generation with the same weights")
     b.add_argument("--out", default="bench_out", help="output directory")
-    b.add_argument("--concurrency", default="",
+    b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
-    b.add_argument("--spec-modes", default="off,fixed,adaptive",
+    b.add_argument("--spec-modes", type=choice_list(MODES), default="off,fixed,adaptive",
                    help="speculation modes compared side by side: the --concurrency sweep runs "
                         "each; the on/off comparison runs each non-off mode against off")
-    b.add_argument("--requests", type=int, default=8,
+    b.add_argument("--requests", type=at_least(1), default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")
-    b.add_argument("--requests-per-client", type=int, default=1,
+    b.add_argument("--requests-per-client", type=at_least(1), default=1,
                    help="at least this many requests per client (--concurrency): with one, a level "
                         "is a single wave of arrivals and departures; with several, finished "
                         "requests are replaced and the level reaches a steady batch")
-    b.add_argument("--repeats", type=int, default=1,
+    b.add_argument("--repeats", type=at_least(1), default=1,
                    help="runs of every (concurrency, mode) cell, back to back per level: the table "
                         "shows means and ranges, and the run-to-run spread (--concurrency)")
     b.add_argument("--ep-sizes", default="",

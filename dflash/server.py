@@ -103,6 +103,41 @@ def one_of(choices: tuple[str, ...]):
     return parse
 
 
+def int_list(low: int = 1):
+    """argparse ``type`` for a comma-separated list of distinct ints, each ``>= low`` (e.g.
+    ``--concurrency 1,2,4``); returns it normalised (``"1,2,4"``; ``""`` stays empty: the flag
+    unset). A bad item is refused with an error naming the flag (argparse adds the name)."""
+    def parse(text: str) -> str:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            values = [int(x) for x in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}")
+        bad = [v for v in values if v < low]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be >= {low}, got {bad[0]}")
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
+        return ",".join(map(str, values))
+    return parse
+
+
+def choice_list(choices: tuple[str, ...]):
+    """argparse ``type`` for a non-empty comma-separated list of distinct ``choices`` (e.g.
+    ``--spec-modes off,adaptive``); returns it normalised (``"off,adaptive"``)."""
+    def parse(text: str) -> str:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"must name at least one of {', '.join(choices)}")
+        bad = [x for x in items if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} not one of {', '.join(choices)}")
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
+        return ",".join(items)
+    return parse
+
+
 def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and

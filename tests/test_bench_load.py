@@ -125,3 +125,48 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     assert len(set(firsts)) == 3, f"mode order not rotated per prompt: {firsts}"
     assert res["lossless"] == {"spec[fixed]": 3, "spec[adaptive]": 3, "peer": 3}
     assert (tmp_path / "out" / "bench.md").exists() and (tmp_path / "out" / "bench.png").exists()
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--concurrency", "0"], "--concurrency"),
+    (["--concurrency", "-2"], "--concurrency"),
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--concurrency", "1,1"], "--concurrency"),
+    (["--spec-modes", ""], "--spec-modes"),
+    (["--spec-modes", "off,bogus"], "--spec-modes"),
+    (["--spec-modes", "off,off"], "--spec-modes"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--repeats", "0"], "--repeats"),
+    (["--repeats", "-1"], "--repeats"),
+    (["--requests", "0"], "--requests"),
+    (["--requests-per-client", "0"], "--requests-per-client"),
+    (["--limit", "0"], "--limit"),
+])
+def test_bench_refuses_bad_flags_naming_them(flags, flag, capsys):
+    """Each of these crashed with a traceback mid-run (ZeroDivisionError, IndexError) or was
+    silently changed (--repeats 0 ran once; duplicate levels or modes merged into one row as if
+    repeated): refused before anything runs, naming the flag."""
+    from dflash import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--gateway", "127.0.0.1:1", *flags])
+    assert e.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_bench_flag_lists_are_normalised():
+    from dflash.server import choice_list, int_list
+
+    assert int_list(1)(" 1, 2,4 ") == "1,2,4" and int_list(1)("") == ""
+    assert choice_list(bench_load.MODES)("off, adaptive") == "off,adaptive"
+
+
+def test_bench_without_a_gateway_says_so():
+    """A forgotten `dflash up` printed a traceback per client thread and ended in IndexError."""
+    from test_processes import free_ports
+
+    from dflash.bench import require_gateway
+
+    (port,) = free_ports(1)
+    with pytest.raises(SystemExit, match=rf"--gateway 127.0.0.1:{port}: no gateway answered"):
+        require_gateway(f"127.0.0.1:{port}", timeout_s=0.5)
