@@ -212,14 +212,11 @@ def plot(levels: list[dict], path: Path) -> None:
 
 def cmd_load(a, prompts, out: Path) -> int:
     """The ``--concurrency`` sweep (called by ``dflash.bench.cmd_bench``)."""
-    conc = [int(x) for x in str(a.concurrency).split(",") if x.strip()]
-    modes = [m for m in a.spec_modes.split(",") if m]
-    for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"--spec-modes: {m!r} not one of {', '.join(MODES)}")
+    # the flags arrive checked and normalised by their argparse types (dflash.bench.add_parser)
+    conc = [int(x) for x in a.concurrency.split(",")]
+    modes = a.spec_modes.split(",")
     drafter = (a.use_drafter or [""])[0]
-    repeats = max(1, getattr(a, "repeats", 1))
-    min_per_client = max(1, getattr(a, "requests_per_client", 1))
+    repeats, min_per_client = a.repeats, a.requests_per_client
     config = {"concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
               "requests": a.requests, "requests_per_client": min_per_client,
               "repeats": repeats, "gateway": a.gateway}
