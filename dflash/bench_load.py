@@ -35,12 +35,11 @@ from dflash.stats import AcceptanceCounter
 MODES = ("off", "fixed", "adaptive")
 
 
-def _one(client, prompt, *, max_tokens: int, mode: str, drafter: str) -> dict:
+def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
     from dflash.client import build_request
     from dflash.convert import stats_from_proto
-    from dflash.humaneval import format_prompt
 
-    req = build_request(messages=format_prompt(prompt), max_tokens=max_tokens,
+    req = build_request(messages=messages, max_tokens=max_tokens,
                         speculation=mode != "off", drafter=drafter,
                         speculation_mode="" if mode == "off" else mode)
     c = client.complete(req, timeout=3600)

@@ -12,7 +12,8 @@ import torch
 from dflash.config import default_target_layer_ids
 from dflash.testing import make_tiny_target
 from dflash.train.blocks import block_mask, build_batch, position_weights, valid_anchors
-from dflash.train.data import Sequence, batch_taps, load_target, read_shards, write_shard
+from dflash.train.featcache import as_numpy_seq
+from dflash.train.tokdata import TokenStore
 from dflash.train.trainer import Trainer, TrainConfig, batch_loss
 
 B = 4
@@ -27,22 +28,30 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+def _fingerprint(target) -> str:
+    import json
+
+    from dflash.checkpoint import load_target_head, target_fingerprint
+
+    return target_fingerprint(json.loads((Path(target) / "config.json").read_text()),
+                              load_target_head(str(target)).embed)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Tiny target + one shard of repetitive sequences with their taps."""
+    """Tiny target + a token store with one shard of repetitive sequences (features are
+    computed into the run's cache by the trainer)."""
     root = tmp_path_factory.mktemp("train")
     target = make_tiny_target(root / "target", num_layers=6, hidden=64)
-    model, _ = load_target(str(target))
-    ids = tuple(default_target_layer_ids(6, 2))
     rng = random.Random(0)
     seqs = []
     for i in range(6):
         prompt = [rng.randrange(256) for _ in range(5)]
         resp = [97 + (j % 5) for j in range(24 + i)]          # "abcdeabcde..." (learnable)
-        seqs.append(Sequence(input_ids=prompt + resp, loss_mask=[0] * 5 + [1] * len(resp)))
+        seqs.append(as_numpy_seq(prompt + resp, 5))
     data = root / "data"
-    data.mkdir()
-    write_shard(data / "shard_00000.safetensors", seqs, batch_taps(model, seqs, ids))
+    TokenStore(data, fingerprint=_fingerprint(target)).add("shard_t_s0_0000.npz", seqs, source="t",
+                                                           vocab_size=260)
     return target, data, root
 
 
@@ -52,7 +61,7 @@ def _cfg(tiny, run, **kw):
                 block_size=B, num_layers=1, intermediate_size=128, num_heads=4, num_kv_heads=2,
                 head_dim=16, num_taps=2, mask_token_id=MASK_ID, lr=5e-3, warmup_ratio=0.1,
                 max_steps=20, seqs_per_step=2, anchors_per_seq=4, log_every=5, vocab_subset=False,
-                ckpt_every_min=60.0)
+                ckpt_every_min=60.0, heldout_every=0, topk=4, cache_dir=str(root / "featcache"))
     base.update(kw)
     return TrainConfig(**base)
 
@@ -124,6 +133,8 @@ def test_resume_matches_uninterrupted_run(tiny):
     assert resumed.step == 12
     for (k, a), b in zip(full.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
         torch.testing.assert_close(a, b, msg=k)
+    curve = lambda run: [r.split(",")[4] for r in (Path(run) / "train_log.csv").read_text().splitlines()[1:]]
+    assert curve(full.cfg.run_dir) == curve(resumed.cfg.run_dir) and len(curve(full.cfg.run_dir)) == 2
     run = Path(resumed.cfg.run_dir)
     assert sorted(p.name for p in run.glob("ckpt*")) == ["ckpt.json", "ckpt.safetensors"]
 
@@ -153,12 +164,13 @@ def test_final_save_is_loadable(tiny):
     d = load_drafter(root / "drafter")
     assert d.cfg.block_size == B and d.cfg.mask_token_id == MASK_ID and d.cfg.version == "1"
     assert d.cfg.target_fingerprint.startswith("sha256:")
-    assert len(read_shards(data)) == 6
     from dflash.draft_vocab import load_draft_vocab
 
     ids = load_draft_vocab(root / "drafter", d.cfg.vocab_size)   # most frequent response ids first
-    seqs = read_shards(data)
-    resp = torch.cat([s["input_ids"][s["loss_mask"].bool()] for s in seqs])
+    store = TokenStore(data)
+    seqs = store.read(store.shards()[0])
+    assert len(seqs) == 6
+    resp = torch.cat([torch.from_numpy(s.ids[s.loss_mask.astype(bool)]) for s in seqs])
     counts = torch.bincount(resp, minlength=d.cfg.vocab_size)
     assert ids.numel() == min(16384, d.cfg.vocab_size)
     assert counts[ids[0]] == counts.max() and (counts[ids[:-1]] >= counts[ids[1:]]).all()
@@ -169,18 +181,22 @@ def test_new_shards_are_picked_up_and_resume_keeps_order(tiny, tmp_path):
 
     target, data, root = tiny
     d2 = tmp_path / "data"
-    d2.mkdir()
-    shutil.copy(data / "shard_00000.safetensors", d2 / "shard_00005.safetensors")
+    shutil.copytree(data, d2)
+    store = TokenStore(d2)
+    first = store.shards()[0]
+    (d2 / first["name"]).rename(d2 / "shard_t_s0_0005.npz")      # listed under another name
+    first["name"] = "shard_t_s0_0005.npz"
+    store.save()
     tr = Trainer(_cfg(tiny, "reload", data_dir=str(d2), vocab_subset=True, max_steps=4))
     n0, v0 = len(tr.seqs), len(tr.vocab)
     s = tr.seqs[0]
-    extra = [Sequence(input_ids=s["input_ids"].tolist()[:-1] + [258], loss_mask=s["loss_mask"].tolist())]
-    write_shard(d2 / "shard_00001.safetensors", extra, [s["taps"]])
+    extra = [as_numpy_seq(s["input_ids"].tolist()[:-1] + [258], 5)]
+    TokenStore(d2).add("shard_t_s0_0001.npz", extra, source="t", vocab_size=260)
     assert tr.add_shards() == 1 and len(tr.seqs) == n0 + 1 and len(tr.vocab) == v0 + 1
-    assert tr.shards == ["shard_00005.safetensors", "shard_00001.safetensors"]
+    assert tr.shards == ["shard_t_s0_0005.npz", "shard_t_s0_0001.npz"]
     tr.train()
     again = Trainer(_cfg(tiny, "reload", data_dir=str(d2), vocab_subset=True, max_steps=4))
-    assert again.shards[0] == "shard_00001.safetensors"       # sorted on a fresh start ...
+    assert again.shards[0] == "shard_t_s0_0001.npz"            # sorted on a fresh start ...
     again.load_checkpoint()
     assert again.shards == tr.shards                          # ... checkpoint order on resume
     assert torch.equal(again.head_w, tr.head_w)
@@ -209,3 +225,30 @@ def test_train_until_budget_spans_the_resumed_run(tmp_path):
     assert budget_until("07:20", tmp_path, resume=True, now=now) == 98.0
     with pytest.raises(ValueError, match="train_until"):
         budget_until("7h", tmp_path, resume=False, now=now)
+
+
+def test_distillation_heldout_and_warm_start(tiny):
+    """kl_weight trains on the target's top-k distribution; the held-out split is stable and
+    evaluated; a saved drafter warm-starts a run exactly."""
+    target, data, root = tiny
+    tr = Trainer(_cfg(tiny, "kl", kl_weight=0.5, heldout_every=3, max_steps=15,
+                      out_dir=str(root / "kl_drafter")))
+    again = Trainer(_cfg(tiny, "kl2", kl_weight=0.5, heldout_every=3))
+    assert len(tr.heldout) >= 1 and len(tr.heldout) + len(tr.seqs) == 6
+    assert [h["input_ids"].tolist() for h in tr.heldout] == [h["input_ids"].tolist() for h in again.heldout]
+    batch = tr.next_batch()
+    assert batch.soft_ids is not None and torch.allclose(
+        batch.soft_p[batch.labels >= 0].sum(-1), torch.ones(int((batch.labels >= 0).sum())))
+    with torch.no_grad():
+        hard, _ = batch_loss(tr.drafter, tr.head, batch, tr.head_w, tr.label_map, 64, 0.0)
+        mixed, _ = batch_loss(tr.drafter, tr.head, batch, tr.head_w, tr.label_map, 64, 0.5)
+    assert not torch.isclose(hard, mixed)
+    before = tr.evaluate_heldout()
+    summary = tr.train()
+    assert summary["heldout"]["blocks"] == before["blocks"] > 0
+    assert summary["heldout"]["loss"] < before["loss"]
+    warm = Trainer(_cfg(tiny, "warm", init_from=str(root / "kl_drafter"), heldout_every=3))
+    for k, v in warm.drafter.state_dict().items():        # bf16 save: equal to bf16 rounding
+        torch.testing.assert_close(v, tr.drafter.state_dict()[k].to(torch.bfloat16).float(), msg=k)
+    with pytest.raises(ValueError, match="init_from"):
+        Trainer(_cfg(tiny, "warm2", init_from=str(root / "kl_drafter"), num_layers=2))

@@ -1,9 +1,9 @@
 """CLI: ``python -m dflash.train {datagen,train,pipeline} ...``.
 
-``pipeline`` = target setup (idempotent) + data generation (time budgeted) + training (time
-budgeted, resumable) + final save. Threads default to 1: on this shared 2-core machine, 2 OpenMP
-threads under oversubscription made decode steps 5-7x slower (measured 84 s vs 12-17 s for 16
-steps of batch 8).
+``datagen`` fills the committed token store (``data/train``, :mod:`dflash.train.datagen`);
+``train`` trains on it, recomputing missing features into the local cache; ``pipeline`` does
+both. One process uses every thread (``--threads``, default 2): run one job at a time, since two
+processes sharing the cores slowed each other's OpenMP regions several-fold.
 """
 
 from __future__ import annotations
@@ -17,21 +17,31 @@ from pathlib import Path
 import torch
 
 
+def _mix(text: str) -> dict[str, int]:
+    """``magpie=8,code=6`` -> {source: batches}; argparse type (names the flag on bad input)."""
+    from dflash.train.datagen import SOURCES
+
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, n = part.partition("=")
+        if name not in SOURCES or not n.isdigit():
+            raise argparse.ArgumentTypeError(f"--mix: expected source=batches with source in "
+                                             f"{', '.join(SOURCES)}, got {part!r}")
+        out[name] = int(n)
+    if not out:
+        raise argparse.ArgumentTypeError("--mix: empty")
+    return out
+
+
 def _gen_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--num-prompts", type=int, default=4000)
-    ap.add_argument("--gen-batch", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--gen-budget-min", type=float, default=25.0)
-    ap.add_argument("--start-batch", type=int, default=0,
-                    help="skip batches before this index (several writers on disjoint ranges)")
-    ap.add_argument("--code-fraction", type=float, default=0.75,
-                    help="share of prompts that are stubs of real stdlib/site-packages functions "
-                         "(dflash.train.code_prompts); the rest are synthetic templates")
-    ap.add_argument("--reverse", action="store_true",
-                    help="generate batches last-to-first (a second writer next to a running one)")
-    ap.add_argument("--prompt-seed", type=int, default=0,
-                    help="seed of the prompt draw: another seed gives other prompts, to add data "
-                         "to a run whose batches are all answered (with --start-batch past them)")
+    ap.add_argument("--mix", type=_mix, default="magpie=8,passage=2,code=6,template=2",
+                    help="batches to have per prompt source (code, template, passage, magpie)")
+    ap.add_argument("--batch-size", type=int, default=128, help="prompts answered per batch")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt draw (another "
+                    "seed gives other prompts and other shard names)")
+    ap.add_argument("--gen-budget-min", type=float, default=None,
+                    help="stop after the batch that crosses this many minutes")
 
 
 def _train_args(ap: argparse.ArgumentParser) -> None:
@@ -56,6 +66,14 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"],
                     help="ids written to the drafter's draft_vocab.safetensors (0 = none)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init-from", default=None, help="warm start from this drafter directory")
+    ap.add_argument("--kl-weight", type=float, default=d["kl_weight"],
+                    help="weight of the target-distribution term (self-logit distillation), 0..1")
+    ap.add_argument("--heldout-every", type=int, default=d["heldout_every"])
+    ap.add_argument("--sources", default=None, help="comma-separated token-store sources to train on")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="checkpoint and stop at this step (the schedule is unchanged; --resume "
+                         "continues): to compare recipes on the held-out split part-way")
 
 
 def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
@@ -68,21 +86,21 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        anchors_per_seq=args.anchors_per_seq, vocab_subset=not args.full_vocab,
                        full_vocab_after=args.full_vocab_after,
                        ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed,
-                       draft_vocab_size=args.draft_vocab_size)
+                       draft_vocab_size=args.draft_vocab_size, cache_dir=args.feature_cache,
+                       init_from=args.init_from, kl_weight=args.kl_weight, topk=args.topk,
+                       heldout_every=args.heldout_every,
+                       sources=tuple(args.sources.split(",")) if args.sources else None)
 
 
-def _datagen(args, target_dir: str, data_dir: str) -> None:
+def _datagen(args, target_dir: str) -> None:
     from dflash.config import default_target_layer_ids
-    from dflash.train.data import GenConfig, generate_dataset
-    from dflash.train.prompts import make_prompts
+    from dflash.train.datagen import GenConfig, generate
 
-    cfg = GenConfig(target_dir=target_dir, out_dir=data_dir,
-                    target_layer_ids=tuple(default_target_layer_ids(30, 5)),
-                    num_prompts=args.num_prompts, batch_size=args.gen_batch,
-                    max_new_tokens=args.max_new_tokens, time_budget_min=args.gen_budget_min,
-                    reverse=args.reverse, start_batch=args.start_batch, seed=args.prompt_seed)
-    generate_dataset(cfg, make_prompts(args.num_prompts, seed=cfg.seed,
-                                       code_fraction=args.code_fraction))
+    cfg = GenConfig(data_dir=args.data_dir, cache_dir=args.feature_cache, target_dir=target_dir,
+                    layer_ids=tuple(default_target_layer_ids(30, 5)), mix=args.mix,
+                    batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, topk=args.topk,
+                    seed=args.prompt_seed, budget_min=args.gen_budget_min)
+    print(f"[datagen] totals {generate(cfg)}", flush=True)
 
 
 def budget_until(hhmm: str, run_dir: Path, resume: bool, now: time.struct_time | None = None) -> float:
@@ -105,13 +123,17 @@ def budget_until(hhmm: str, run_dir: Path, resume: bool, now: time.struct_time |
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash.train")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("datagen", "train", "pipeline", "draft-vocab"):
         p = sub.add_parser(name)
         p.add_argument("--run-dir", default="runs/train")
+        p.add_argument("--data-dir", default="data/train", help="token store (committed)")
+        p.add_argument("--feature-cache", default="runs/featcache",
+                       help="local cache of taps and target distributions, rebuilt when missing")
+        p.add_argument("--topk", type=int, default=16, help="target distribution kept per token")
         p.add_argument("--target-dir", default=None, help="default: dflash.target_setup directory")
-        p.add_argument("--cache-dir", default=None)
+        p.add_argument("--cache-dir", default=None, help="where dflash.target_setup builds the target")
         if name in ("datagen", "pipeline"):
             _gen_args(p)
         if name in ("train", "pipeline"):
@@ -127,31 +149,29 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.target_setup import setup_target
 
     target_dir = args.target_dir or str(setup_target(args.cache_dir))
-    data_dir = str(Path(args.run_dir) / "data")
     if args.cmd == "draft-vocab":       # for a drafter saved without one
-        from safetensors import safe_open
-
         from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
-        from dflash.train.data import shard_paths
+        from dflash.train.tokdata import TokenStore
 
         vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
         counts = torch.zeros(vocab, dtype=torch.int64)
-        for path in shard_paths(data_dir):    # ids and mask only: the taps are most of a shard
-            with safe_open(str(path), "pt") as f:
-                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask").bool()
-            counts += torch.bincount(ids[mask], minlength=vocab)
+        store = TokenStore(args.data_dir)
+        for entry in store.shards():
+            for s in store.read(entry):
+                counts += torch.bincount(torch.from_numpy(s.ids[s.loss_mask.astype(bool)]), minlength=vocab)
         ids = build_draft_vocab(counts, args.size)
         print(f"[draft-vocab] wrote {save_draft_vocab(args.out_dir, ids)} ({ids.numel()} ids)")
         return 0
-    if args.cmd in ("datagen", "pipeline") and args.num_prompts > 0:   # 0: train on what exists
-        _datagen(args, target_dir, data_dir)
+    if args.cmd in ("datagen", "pipeline"):
+        _datagen(args, target_dir)
     if args.cmd in ("train", "pipeline"):
         if getattr(args, "train_until", None):
             args.time_budget_min = budget_until(args.train_until, Path(args.run_dir), args.resume)
             print(f"[pipeline] training budget {args.time_budget_min:.1f} min", flush=True)
         from dflash.train.trainer import Trainer
 
-        Trainer(_train_config(args, data_dir, target_dir, args.run_dir)).train(resume=args.resume)
+        Trainer(_train_config(args, args.data_dir, target_dir, args.run_dir)).train(
+            resume=args.resume, stop_at_step=args.stop_at_step)
     return 0
 
 

@@ -48,6 +48,8 @@ class BlockBatch:
     mask: torch.Tensor            # [b, 1, q, n + q] bool, True = may attend
     labels: torch.Tensor          # [b, q] int64, -100 = excluded
     weights: torch.Tensor         # [b, q] float32 loss weight (0 where excluded)
+    soft_ids: torch.Tensor | None = None  # [b, q, K] int64 target's top-k ids of each label
+    soft_p: torch.Tensor | None = None    # [b, q, K] float32 their probabilities, renormalised
 
 
 def block_mask(anchors: list[int], ctx_len: int, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -68,7 +70,8 @@ def block_mask(anchors: list[int], ctx_len: int, block_size: int, num_blocks: in
 
 def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *, block_size: int,
                 mask_token_id: int, gamma: float) -> BlockBatch:
-    """Assemble a :class:`BlockBatch` from sequences (``input_ids``, ``loss_mask``, ``taps``)."""
+    """Assemble a :class:`BlockBatch` from sequences (``input_ids``, ``loss_mask``, ``taps`` and
+    optionally ``topk_ids``/``topk_logp`` [n, K], the target's distribution of each token)."""
     B = block_size
     nb = max(1, max(len(a) for a in anchors))
     # Context only needs positions < the last anchor of each sequence.
@@ -81,6 +84,11 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
     weights = torch.zeros(b, nb * B)
     mask = torch.zeros(b, 1, nb * B, ctx_len + nb * B, dtype=torch.bool)
     w = position_weights(B, gamma)
+    soft = "topk_ids" in seqs[0]
+    if soft:
+        K = seqs[0]["topk_ids"].shape[-1]
+        soft_ids = torch.zeros(b, nb * B, K, dtype=torch.int64)
+        soft_p = torch.zeros(b, nb * B, K)
     for i, (s, anc) in enumerate(zip(seqs, anchors)):
         n = len(s["input_ids"])
         m = min(n, ctx_len)
@@ -95,10 +103,16 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
                 if t < n and s["loss_mask"][t]:
                     labels[i, base + k] = s["input_ids"][t]
                     weights[i, base + k] = w[k]
+            if soft:
+                ts = slice(a + 1, min(a + B, n))
+                rows = slice(base + 1, base + 1 + (ts.stop - ts.start))
+                soft_ids[i, rows] = s["topk_ids"][ts].long()
+                soft_p[i, rows] = torch.softmax(s["topk_logp"][ts].float(), -1)
         for j in range(len(anc), nb):   # padding blocks: harmless positions
             pos[i, j * B:(j + 1) * B] = torch.arange(B)
     ctx_pos = torch.arange(ctx_len).expand(b, ctx_len).contiguous()
-    return BlockBatch(feats, ctx_pos, ids, pos, mask, labels, weights)
+    return BlockBatch(feats, ctx_pos, ids, pos, mask, labels, weights,
+                      soft_ids if soft else None, soft_p if soft else None)
 
 
 def weight_sum(block_size: int, gamma: float) -> float:

@@ -89,6 +89,13 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p for _, p in probs[::step][:n]]
 
 
+def chat_prompts(n: int) -> list[list[dict]]:
+    """The first ``n`` prompts of the held-out chat set (:data:`dflash.bench_prompts.CHAT_EVAL`)."""
+    from dflash.bench_prompts import prompt_set
+
+    return [m for _, m in prompt_set("chat", n)]
+
+
 def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
     """Drafter weights from a trainer run directory's checkpoint (``ckpt.safetensors`` +
     ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises ``FileNotFoundError`` when there is none."""
@@ -107,14 +114,15 @@ def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
     return d.eval()
 
 
-def evaluate(target, tok, drafter, head, prompts: list[str], max_new_tokens: int,
+def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
              check_lossless: bool = False) -> dict:
     from tqdm import tqdm
 
     stop = {tok.eos_token_id}
     taus, per_prompt, n_tok, t0 = [], [], 0, time.time()
     for p in tqdm(prompts, desc="eval", unit="prompt"):
-        ids = encode_prompt(tok, p)
+        ids = encode_prompt(tok, p) if isinstance(p, str) else list(tok.apply_chat_template(
+            p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         r = dflash_greedy(target, drafter, head, ids, max_new_tokens, stop)
         if check_lossless:
             ref = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -139,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-dir", default=None)
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--which", default="heldout,humaneval")
+    ap.add_argument("--which", default="heldout,humaneval",
+                    help="comma-separated: heldout (synthetic templates), humaneval, chat")
     ap.add_argument("--check-lossless", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the result JSON here")
@@ -151,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     drafter = (drafter_from_ckpt(args.ckpt, tdir) if args.ckpt
                else load_drafter(args.drafter, dtype=torch.float32))
     results = {}
-    for which in args.which.split(","):
-        prompts = heldout_prompts(args.n) if which == "heldout" else humaneval_prompts(args.n)
+    sets = args.which.split(",")
+    bad = [w for w in sets if w not in ("heldout", "humaneval", "chat")]
+    if bad:
+        ap.error(f"--which: unknown set {bad[0]!r} (heldout, humaneval, chat)")
+    for which in sets:
+        prompts = {"heldout": heldout_prompts, "humaneval": humaneval_prompts,
+                   "chat": chat_prompts}[which](args.n)
         results[which] = evaluate(target, tok, drafter, head, prompts, args.max_new_tokens,
                                   args.check_lossless)
         print(f"[eval] {which}: {results[which]}", flush=True)

@@ -37,9 +37,15 @@ from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_a
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    data_dir: str
+    data_dir: str                       # token store (dflash.train.tokdata), e.g. data/train
     target_dir: str
     run_dir: str
+    cache_dir: str | None = None        # feature cache; default <run_dir>/featcache
+    init_from: str | None = None        # warm start: a drafter directory of the same shape
+    kl_weight: float = 0.0              # loss = (1-w) CE(target's token) + w CE(target's top-k dist)
+    topk: int = 16                      # target distribution kept per token (feature cache)
+    heldout_every: int = 20             # every n-th sequence (stable hash) is held out; 0 = none
+    sources: tuple[str, ...] | None = None   # train on these token-store sources only
     out_dir: str | None = None          # final bf16 drafter (save_drafter); None = skip
     block_size: int = 16
     gamma: float | None = None          # default 7 for B=16, 4 for B=8
@@ -90,30 +96,45 @@ def drafter_config(cfg: TrainConfig, tcfg: dict, head: TargetHead) -> DrafterCon
 
 
 def weighted_ce(hidden: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of weighted CE and argmax predictions, logits computed ``chunk`` rows at a time.
+                weights: torch.Tensor, chunk: int, soft_ids: torch.Tensor | None = None,
+                soft_p: torch.Tensor | None = None, kl_weight: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the weighted loss and argmax predictions, logits computed ``chunk`` rows at a time.
 
-    hidden [M, H]; head_w [V', H]; labels [M] in [0, V'); weights [M].
-    Returns (sum_m w_m * CE_m, predictions [M]). Chunks are recomputed in backward
+    hidden [M, H]; head_w [V', H]; labels [M] in [0, V'); weights [M] (float32).
+    With ``kl_weight`` w > 0, soft_ids [M, K] (rows of head_w, -1 = not in the softmax) and
+    soft_p [M, K] (float32, the target's top-k probabilities renormalised, 0 where unused) add
+    self-logit distillation: per row ``(1-w) CE(label) + w * (-sum_k p_k log q(id_k))``, the
+    cross-entropy to the target's distribution (KL up to the target's constant entropy).
+    Returns (sum_m w_m * loss_m, predictions [M]). Chunks are recomputed in backward
     (activation checkpointing), so peak memory holds one chunk of logits.
     """
-    def part(h, y, w):
+    soft = kl_weight > 0 and soft_ids is not None
+
+    def part(h, y, w, si=None, sp=None):
         logits = F.linear(h, head_w).float()
-        return (F.cross_entropy(logits, y, reduction="none") * w).sum(), logits.argmax(-1)
+        lsm = torch.log_softmax(logits, -1)
+        loss = -lsm.gather(1, y[:, None])[:, 0]
+        if si is not None:
+            kl = -(sp * lsm.gather(1, si.clamp_min(0))).sum(-1)
+            loss = (1 - kl_weight) * loss + kl_weight * kl
+        return (loss * w).sum(), logits.argmax(-1)
 
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
     for i in range(0, hidden.shape[0], chunk):
         sl = slice(i, i + chunk)
+        args = (hidden[sl], labels[sl], weights[sl]) + ((soft_ids[sl], soft_p[sl]) if soft else ())
         if torch.is_grad_enabled():
-            loss, p = checkpoint(part, hidden[sl], labels[sl], weights[sl], use_reentrant=False)
+            loss, p = checkpoint(part, *args, use_reentrant=False)
         else:
-            loss, p = part(hidden[sl], labels[sl], weights[sl])
+            loss, p = part(*args)
         total, preds = total + loss, preds + [p]
     return total, torch.cat(preds) if preds else labels.new_zeros(0)
 
 
 def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head_w: torch.Tensor,
-               label_map: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor, dict]:
+               label_map: torch.Tensor | None, chunk: int, kl_weight: float = 0.0
+               ) -> tuple[torch.Tensor, dict]:
     """Normalised weighted loss for one :class:`BlockBatch` and accuracy statistics."""
     ctx_kv = drafter.context_kv(batch.ctx_features.float(), batch.ctx_positions)
     out = drafter(head.embed_tokens(batch.block_ids), batch.block_positions, ctx_kv, batch.mask)
@@ -122,7 +143,16 @@ def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head
     if label_map is not None:
         labels = label_map[labels]
     w = batch.weights[sel]
-    loss_sum, preds = weighted_ce(out[sel], head_w, labels, w, chunk)
+    soft_ids = soft_p = None
+    if kl_weight > 0:
+        if batch.soft_ids is None:
+            raise ValueError("kl_weight: the batch has no target distribution (feature cache without top-k)")
+        soft_ids, soft_p = batch.soft_ids[sel], batch.soft_p[sel]
+        if label_map is not None:
+            soft_ids = label_map[soft_ids]
+            soft_p = torch.where(soft_ids >= 0, soft_p, 0.0)
+            soft_p = soft_p / soft_p.sum(-1, keepdim=True).clamp_min(1e-9)
+    loss_sum, preds = weighted_ce(out[sel], head_w, labels, w, chunk, soft_ids, soft_p, kl_weight)
     loss = loss_sum / w.sum().clamp_min(1e-9)
     # per-position accuracy and accepted prefix length (drafts accepted per block)
     B = drafter.cfg.block_size
@@ -133,7 +163,9 @@ def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head
     has_block = valid[:, :, 0]
     acc_pos = (correct & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)
     accepted = torch.cumprod(correct.int(), dim=-1).sum(-1)[has_block].float()
-    stats = {"acc_pos": acc_pos.tolist(), "accept_len": accepted.mean().item() if accepted.numel() else 0.0}
+    stats = {"acc_pos": acc_pos.tolist(), "accept_len": accepted.mean().item() if accepted.numel() else 0.0,
+             "correct": (correct & valid).sum((0, 1)), "valid": valid.sum((0, 1)),
+             "accepted_sum": accepted.sum().item(), "blocks": int(accepted.numel())}
     return loss, stats
 
 
@@ -142,47 +174,81 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.seqs: list[dict[str, torch.Tensor]] = []
-        self.shards: list[str] = []         # shard file names in load order (seqs index order)
-        self.vocab = torch.zeros(0, dtype=torch.int64)
-        self.add_shards()
-        if not self.seqs:
-            raise RuntimeError(f"no usable training sequences in {cfg.data_dir}")
         self.tcfg = json.loads((Path(cfg.target_dir) / "config.json").read_text())
         self.head = load_target_head(cfg.target_dir)
         self.dcfg = drafter_config(cfg, self.tcfg, self.head)
-        meta = Path(cfg.data_dir) / "meta.json"
-        if meta.is_file():
-            ids = json.loads(meta.read_text()).get("target_layer_ids")
-            if ids and tuple(ids) != self.dcfg.target_layer_ids:
-                raise RuntimeError(f"data taps {ids} != drafter taps {self.dcfg.target_layer_ids}")
+        self.seqs: list[dict[str, torch.Tensor]] = []
+        self.heldout: list[dict[str, torch.Tensor]] = []
+        self.shards: list[str] = []         # shard file names in load order (seqs index order)
+        self.vocab = torch.zeros(0, dtype=torch.int64)
+        self._target = None
+        self.add_shards()
+        if not self.seqs:
+            raise RuntimeError(f"no usable training sequences in {cfg.data_dir}")
         torch.manual_seed(cfg.seed)
         self.drafter = DFlashDrafter(self.dcfg)
+        if cfg.init_from:
+            self._warm_start(cfg.init_from)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.rng = random.Random(cfg.seed)
         self.step, self.elapsed, self.epoch, self.order = 0, 0.0, 0, []
         self._update_vocab()
         n_tok = sum(int(s["loss_mask"].sum()) for s in self.seqs)
-        print(f"[train] {len(self.seqs)} sequences, {n_tok} response tokens; drafter "
-              f"{sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M params, "
+        print(f"[train] {len(self.seqs)} sequences ({len(self.heldout)} held out), {n_tok} response "
+              f"tokens; drafter {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M params, "
               f"{cfg.num_layers} layer(s), B={cfg.block_size}, gamma={cfg.loss_gamma}, taps "
-              f"{list(self.dcfg.target_layer_ids)}, softmax over {self.head_w.shape[0]} ids", flush=True)
+              f"{list(self.dcfg.target_layer_ids)}, softmax over {self.head_w.shape[0]} ids, "
+              f"kl_weight {cfg.kl_weight}", flush=True)
+
+    def _warm_start(self, path: str) -> None:
+        """Start from a saved drafter's weights (same architecture; ``ValueError`` otherwise)."""
+        from dflash.checkpoint import load_drafter
+
+        src = load_drafter(path, dtype=torch.float32)
+        if src.cfg.target_layer_ids != self.dcfg.target_layer_ids or src.cfg.block_size != self.dcfg.block_size:
+            raise ValueError(f"init_from: {path} has taps {list(src.cfg.target_layer_ids)} / block "
+                             f"{src.cfg.block_size}, this run {list(self.dcfg.target_layer_ids)} / "
+                             f"{self.dcfg.block_size}")
+        try:
+            self.drafter.load_state_dict(src.state_dict())
+        except RuntimeError as e:
+            raise ValueError(f"init_from: {path} does not match this run's architecture ({e})") from None
+        print(f"[train] warm start from {path} (version {src.cfg.version})", flush=True)
 
     # ----------------------------------------------------------------- data loading
-    def add_shards(self, names: list[str] | None = None) -> int:
-        """Load shards not loaded yet (``names`` first, in that order). Returns sequences added."""
-        from dflash.train.data import read_shards, shard_paths
+    def _target_model(self):
+        if self._target is None:
+            from dflash.train.data import load_target
 
-        data = Path(self.cfg.data_dir)
-        present = {p.name for p in shard_paths(data)}
-        todo = [n for n in (names or []) if n in present and n not in self.shards]
-        todo += sorted(present - set(self.shards) - set(todo))
+            print("[train] computing features of shards missing from the feature cache", flush=True)
+            self._target = load_target(self.cfg.target_dir)[0]
+        return self._target
+
+    def add_shards(self, names: list[str] | None = None) -> int:
+        """Load listed shards not loaded yet (``names`` first, in that order), computing missing
+        feature-cache entries; every ``heldout_every``-th sequence goes to the held-out split.
+        Returns training sequences added."""
+        from dflash.train import featcache
+        from dflash.train.tokdata import TokenStore
+
+        store = TokenStore(self.cfg.data_dir, fingerprint=self.dcfg.target_fingerprint)
+        srcs = set(self.cfg.sources) if self.cfg.sources else None
+        entries = {e["name"]: e for e in store.shards(srcs)}
+        todo = [n for n in (names or []) if n in entries and n not in self.shards]
+        todo += sorted(set(entries) - set(self.shards) - set(todo))
+        cache = self.cfg.cache_dir or str(self.run_dir / "featcache")
         before = len(self.seqs)
         for name in todo:
-            self.seqs += [s for s in read_shards(data, [data / name]) if len(valid_anchors(s["loss_mask"]))]
+            seqs, feats = featcache.ensure_features(store, entries[name], cache, self._target_model,
+                                                    self.dcfg.target_layer_ids, self.cfg.topk)
+            for i, (s, f) in enumerate(zip(seqs, feats)):
+                d = {"input_ids": torch.from_numpy(s.ids), "loss_mask": torch.from_numpy(s.loss_mask), **f}
+                if not len(valid_anchors(d["loss_mask"])):
+                    continue
+                (self.heldout if is_heldout(name, i, self.cfg.heldout_every) else self.seqs).append(d)
             self.shards.append(name)
-        if hasattr(self, "head"):
+        if hasattr(self, "drafter"):
             self._update_vocab()
         return len(self.seqs) - before
 
@@ -239,6 +305,37 @@ class Trainer:
         return build_batch(picked, anchors, block_size=self.cfg.block_size,
                            mask_token_id=self.cfg.mask_token_id, gamma=self.cfg.loss_gamma)
 
+    # ----------------------------------------------------------------- held-out evaluation
+    @torch.no_grad()
+    def evaluate_heldout(self, anchors_per_seq: int = 8, seqs_per_batch: int = 4) -> dict:
+        """Teacher-forced acceptance on the held-out split, full vocabulary, fixed anchors
+        (seeded per sequence, so two runs on the same data are compared on the same blocks).
+
+        Returns ``{"tau": 1 + mean accepted drafts per block, "acc_pos": [B-1] accuracy per
+        block position, "blocks": n, "loss": weighted CE}``; ``{}`` without held-out data."""
+        if not self.heldout:
+            return {}
+        was = self.drafter.training
+        self.drafter.eval()
+        B = self.cfg.block_size
+        correct, valid = torch.zeros(B - 1), torch.zeros(B - 1)
+        acc_sum, blocks, loss_sum, n_batches = 0.0, 0, 0.0, 0
+        for i in range(0, len(self.heldout), seqs_per_batch):
+            group = self.heldout[i:i + seqs_per_batch]
+            anchors = [sample_anchors(s["loss_mask"], anchors_per_seq, random.Random(1234 + i + j))
+                       for j, s in enumerate(group)]
+            batch = build_batch(group, anchors, block_size=B, mask_token_id=self.cfg.mask_token_id,
+                                gamma=self.cfg.loss_gamma)
+            loss, st = batch_loss(self.drafter, self.head, batch, self.head.lm_head, None, self.cfg.logit_chunk)
+            correct += st["correct"].float()
+            valid += st["valid"].float()
+            acc_sum, blocks = acc_sum + st["accepted_sum"], blocks + st["blocks"]
+            loss_sum, n_batches = loss_sum + loss.item(), n_batches + 1
+        self.drafter.train(was)
+        return {"tau": round(1 + acc_sum / max(1, blocks), 4), "blocks": blocks,
+                "acc_pos": [round(x, 4) for x in (correct / valid.clamp_min(1)).tolist()],
+                "loss": round(loss_sum / max(1, n_batches), 4)}
+
     # ----------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
         """Checkpoint (safetensors + JSON, :mod:`dflash.train.ckpt`) into ``run_dir``."""
@@ -284,6 +381,10 @@ class Trainer:
 
         if resume:
             self.load_checkpoint()
+        if self.heldout and self.step == 0 and self.cfg.init_from:
+            start = self.evaluate_heldout()
+            print(f"[train] held-out before training: {start}", flush=True)
+            (self.run_dir / "heldout_start.json").write_text(json.dumps(start, indent=1) + "\n")
         log_path = self.run_dir / "train_log.csv"
         B = self.cfg.block_size
         fields = ["step", "epoch", "elapsed_s", "lr", "loss", "accept_len"] + [f"acc_k{k}" for k in range(1, B)]
@@ -303,7 +404,7 @@ class Trainer:
             batch = self.next_batch()
             head_w, label_map = self.softmax_head()
             loss, stats = batch_loss(self.drafter, self.head, batch, head_w, label_map,
-                                     self.cfg.logit_chunk)
+                                     self.cfg.logit_chunk, self.cfg.kl_weight)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -337,16 +438,30 @@ class Trainer:
         self.save_checkpoint()
         plot_log(log_path, self.run_dir / "train_loss.png")
         if stop_at_step is not None and not self.done():
-            return {"steps": self.step, "interrupted": True}
+            heldout = self.evaluate_heldout()
+            print(f"[train] stopped at step {self.step}; held-out: {heldout}", flush=True)
+            (self.run_dir / f"heldout_step{self.step}.json").write_text(json.dumps(heldout, indent=1) + "\n")
+            return {"steps": self.step, "interrupted": True, "heldout": heldout}
         out = self.save_final()
+        heldout = self.evaluate_heldout()
+        print(f"[train] held-out: {heldout}", flush=True)
         summary = {"steps": self.step, "epochs": self.epoch, "minutes": round(self.elapsed / 60, 2),
-                   "sequences": len(self.seqs),
+                   "sequences": len(self.seqs), "heldout": heldout, "kl_weight": self.cfg.kl_weight,
                    "response_tokens": sum(int(s["loss_mask"].sum()) for s in self.seqs),
                    "s_per_step": round(self.elapsed / max(1, self.step), 3),
                    "out_dir": str(out) if out else None}
         (self.run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(f"[train] done: {summary}", flush=True)
         return summary
+
+
+def is_heldout(shard: str, index: int, every: int) -> bool:
+    """Stable held-out membership of sequence ``index`` of ``shard`` (same on every machine)."""
+    if every <= 0:
+        return False
+    import zlib
+
+    return zlib.crc32(f"{shard}:{index}".encode()) % every == 0
 
 
 def response_counts(seqs: list[dict[str, torch.Tensor]], vocab_size: int) -> torch.Tensor:
