@@ -24,12 +24,23 @@ from safetensors.torch import load_file, save_file
 FILE = "draft_vocab.safetensors"
 
 
-def build_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """Top ``size`` ids: by ``counts`` (int64 [V], occurrences in training responses), ties and
-    unseen ids by ascending id. Returns int64 [min(size, V)]. Raises ``ValueError`` for size < 1."""
+def build_draft_vocab(counts: torch.Tensor, size: int, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Top ``size`` ids: by ``counts`` (int64 [V], occurrences in training responses), then the
+    ids of ``prior`` (an earlier draft vocabulary, e.g. the warm-start drafter's, in its order)
+    not seen, then the rest by ascending id. Returns int64 [min(size, V)]. Raises
+    ``ValueError`` for size < 1."""
     if size < 1:
         raise ValueError(f"draft_vocab_size: must be >= 1, got {size}")
-    order = torch.sort(-counts.to(torch.int64), stable=True).indices   # ties: ascending id
+    key = -counts.to(torch.int64) * 2
+    if prior is not None:          # unseen prior ids rank after seen ids, before unseen others
+        key = key.clone()
+        unseen = counts[prior] == 0
+        key[prior[unseen]] = -1
+    order = torch.sort(key, stable=True).indices        # ties: ascending id
+    if prior is not None:          # unseen prior ids keep the prior's own order
+        n_seen = int((counts > 0).sum())
+        n_prior = int((key == -1).sum())
+        order[n_seen:n_seen + n_prior] = prior[counts[prior] == 0]
     return order[:size].to(torch.int64)
 
 

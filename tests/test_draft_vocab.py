@@ -23,6 +23,15 @@ def test_build_ranks_by_count_then_id():
         build_draft_vocab(counts, 0)
 
 
+def test_build_keeps_a_prior_vocabulary_after_the_seen_ids():
+    """Warm start: ids of the earlier drafter's list follow the ids seen in the new data, in the
+    earlier list's order, before ids neither has seen."""
+    counts = torch.tensor([0, 5, 0, 0, 0, 9, 0])
+    prior = torch.tensor([4, 1, 6])
+    assert build_draft_vocab(counts, 7, prior).tolist() == [5, 1, 4, 6, 0, 2, 3]
+    assert build_draft_vocab(counts, 3, prior).tolist() == [5, 1, 4]
+
+
 def test_load_validates_the_file(tmp_path):
     assert load_draft_vocab(tmp_path, 10) is None                      # no file: full vocab
     save_draft_vocab(tmp_path, torch.tensor([3, 1, 7]))

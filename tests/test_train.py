@@ -247,6 +247,8 @@ def test_distillation_heldout_and_warm_start(tiny):
     summary = tr.train()
     assert summary["heldout"]["blocks"] == before["blocks"] > 0
     assert summary["heldout"]["loss"] < before["loss"]
+    log = (tr.run_dir / "heldout_log.csv").read_text().splitlines()
+    assert log[0].startswith("step,") and [r.split(",")[0] for r in log[1:]] == ["0", "15"]
     warm = Trainer(_cfg(tiny, "warm", init_from=str(root / "kl_drafter"), heldout_every=3))
     for k, v in warm.drafter.state_dict().items():        # bf16 save: equal to bf16 rounding
         torch.testing.assert_close(v, tr.drafter.state_dict()[k].to(torch.bfloat16).float(), msg=k)

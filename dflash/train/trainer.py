@@ -336,6 +336,19 @@ class Trainer:
                 "acc_pos": [round(x, 4) for x in (correct / valid.clamp_min(1)).tolist()],
                 "loss": round(loss_sum / max(1, n_batches), 4)}
 
+    def log_heldout(self) -> dict:
+        """Held-out figures appended to ``heldout_log.csv`` (the tau-vs-steps curve)."""
+        h = self.evaluate_heldout()
+        if h:
+            path = self.run_dir / "heldout_log.csv"
+            new = not path.exists()
+            with open(path, "a", newline="") as f:
+                w = csv.writer(f)
+                if new:
+                    w.writerow(["step", "elapsed_s", "tau", "acc_k1", "acc_k2", "acc_k3", "loss"])
+                w.writerow([self.step, round(self.elapsed, 1), h["tau"], *h["acc_pos"][:3], h["loss"]])
+        return h
+
     # ----------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
         """Checkpoint (safetensors + JSON, :mod:`dflash.train.ckpt`) into ``run_dir``."""
@@ -369,8 +382,13 @@ class Trainer:
             return None
         save_drafter(self.drafter, self.cfg.out_dir, dtype=torch.bfloat16, cfg=self.dcfg)
         if self.cfg.draft_vocab_size:
+            prior = None
+            if self.cfg.init_from:     # keep the warm-start drafter's ids after the ones seen here
+                from dflash.draft_vocab import load_draft_vocab
+
+                prior = load_draft_vocab(self.cfg.init_from, self.head.vocab_size)
             save_draft_vocab(self.cfg.out_dir, build_draft_vocab(
-                response_counts(self.seqs, self.head.vocab_size), self.cfg.draft_vocab_size))
+                response_counts(self.seqs, self.head.vocab_size), self.cfg.draft_vocab_size, prior))
         return Path(self.cfg.out_dir)
 
     # ----------------------------------------------------------------- loop
@@ -381,8 +399,8 @@ class Trainer:
 
         if resume:
             self.load_checkpoint()
-        if self.heldout and self.step == 0 and self.cfg.init_from:
-            start = self.evaluate_heldout()
+        if self.heldout and self.step == 0:
+            start = self.log_heldout()
             print(f"[train] held-out before training: {start}", flush=True)
             (self.run_dir / "heldout_start.json").write_text(json.dumps(start, indent=1) + "\n")
         log_path = self.run_dir / "train_log.csv"
@@ -432,18 +450,19 @@ class Trainer:
             if time.time() - last_ckpt > self.cfg.ckpt_every_min * 60:
                 self.save_checkpoint()
                 plot_log(log_path, self.run_dir / "train_loss.png")
+                self.log_heldout()
                 last_ckpt = time.time()
         bar.close()
         logf.close()
         self.save_checkpoint()
         plot_log(log_path, self.run_dir / "train_loss.png")
         if stop_at_step is not None and not self.done():
-            heldout = self.evaluate_heldout()
+            heldout = self.log_heldout()
             print(f"[train] stopped at step {self.step}; held-out: {heldout}", flush=True)
             (self.run_dir / f"heldout_step{self.step}.json").write_text(json.dumps(heldout, indent=1) + "\n")
             return {"steps": self.step, "interrupted": True, "heldout": heldout}
         out = self.save_final()
-        heldout = self.evaluate_heldout()
+        heldout = self.log_heldout()
         print(f"[train] held-out: {heldout}", flush=True)
         summary = {"steps": self.step, "epochs": self.epoch, "minutes": round(self.elapsed / 60, 2),
                    "sequences": len(self.seqs), "heldout": heldout, "kl_weight": self.cfg.kl_weight,
