@@ -67,6 +67,7 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
                     help="ids written to the drafter's draft_vocab.safetensors (0 = none)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init-from", default=None, help="warm start from this drafter directory")
+    ap.add_argument("--version", default=d["version"], help="dflash_serve.version of the saved drafter")
     ap.add_argument("--kl-weight", type=float, default=d["kl_weight"],
                     help="weight of the target-distribution term (self-logit distillation), 0..1")
     ap.add_argument("--heldout-every", type=int, default=d["heldout_every"])
@@ -87,7 +88,7 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        full_vocab_after=args.full_vocab_after,
                        ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed,
                        draft_vocab_size=args.draft_vocab_size, cache_dir=args.feature_cache,
-                       init_from=args.init_from, kl_weight=args.kl_weight, topk=args.topk,
+                       init_from=args.init_from, version=args.version, kl_weight=args.kl_weight, topk=args.topk,
                        heldout_every=args.heldout_every,
                        sources=tuple(args.sources.split(",")) if args.sources else None)
 

@@ -20,8 +20,10 @@ prompt list, so a resumed or second run skips what the manifest already lists.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -216,8 +218,6 @@ def generate(cfg: GenConfig) -> dict:
     stopping point leaves a mix; skips batches the manifest lists. Returns totals."""
     from dflash.checkpoint import load_target_head, target_fingerprint
     from dflash.train.data import load_target
-    import json
-    from pathlib import Path
 
     model, tok = load_target(cfg.target_dir)
     tcfg = json.loads((Path(cfg.target_dir) / "config.json").read_text())
@@ -277,6 +277,7 @@ def _name(src: str, seed: int, k: int) -> str:
 
 
 def _user_text(tok, prompt_ids) -> str:
+    """The user message of a chat-formatted prompt (roles are plain words in ChatML)."""
     text = tok.decode(prompt_ids, skip_special_tokens=True)
     return text.rsplit("user\n", 1)[-1].rsplit("assistant", 1)[0].strip()
 
