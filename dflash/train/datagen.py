@@ -8,7 +8,8 @@ target's top-k distribution of every response token, written to the local featur
 (:mod:`dflash.train.featcache`); the ids go to a :class:`~dflash.train.tokdata.TokenStore`.
 
 The target runs in float32: the dtype the verifier serves on a CPU (``--dtype`` default), so
-the answers are the served target's greedy answers (bf16 on this machine kind was also slower).
+the answers are the served target's greedy answers (bf16 was no faster on a CPU without bf16
+instructions: docs/training.md).
 
 Sources (``--mix``): ``code`` (stubs of real functions, :mod:`dflash.train.code_prompts`),
 ``template`` (synthetic HumanEval-shaped tasks, :mod:`dflash.train.prompts`), ``passage``
