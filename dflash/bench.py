@@ -98,10 +98,9 @@ class Peer:
         import torch
 
         from dflash.hf_peer import record_acceptance
+        from dflash.humaneval import encode_messages
 
-        enc = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)
-        ids = torch.tensor([list(enc["input_ids"])])
+        ids = torch.tensor([encode_messages(self.tok, messages)])
         with record_acceptance() as matches:
             t0 = time.perf_counter()
             with torch.inference_mode():

@@ -14,11 +14,17 @@ def format_prompt(problem_prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": INSTRUCTION.format(prompt=problem_prompt)}]
 
 
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat ``messages`` through the target's chat template, ending with the
+    assistant header (what the gateway sends the verifier for a chat request)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)
+    return list(out["input_ids"])
+
+
 def encode_prompt(tokenizer, problem_prompt: str) -> list[int]:
     """Token ids of the chat-formatted problem, ending with the assistant header."""
-    out = tokenizer.apply_chat_template(format_prompt(problem_prompt), add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)
-    return list(out["input_ids"])
+    return encode_messages(tokenizer, format_prompt(problem_prompt))
 
 
 def load_problems(limit: int | None = None) -> list[tuple[str, str]]:

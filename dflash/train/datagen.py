@@ -195,9 +195,9 @@ def length_sorted_batches(prompts: list[list[int]], batch_size: int, window: int
 
 
 def encode_user(tok, text: str) -> list[int]:
-    out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=True)
-    return list(out["input_ids"])
+    from dflash.humaneval import encode_messages
+
+    return encode_messages(tok, [{"role": "user", "content": text}])
 
 
 @dataclass(frozen=True, kw_only=True)

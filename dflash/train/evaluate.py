@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dflash.humaneval import encode_prompt, load_problems
+from dflash.humaneval import encode_messages, encode_prompt, load_problems
 from dflash.modeling import DFlashDrafter, TargetHead
 from dflash.taps import hidden_state_indices, tap_features
 
@@ -121,8 +121,7 @@ def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
     stop = {tok.eos_token_id}
     taus, per_prompt, n_tok, t0 = [], [], 0, time.time()
     for p in tqdm(prompts, desc="eval", unit="prompt"):
-        ids = encode_prompt(tok, p) if isinstance(p, str) else list(tok.apply_chat_template(
-            p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        ids = encode_prompt(tok, p) if isinstance(p, str) else encode_messages(tok, p)
         r = dflash_greedy(target, drafter, head, ids, max_new_tokens, stop)
         if check_lossless:
             ref = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
