@@ -152,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
+    sets = args.which.split(",")
+    bad = [w for w in sets if w not in ("heldout", "humaneval", "chat")]
+    if bad:
+        ap.error(f"--which: unknown set {bad[0]!r} (heldout, humaneval, chat)")
+    if not (args.drafter or args.ckpt):
+        ap.error("--drafter or --ckpt: give the drafter to evaluate")
     torch.set_num_threads(args.threads)
     tdir = args.target_dir or str(default_target_dir())
     target, tok = load_target(tdir)
@@ -159,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     drafter = (drafter_from_ckpt(args.ckpt, tdir) if args.ckpt
                else load_drafter(args.drafter, dtype=torch.float32))
     results = {}
-    sets = args.which.split(",")
-    bad = [w for w in sets if w not in ("heldout", "humaneval", "chat")]
-    if bad:
-        ap.error(f"--which: unknown set {bad[0]!r} (heldout, humaneval, chat)")
     for which in sets:
         prompts = {"heldout": heldout_prompts, "humaneval": humaneval_prompts,
                    "chat": chat_prompts}[which](args.n)
