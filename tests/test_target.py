@@ -19,42 +19,46 @@ def test_logits_to_keep_gives_the_last_rows_only(target_model):
     assert full_cache.get_seq_length() == last_cache.get_seq_length() == len(prompt)
 
 
-def test_session_cache_appends_in_place_and_matches_a_concatenating_cache(target_model):
-    """A session's cache writes each step into spare room of one buffer (no copy of the whole
-    cache per layer and step); decode, a rejected block cropped away, a block verify and a
-    batched step give exactly the logits of transformers' concatenating DynamicCache."""
+def test_pool_cache_writes_in_place_and_matches_a_concatenating_cache(target_model):
+    """Sessions' K/V live in the batch KV pool (``dflash.kv_pool``): decode, a rejected block
+    cropped away (a length moves), a block verify and a batched step write in place, with no
+    reallocation, and give the logits of transformers' own concatenating DynamicCache; an idle
+    session spilled out of the pool comes back with its K/V."""
     from transformers import DynamicCache
 
     t = target_model
     ours, ref = t.new_cache(), DynamicCache(config=t.config)
+
+    def hf(tokens):
+        with torch.inference_mode():
+            return t.model(input_ids=torch.tensor([tokens]), cache=ref, use_cache=True).logits[0].float()
+
     prompt = list(range(10, 40))
-    torch.testing.assert_close(t.forward(prompt, ours, None)[0], t.forward(prompt, ref, None)[0],
-                               rtol=0, atol=0)
-    layer = ours.layers[0]
-    buf = layer.keys.data_ptr()
+    torch.testing.assert_close(t.forward(prompt, ours, None)[0], hf(prompt), rtol=1e-5, atol=1e-5)
+    pool = t.pool
+    buf, grown = pool.k[0].data_ptr(), pool.grown
 
     def both(tokens, crop_to=None):
-        a, b = t.forward(tokens, ours, None)[0], t.forward(tokens, ref, None)[0]
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(t.forward(tokens, ours, None)[0], hf(tokens), rtol=1e-5, atol=1e-5)
         if crop_to is not None:
             t.crop(ours, crop_to)
-            t.crop(ref, crop_to)
+            ref.crop(crop_to - ref.get_seq_length())
 
     for tok in (7, 8, 9):
         both([tok])
     both([1, 2, 3, 4], crop_to=len(prompt) + 3 + 2)          # two drafts rejected
     both([5])                                              # overwrites the rejected positions
-    assert layer.keys.data_ptr() == buf                    # still the same buffer
+    assert pool.k[0].data_ptr() == buf and pool.grown == grown   # written in place
     assert ours.get_seq_length() == ref.get_seq_length() == len(prompt) + 3 + 2 + 1
-    assert layer._kbuf.shape[-2] > ours.get_seq_length()   # room left for the next steps
+    assert pool.capacity > ours.get_seq_length()           # room left for the next steps
 
     other = t.new_cache()
     t.forward(list(range(50, 60)), other, None)
     (a, _), _ = t.forward_batch([[11, 12], [13]], [ours, other], [(), ()])
-    b, _ = t.forward([11, 12], ref, None)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # batched: padded shapes
-    t.own(ours)                                            # owned copy, room released
-    assert layer._kbuf is None
-    a, b = t.forward([6], ours, None)[0], t.forward([6], ref, None)[0]
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # K/V of [11, 12] came from the batch
-    assert layer._kbuf is not None and layer.keys.data_ptr() == layer._kbuf.data_ptr()
+    torch.testing.assert_close(a, hf([11, 12]), rtol=1e-5, atol=1e-5)   # batched: padded block
+    assert ours.row == 0 and other.row == 1                # arranged onto the batch's rows
+    held = pool.resident
+    t.own(ours)                                            # spilled: its row is free
+    assert not ours.resident and pool.resident == held - 1
+    torch.testing.assert_close(t.forward([6], ours, None)[0], hf([6]), rtol=1e-5, atol=1e-5)
+    assert ours.resident and pool.resident == held

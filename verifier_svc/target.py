@@ -13,11 +13,10 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM
 
 from dflash.checkpoint import target_fingerprint, torch_dtype
-from dflash.growable import ROOM, append_into
+from dflash.kv_pool import KVPool, PoolSeq
 from dflash.taps import hidden_state_indices
 from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
                                    use_skinny_linear)
@@ -89,6 +88,14 @@ class TargetModel:
         if hasattr(embed, "full_tensor"):  # a sharded DTensor (expert parallel): gather, all ranks
             embed = embed.full_tensor()
         self.fingerprint = target_fingerprint(text, embed.detach().cpu())
+        types = set(getattr(self.config, "layer_types", None) or ["full_attention"])
+        if not types <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types: {sorted(types)} — only full and sliding-window attention "
+                             "layers fit the batch KV pool")
+        # Sliding-window layers keep every position in the pool; their mask limits the window.
+        self.sliding_window: int | None = getattr(self.config, "sliding_window", None) \
+            if "sliding_attention" in types else None
+        self._pool: KVPool | None = None
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
 
@@ -97,15 +104,23 @@ class TargetModel:
         return AutoModelForCausalLM.from_pretrained(
             str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
 
-    def new_cache(self) -> DynamicCache:
-        """A session's cache; its full-attention layers append in place (:class:`_AppendLayer`)."""
-        cache = DynamicCache(config=self.config)
-        cache.layers = [_AppendLayer() if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
-        return cache
+    @property
+    def pool(self) -> KVPool:
+        """Every session's K/V (``dflash.kv_pool``), created at first use."""
+        if self._pool is None:
+            c = self.config
+            heads = c.num_attention_heads
+            self._pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
+                                getattr(c, "head_dim", None) or c.hidden_size // heads,
+                                dtype=self.dtype, device=self.device)
+        return self._pool
+
+    def new_cache(self) -> PoolSeq:
+        """A session's cache: a sequence of the batch KV pool."""
+        return self.pool.new_seq()
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: DynamicCache, layer_ids: tuple[int, ...] | None,
+    def forward(self, tokens: list[int], cache: PoolSeq, layer_ids: tuple[int, ...] | None,
                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` at positions ``cache.get_seq_length() ..`` and append them to ``cache``.
 
@@ -117,26 +132,43 @@ class TargetModel:
             logits: float32 [n or logits_to_keep, vocab].
             taps: [n, len(layer_ids) * hidden] in the model dtype, or None when no layer ids.
         """
-        ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+        pool = self.pool
+        row = pool.ensure_resident(cache)
+        n, q = cache.get_seq_length(), len(tokens)
+        pool.reserve(n + q)
         want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self.model(input_ids=ids, cache=cache, use_cache=True,
-                         output_hidden_states=want, logits_to_keep=logits_to_keep)
-        logits = out.logits[0].float()
+        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], n, want, logits_to_keep)
+        pool.advance([cache], [q])
         taps = None
         if layer_ids:
-            taps = torch.cat([out.hidden_states[j][0] for j in want], dim=-1)
-        return logits, taps
+            taps = torch.cat([out.hidden_states[j][0] for j in hidden_state_indices(layer_ids)], dim=-1)
+        return out.logits[0].float(), taps
 
-    @staticmethod
-    def own(cache: DynamicCache) -> None:
-        """Copy a cache whose layers are views of a batched cache (``forward_batch``) into
-        tensors of its own, so an idle session does not keep a whole batch's K/V alive (nor
-        its own append room)."""
-        for layer in getattr(cache, "layers", ()):
-            if isinstance(layer, _AppendLayer):
-                layer.release_buffers()
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    def _run(self, ids: torch.Tensor, row0: int, lens: list[int], starts: torch.Tensor | int,
+             want: list[int] | bool, logits_to_keep: int = 0):
+        """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] at positions
+        ``lens[i]..``, K/V written into the pool in place (``_PoolStep``), a boolean
+        [b, 1, q, max(lens) + q] mask (causal from each row's own length; sliding-window
+        layers get their own)."""
+        b, q = ids.shape
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        pos = lens_t[:, None] + torch.arange(q)                               # [b, q]
+        cols = torch.arange(max(lens) + q)
+        allowed = cols[None, None, :] <= pos[:, :, None]                      # [b, q, L]
+        mask = allowed[:, None].to(self.device)
+        if self.sliding_window:
+            near = cols[None, None, :] > pos[:, :, None] - self.sliding_window
+            mask = {"full_attention": mask, "sliding_attention": (allowed & near)[:, None].to(self.device)}
+        if isinstance(starts, torch.Tensor):
+            starts = starts.to(self.device)
+        return self.model(input_ids=ids.to(self.device), attention_mask=mask,
+                          position_ids=pos.to(self.device), cache=_PoolStep(self.pool, row0, starts),
+                          use_cache=True, output_hidden_states=want, logits_to_keep=logits_to_keep)
+
+    def own(self, cache: PoolSeq) -> None:
+        """An idle session's K/V leaves the batch pool for tensors of its own length (its next
+        turn moves it back: one copy per turn, none per step)."""
+        self.pool.spill(cache)
 
     def tune_skinny(self, context: int = 64) -> int:
         """With ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`: time decode- and
@@ -160,25 +192,20 @@ class TargetModel:
         log.info("%s", tuning_summary(self.skinny_max_rows, timings))
         return self.skinny_max_rows
 
-    @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
-        """Keep the first ``length`` positions (transformers 5: crop takes a negative count)."""
-        extra = cache.get_seq_length() - length
-        if extra > 0:
-            cache.crop(-extra)
+    def crop(self, cache: PoolSeq, length: int) -> None:
+        """Keep the first ``length`` positions (a number moves; nothing is copied)."""
+        self.pool.set_length(cache, length)
 
     @torch.inference_mode()
-    def forward_batch(self, blocks: list[list[int]], caches: list[DynamicCache],
+    def forward_batch(self, blocks: list[list[int]], caches: list[PoolSeq],
                       layer_ids: list[tuple[int, ...]]
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`forward` for several sessions in one target forward (continuous batching).
 
-        Each session's cache is LEFT-padded to the longest and its block RIGHT-padded to the
-        longest; a 2D attention mask hides the left padding and explicit ``position_ids`` give
-        each row its own positions. Right padding needs no mask: it comes after every real
-        token, which attends causally. Each session's cache then becomes a view of its row of
-        the batched cache (its real positions plus its block): no second copy of its K/V per
-        step (:meth:`own` turns views back into owned tensors when a session is kept idle).
+        The sessions are arranged onto pool rows ``0..b-1`` (``KVPool.arrange``: rows move only
+        when the batch's make-up changed) and their blocks RIGHT-padded to the longest; each
+        row's block K/V is written at its own length and its queries see its own positions
+        only (``_run``'s mask), so no cache is gathered or copied back.
 
         ``layer_ids[i]``: session i's taps (sessions may use different drafters).
         Returns per session ``(logits [n_i, vocab] float32, taps [n_i, len(layer_ids[i]) * H]``
@@ -186,46 +213,21 @@ class TargetModel:
         """
         if len(blocks) == 1:
             return [self.forward(blocks[0], caches[0], layer_ids[0])]
+        pool = self.pool
+        pool.arrange(caches)
         b = len(blocks)
-        lens = [c.get_seq_length() for c in caches]                      # cached positions
-        ctx, q = max(lens), max(len(x) for x in blocks)
+        lens = [c.get_seq_length() for c in caches]
+        q = max(len(x) for x in blocks)
+        pool.reserve(max(lens) + q)
         ids = torch.zeros((b, q), dtype=torch.int64)
-        mask = torch.zeros((b, ctx + q), dtype=torch.int64)
-        pos = torch.zeros((b, q), dtype=torch.int64)
-        for i, (blk, n) in enumerate(zip(blocks, lens)):
+        for i, blk in enumerate(blocks):
             ids[i, :len(blk)] = torch.tensor(blk)
-            mask[i, ctx - n:] = 1
-            pos[i] = torch.arange(n, n + q)
-        batched = DynamicCache(config=self.config)
-        for layer in range(len(caches[0].layers)):
-            ks = [c.layers[layer].keys for c in caches]
-            vs = [c.layers[layer].values for c in caches]
-            room = q if type(batched.layers[layer]) is DynamicLayer else 0
-            k = ks[0].new_empty((b, ks[0].shape[1], ctx + room, ks[0].shape[3]))
-            v = vs[0].new_empty((b, vs[0].shape[1], ctx + room, vs[0].shape[3]))
-            for i, n in enumerate(lens):
-                if n < ctx:                       # left padding: masked, but must be finite
-                    k[i, :, :ctx - n] = 0
-                    v[i, :, :ctx - n] = 0
-                k[i, :, ctx - n:ctx] = ks[i][0]
-                v[i, :, ctx - n:ctx] = vs[i][0]
-            if room:
-                batched.layers[layer] = _AppendLayer(k, v, ctx)
-            else:
-                batched.update(k, v, layer)
         want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), cache=batched, use_cache=True,
-                         output_hidden_states=want)
+        out = self._run(ids, 0, lens, torch.tensor(lens, dtype=torch.int64), want)
+        pool.advance(caches, [len(blk) for blk in blocks])
         results = []
-        for i, (blk, cache) in enumerate(zip(blocks, caches)):
+        for i, blk in enumerate(blocks):
             m = len(blk)
-            start = ctx - lens[i]
-            for dst, bl in zip(cache.layers, batched.layers):
-                if isinstance(dst, _AppendLayer):
-                    dst.release_buffers()
-                dst.keys = bl.keys[i:i + 1, :, start:ctx + m]
-                dst.values = bl.values[i:i + 1, :, start:ctx + m]
             logits = out.logits[i, :m].float()
             taps = torch.cat([out.hidden_states[j][i, :m] for j in hidden_state_indices(layer_ids[i])],
                              dim=-1) if layer_ids[i] else None
@@ -233,60 +235,17 @@ class TargetModel:
         return results
 
 
-class _AppendLayer(DynamicLayer):
-    """A cache layer that appends in place instead of concatenating (sessions' caches and the
-    batched cache of :meth:`TargetModel.forward_batch`).
+class _PoolStep:
+    """The cache one forward hands transformers: each attention layer's ``update`` writes its
+    new K/V into pool rows ``row0..`` at their own lengths (``starts``) and attends over the
+    rows in place. Used only with an explicit mask and position ids, so transformers asks it
+    for nothing else."""
 
-    ``DynamicLayer.update`` concatenates: every forward copied the whole K/V once more per layer
-    (SmolLM2, 300 cached positions: 60 copies, 14 MB per step, growing with the context; at
-    ~320 positions, interleaved medians on 2 cores: decode 71.7 / 67.7 -> 70.6 / 67.7 ms, verify
-    of 4 tokens 81.0 / 75.3 -> 79.3 / 67.1 ms; the batched cache of 32 sessions x 1 token: 87 of
-    340 ms).
-    Here ``keys`` / ``values`` are views ``[:, :, :n]`` of buffers with up to :attr:`ROOM`
-    spare positions; ``update`` writes the new positions after ``n`` and re-views,
-    ``crop`` (inherited) only shortens the views, so a rejected draft's positions are simply
-    overwritten by the next step. When the views are not this layer's buffer any more (a batched
-    step or :meth:`TargetModel.own` replaced them) or the room is used up, the next update copies
-    once into a new buffer, as ``DynamicLayer`` did every time.
+    is_compileable = False
 
-    Args:
-        keys, values: optional buffers [batch, kv_heads, length + room, head_dim] (model dtype)
-            whose first ``length`` positions are filled (the batched cache allocates the step's
-            block as its room); None = empty, allocated by the first update.
-    """
+    def __init__(self, pool: KVPool, row0: int, starts: torch.Tensor | int):
+        self.pool, self.row0, self.starts = pool, row0, starts
 
-    #: Spare positions allocated per growth (a copy of the cache every ROOM appended tokens).
-    ROOM = ROOM
-
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                 length: int = 0):
-        super().__init__()
-        self._kbuf, self._vbuf = keys, values
-        if keys is not None:
-            self.device = keys.device
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-            self.is_initialized = True
-
-    def release_buffers(self) -> None:
-        """Forget the buffers before ``keys`` / ``values`` are replaced from outside."""
-        self._kbuf = self._vbuf = None
-
-    def _holds(self, n: int, new: torch.Tensor) -> bool:
-        """``keys`` is still a prefix view of this layer's buffer and ``n`` positions fit."""
-        b = self._kbuf
-        return (b is not None and self.keys.data_ptr() == b.data_ptr()
-                and self.keys.stride() == b.stride() and b.shape[:2] == new.shape[:2]
-                and b.dtype == new.dtype and n <= b.shape[-2])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        cur = self.keys.shape[-2] if self.keys.numel() else 0
-        end = cur + key_states.shape[-2]
-        # Not (or no longer) our buffer: append_into copies the current views into a new one.
-        kb, vb = (self._kbuf, self._vbuf) if self._holds(end, key_states) else (self.keys, self.values)
-        self._kbuf = append_into(kb, cur, key_states, 2, self.ROOM)
-        self._vbuf = append_into(vb, cur, value_states, 2, self.ROOM)
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
-        return self.keys, self.values
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states)

@@ -1,0 +1,248 @@
+"""A persistent batch K/V cache: every session's K/V in one set of per-layer tensors.
+
+Each layer holds ``K`` and ``V`` of shape ``[rows, kv_heads, capacity, head_dim]``; a sequence
+(one session) owns one row while it is *resident* and its length is a number, so a crop is an
+assignment and a rejected draft's positions are simply overwritten by the next block. A batched
+step first :meth:`KVPool.arrange` s its sequences onto rows ``0..b-1`` (rows move only when the
+batch's make-up changes: a join or a leave), then attends over ``K[:b, :, :L]`` in place — no
+per-step gather of every session's cache into a padded batch and no scatter back, which is what
+batching paid per session before (vLLM v1 keeps a persistent batch for the same reason).
+
+An idle sequence (a session kept between turns) can be :meth:`KVPool.spill` ed to tensors of its
+own exact length so the pool's rows stay those of active sequences; its next use moves it back.
+Rows freed by finished sequences are reused; when no row is in use the buffers are dropped.
+
+Memory: ``rows x capacity`` positions per layer, capacity being the longest resident sequence
+(rounded up by ``room``), like the padded batch it replaces; a paged layout (vLLM's
+PagedAttention) would remove the padding but needs an attention kernel that reads pages.
+
+Thread model: one owner thread calls everything; a handle garbage-collected on another thread
+only queues its row, freed by the owner's next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+#: Capacity granularity: positions added per growth beyond what is asked for.
+ROOM = 256
+
+
+@dataclasses.dataclass(eq=False)
+class _Rec:
+    """A sequence's state, shared by its handle and the pool's row table."""
+
+    row: int = -1                                   # -1: not resident
+    length: int = 0
+    spilled: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # per layer [1, H, n, D]
+
+
+class PoolSeq:
+    """A handle on one sequence of a :class:`KVPool` (what a session holds as its cache).
+
+    Dropping the last reference frees its row. ``get_seq_length`` mirrors transformers'
+    caches so callers can read the cached length the same way.
+    """
+
+    def __init__(self, pool: "KVPool"):
+        self._rec = _Rec()
+        self.pool = pool
+        weakref.finalize(self, pool._orphaned.append, self._rec)
+
+    def get_seq_length(self) -> int:
+        return self._rec.length
+
+    @property
+    def resident(self) -> bool:
+        return self._rec.row >= 0
+
+    @property
+    def row(self) -> int:
+        return self._rec.row
+
+
+class KVPool:
+    """Per-layer K/V buffers ``[rows, kv_heads, capacity, head_dim]`` shared by sequences.
+
+    Args:
+        num_layers: attention layers (each gets its own K and V).
+        kv_heads, head_dim: per-layer K/V shape.
+        dtype, device: of the buffers (the model's).
+        room: capacity granularity (positions).
+
+    Buffers are zero-initialised and only ever receive finite values, so positions a mask
+    hides (another row's padding, stale drafts) cannot turn an attention output into NaN.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 room: int = ROOM):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device, self.room = dtype, torch.device(device), room
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._rows: list[_Rec | None] = []          # row -> its sequence (None = free)
+        self._orphaned: list[_Rec] = []             # finalised handles, freed by the owner
+        self.grown = 0                              # reallocations (a test bound)
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        """Positions per row."""
+        return self.k[0].shape[2] if self.k else 0
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def resident(self) -> int:
+        """Rows held by sequences."""
+        self._collect()
+        return sum(r is not None for r in self._rows)
+
+    def new_seq(self) -> PoolSeq:
+        """An empty sequence (it takes a row at its first write)."""
+        return PoolSeq(self)
+
+    def _collect(self) -> None:
+        while self._orphaned:
+            rec = self._orphaned.pop()
+            if rec.row >= 0 and rec.row < len(self._rows) and self._rows[rec.row] is rec:
+                self._rows[rec.row] = None
+            rec.row, rec.spilled = -1, None
+        if self._rows and all(r is None for r in self._rows):
+            self.k, self.v, self._rows = [], [], []   # idle: give the memory back
+
+    def _alloc(self, rows: int, capacity: int) -> None:
+        """Buffers with at least ``rows`` rows and ``capacity`` positions, keeping the contents
+        (one copy of the pool per growth: rows in steps of 8, capacity by 25% or ``room``)."""
+        cur_rows = self.k[0].shape[0] if self.k else 0
+        cur_cap = self.capacity
+        new_rows = cur_rows if rows <= cur_rows else -(-rows // 8) * 8
+        new_cap = cur_cap if capacity <= cur_cap else \
+            -(-max(capacity + self.room, cur_cap + cur_cap // 4) // self.room) * self.room
+        if self.k and (new_rows, new_cap) == (cur_rows, cur_cap):
+            return
+        shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
+        old_k, old_v = self.k, self.v
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for dst, src in zip(self.k + self.v, old_k + old_v):
+            dst[:cur_rows, :, :cur_cap].copy_(src)
+        self.grown += 1
+
+    def reserve(self, length: int) -> None:
+        """Room for ``length`` positions in every row."""
+        self._collect()
+        if length > self.capacity:
+            self._alloc(max(self.rows, 1), length)
+
+    # ------------------------------------------------------------------ rows
+    def _free_row(self) -> int:
+        for i, r in enumerate(self._rows):
+            if r is None:
+                return i
+        self._rows.append(None)
+        self._alloc(len(self._rows), self.capacity)
+        return len(self._rows) - 1
+
+    def ensure_resident(self, seq: PoolSeq) -> int:
+        """Give ``seq`` a row (loading it back if it was spilled); returns the row."""
+        self._collect()
+        rec = seq._rec
+        if rec.row >= 0:
+            return rec.row
+        row = self._free_row()
+        self._rows[row] = rec
+        rec.row = row
+        if rec.spilled is not None:
+            n = rec.spilled[0][0].shape[2] if rec.spilled else 0
+            self.reserve(n)
+            for layer, (k, v) in enumerate(rec.spilled):
+                self.k[layer][row, :, :n].copy_(k[0])
+                self.v[layer][row, :, :n].copy_(v[0])
+            rec.spilled = None
+        return row
+
+    def arrange(self, seqs: list[PoolSeq]) -> None:
+        """Put ``seqs[i]`` on row ``i`` (moving rows only where they are not there yet)."""
+        for s in seqs:
+            self.ensure_resident(s)
+        for i, s in enumerate(seqs):
+            if s._rec.row != i:
+                self._swap(i, s._rec.row)
+
+    def _swap(self, a: int, b: int) -> None:
+        ra, rb = self._rows[a], self._rows[b]
+        n = max(ra.length if ra else 0, rb.length if rb else 0)
+        if n:
+            for buf in self.k + self.v:
+                tmp = buf[a, :, :n].clone()
+                buf[a, :, :n].copy_(buf[b, :, :n])
+                buf[b, :, :n].copy_(tmp)
+        self._rows[a], self._rows[b] = rb, ra
+        if ra is not None:
+            ra.row = b
+        if rb is not None:
+            rb.row = a
+
+    def spill(self, seq: PoolSeq) -> None:
+        """Move ``seq``'s K/V out of the pool into tensors of its own length; frees its row."""
+        self._collect()
+        rec = seq._rec
+        if rec.row < 0:
+            return
+        n = rec.length
+        rec.spilled = [(self.k[i][rec.row:rec.row + 1, :, :n].clone(),
+                        self.v[i][rec.row:rec.row + 1, :, :n].clone()) for i in range(self.num_layers)]
+        self._rows[rec.row] = None
+        rec.row = -1
+        self._collect()
+
+    def set_length(self, seq: PoolSeq, length: int) -> None:
+        """Crop ``seq`` to ``length`` positions (never lengthens)."""
+        rec = seq._rec
+        length = max(0, min(length, rec.length))
+        if rec.spilled is not None:
+            rec.spilled = [(k[:, :, :length], v[:, :, :length]) for k, v in rec.spilled]
+        rec.length = length
+
+    # ------------------------------------------------------------------ one forward
+    def write(self, layer: int, row0: int, starts: torch.Tensor | int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` [b, H, q, D] of rows ``row0..row0+b-1`` at positions ``starts[i]..``
+        (``starts``: int for one row, else int64 [b]) and return the K/V views
+        ``[b, H, max(starts) + q, D]`` the attention reads."""
+        b, q = k.shape[0], k.shape[2]
+        kb, vb = self.k[layer], self.v[layer]
+        if isinstance(starts, int):
+            kb[row0:row0 + b, :, starts:starts + q].copy_(k)
+            vb[row0:row0 + b, :, starts:starts + q].copy_(v)
+            end = starts + q
+        else:
+            idx = (starts[:, None] + torch.arange(q, device=starts.device))      # [b, q]
+            idx = idx[:, None, :, None].expand(b, k.shape[1], q, k.shape[3])
+            kb[row0:row0 + b].scatter_(2, idx, k)
+            vb[row0:row0 + b].scatter_(2, idx, v)
+            end = int(starts.max()) + q
+        return kb[row0:row0 + b, :, :end], vb[row0:row0 + b, :, :end]
+
+    def advance(self, seqs: list[PoolSeq], counts: list[int]) -> None:
+        """Lengths after a forward wrote ``counts[i]`` positions for ``seqs[i]``."""
+        for s, n in zip(seqs, counts):
+            s._rec.length += n
+
+    def views(self, row0: int, b: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the in-place K/V views ``[b, H, length, D]`` of rows ``row0..row0+b-1``
+        (for a forward whose new K/V are not written into the pool, e.g. a drafter's block)."""
+        return [(k[row0:row0 + b, :, :length], v[row0:row0 + b, :, :length])
+                for k, v in zip(self.k, self.v)]
+
+    def collect(self) -> None:
+        """Free the rows of dropped handles now (and the buffers once no row is held) instead
+        of at the next call: for an owner that drops sequences with no forward to follow."""
+        self._collect()

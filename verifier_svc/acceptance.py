@@ -1,0 +1,157 @@
+"""Acceptance estimation for the speculation policy: how many tokens a block of ``k`` drafts is
+expected to commit.
+
+* per drafter label (the drafter version): an EMA of each draft position's unconditional
+  acceptance rate, one update per step (:meth:`AcceptanceEstimator.observe`);
+* ``E[k] = 1 + sum_{p <= k} rate_p``: expected committed tokens of one block with ``k`` drafts,
+  the bonus token included (:meth:`AcceptanceEstimator.expected_table`);
+* per request: the drafter's table moved towards the request's own per-position counts, the
+  drafter's rates weighing as ``SESSION_PRIOR_STEPS`` steps (:func:`session_table`);
+* calibration: ``accuracy`` = committed / expected drafted tokens of recent speculative steps,
+  by which the policy scales every expected drafted token (:attr:`AcceptanceEstimator.accuracy`).
+
+How the policy weighs these against step cost: ``verifier_svc/policy.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from verifier_svc.cost_model import EMA
+
+# How many steps of its own a request's acceptance needs to weigh as much as the drafter's EMA.
+SESSION_PRIOR_STEPS = 4.0
+
+
+class PositionCounts(Protocol):
+    """A request's acceptance counts (``dflash.stats.AcceptanceCounter``): index ``i`` counts
+    the steps that drafted / accepted draft position ``i + 1``."""
+
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+
+
+def session_table(prior: list[float], stats: PositionCounts | None,
+                  strength: float = SESSION_PRIOR_STEPS) -> list[float]:
+    """``[E[0], ..., E[top]]`` for one request: ``prior`` (the drafter's table, same form) moved
+    towards the request's own acceptance.
+
+    Per position p (1-based) the request's rate is ``(accepted_p + strength * prior_p) /
+    (drafted_p + strength)``: the prior counts as ``strength`` steps (a shrinkage estimate, as a
+    Beta prior on each position's rate would give). Positions the request never drafted scale
+    the last one it did by the prior's decay from there; no rate exceeds the one before it.
+    Per request because acceptance differs several-fold between prompts and falls within an
+    answer, which a drafter-wide EMA follows too late. ``stats`` None (or with nothing drafted)
+    returns ``prior``."""
+    if stats is None or not stats.drafted_per_position:
+        return prior
+    acc, tried = stats.accepted_per_position, stats.drafted_per_position
+    table, total, last, last_prior = [1.0], 1.0, None, None
+    for p in range(len(prior) - 1):
+        base = prior[p + 1] - prior[p]
+        n = tried[p] if p < len(tried) else 0
+        if n:
+            a = acc[p] if p < len(acc) else 0
+            r = (a + strength * base) / (n + strength)
+        else:
+            r = last * base / last_prior if last_prior else base
+        if last is not None:
+            r = min(r, last)      # unconditional rates never rise with the position
+        last, last_prior = r, base
+        total += r
+        table.append(total)
+    return table
+
+
+class AcceptanceEstimator:
+    """Per-drafter-label acceptance rates and the calibration of what they predict.
+
+    Args:
+        alpha: EMA weight of a new observation (a step).
+    """
+
+    def __init__(self, alpha: float = 0.05):
+        self.alpha = alpha
+        self._rates: dict[str, list[EMA]] = {}   # label -> per-position unconditional acceptance
+        # calibration: drafted tokens the speculative steps were expected to add (uncalibrated)
+        # and what they committed beyond the bonus token, EMAs per step
+        self._expected_extra = EMA(alpha)
+        self._committed_extra = EMA(alpha)
+        self._pending: tuple[list[int], float] | None = None   # (job indices, expected extra)
+
+    # ------------------------------------------------------------------ rates
+    def observe(self, label: str, blocks: Sequence[tuple[int, int]]) -> None:
+        """One step's verified blocks of drafter ``label``: ``(drafts, accepted drafts)`` each.
+
+        One EMA update per position per step, with the fraction of the step's blocks that
+        drafted the position and accepted it: the EMA then remembers a number of steps whatever
+        the batch size (per block, one step of 32 sessions would move it as far as 32 steps)."""
+        blocks = [(d, a) for d, a in blocks if d > 0]
+        if not blocks:
+            return
+        rates = self._rates.setdefault(label, [])
+        top = max(d for d, _ in blocks)
+        while len(rates) < top:
+            rates.append(EMA(self.alpha))
+        for p in range(top):
+            drafted = [a for d, a in blocks if d > p]
+            rates[p].add(sum(a > p for a in drafted) / len(drafted))
+
+    def rates(self, label: str) -> list[float]:
+        """Per-position unconditional acceptance rates (EMA) of drafter ``label``."""
+        return [e.value for e in self._rates.get(label, [])]
+
+    def acceptance_table(self) -> dict[str, list[float]]:
+        """drafter label -> per-position EMA acceptance (a copy, for metrics)."""
+        return {label: [e.value for e in v] for label, v in list(self._rates.items())}
+
+    def expected_table(self, label: str, top: int) -> list[float]:
+        """``[E[0], E[1], ..., E[top]]`` tokens for drafter ``label``: ``E[k] = 1 + sum of the
+        first k rates``. Positions never measured extrapolate geometrically from the last
+        measured conditional rate (an optimistic 0.9 before anything was measured)."""
+        rates = self._rates.get(label, [])
+        table, total, prev, cond = [1.0], 1.0, 1.0, 0.9
+        for p in range(top):
+            if p < len(rates):
+                r = rates[p].value
+                cond = r / prev if prev > 0 else 0.0
+            else:
+                r = prev * min(cond, 1.0)
+            prev = r
+            total += r
+            table.append(total)
+        return table
+
+    def expected_tokens(self, label: str, k: int) -> float:
+        """E[committed tokens] of one step with ``k`` drafts of drafter ``label``."""
+        return self.expected_table(label, k)[k]
+
+    # ------------------------------------------------------------------ calibration
+    def expect(self, indices: list[int], extra: float) -> None:
+        """The step about to run is speculative: jobs ``indices`` (positions in the step's job
+        list) are expected to commit ``extra`` drafted tokens in all (uncalibrated)."""
+        self._pending = (indices, extra)
+
+    def clear_expectation(self) -> None:
+        """The step about to run feeds no calibration (no speculative adaptive job)."""
+        self._pending = None
+
+    def observe_outcome(self, committed: Sequence[int]) -> None:
+        """Tokens each job of the step just run emitted (bonus token included), indexed like the
+        step's jobs. Only a step announced by :meth:`expect` counts; the expectation is used up."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        idx, expected = pending
+        self._expected_extra.add(expected)
+        self._committed_extra.add(sum(max(committed[i] - 1, 0) for i in idx))
+
+    @property
+    def accuracy(self) -> float:
+        """Committed / expected drafted tokens of recent speculative steps (1.0 until 5 were
+        seen), clamped to [0.25, 1.5]. Per-request estimates run 5-10% above what steps commit
+        under load (acceptance falls within an answer faster than its counts follow), which can
+        be the whole margin between speculating and not."""
+        if self._expected_extra.n < 5 or self._expected_extra.value <= 0:
+            return 1.0
+        return min(1.5, max(0.25, self._committed_extra.value / self._expected_extra.value))

@@ -1,0 +1,154 @@
+"""Step cost of the speculation policy: seconds per decode step by batch bucket and block size.
+
+* cells: ``(bucket(B), K) -> seconds`` of verify + draft of one step of ``B`` sessions whose
+  largest block had ``K`` drafts (:class:`_Cell`, one per measured pair);
+* overhead: seconds of each decode cycle spent outside verify and draft (acceptance, events,
+  gRPC, the readers' turnaround), an :class:`EMA`; paid once per step whatever ``K`` is;
+* a cell not measured yet is estimated by least squares over the measured ones::
+
+      step seconds ~ a + per_session * B + per_token * B * (K + 1)
+
+  floored by the dearest confirmed cell with no more sessions and no more drafts
+  (:meth:`StepCostModel.fit`, :meth:`StepCostModel.estimate`).
+
+How the policy weighs these costs against expected tokens: ``verifier_svc/policy.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bucket(batch: int) -> int:
+    """Batch-size bucket: 1, 2, 4, 8, ... (the power of two at or above ``batch``)."""
+    b = 1
+    while b < batch:
+        b *= 2
+    return b
+
+
+class EMA:
+    """Exponential moving average that starts as a running mean: the i-th observation (from 1)
+    weighs ``max(alpha, 1 / i)``, so the first one is not a starting value that only decays by
+    ``1 - alpha`` per step (a slow first step kept a cell priced out for hundreds of tokens).
+    Shared with ``verifier_svc/acceptance.py``."""
+
+    def __init__(self, alpha: float):
+        self.alpha, self.value, self.n = alpha, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
+
+
+class _Cell(EMA):
+    """Step seconds of one (batch bucket, drafts) cell: an :class:`EMA` whose first two
+    observations are screened for a one-off stall.
+
+    Timing noise on a shared CPU is one-sided (another process, a collection, a big context
+    upload only add time), so the cell starts from the *faster* of its first two steps, then
+    continues as a running mean / EMA over the later ones. Until its second step a cell is
+    ``provisional``: it is priced no dearer than the fit predicts and bounds no other cell
+    (:meth:`StepCostModel.estimate`); single stalled steps at 2.5x otherwise floored every longer
+    block and steered the batch to a block that ran 30% slower."""
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if self.n <= 2:
+            self.value = x if self.n == 1 else min(self.value, x)
+        else:   # the two first steps count as one
+            self.value += max(self.alpha, 1.0 / (self.n - 1)) * (x - self.value)
+
+    @property
+    def provisional(self) -> bool:
+        return self.n < 2
+
+
+# (a, per_session, per_token), seconds: step seconds ~ a + per_session * B + per_token * B * (K + 1)
+Fit = tuple[float, float, float]
+
+
+class StepCostModel:
+    """Measured step seconds per ``(bucket, K)`` cell, the per-cycle overhead, and estimates for
+    cells not measured yet.
+
+    Args:
+        alpha: EMA weight of a new observation.
+    """
+
+    def __init__(self, alpha: float = 0.05):
+        self.alpha = alpha
+        self.cells: dict[tuple[int, int], _Cell] = {}   # (bucket, K) -> step seconds
+        self._overhead = EMA(alpha)                    # seconds per cycle outside verify + draft
+
+    # ------------------------------------------------------------------ inputs
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """One step of ``batch`` sessions whose largest block had ``k`` drafts took ``seconds``
+        (verify + draft)."""
+        self.cells.setdefault((bucket(batch), k), _Cell(self.alpha)).add(seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Seconds of one decode cycle (step end to step end, no prefill in between) spent
+        outside verify and draft; negative values (clock jitter) count as 0."""
+        self._overhead.add(max(0.0, seconds))
+
+    # ------------------------------------------------------------------ outputs
+    @property
+    def overhead_seconds(self) -> float:
+        return self._overhead.value
+
+    def measured(self, b: int, k: int) -> bool:
+        """Whether cell (bucket ``b``, ``k`` drafts) has at least one step."""
+        return (b, k) in self.cells
+
+    def cost_table(self) -> dict[tuple[int, int], float]:
+        """(batch bucket, drafts) -> EMA step seconds (a copy, for metrics)."""
+        return {k: e.value for k, e in list(self.cells.items())}
+
+    def fit(self) -> Fit | None:
+        """``(a, per_session, per_token)`` seconds, least squares over the confirmed cells once
+        they span two buckets and two block sizes (before that over every measured cell, so one
+        stalled step moves the fit only while nothing better is known); None until two token
+        counts ``B * (K + 1)`` were measured.
+
+        Two slopes because a batched step pays per session (each session's KV cache is gathered
+        into the batch and scattered back) as well as per verified token; a line in tokens
+        alone cannot tell 16 sessions x 1 token from 1 session x 16 tokens. Until the cells
+        separate the two, or when the three-term fit has a negative term, per_session is 0."""
+        cells = [(b, b * (k + 1), e.value) for (b, k), e in self.cells.items() if not e.provisional]
+        if len({b for b, _, _ in cells}) < 2 or len({t / b for b, t, _ in cells}) < 2:
+            # the confirmed cells cannot separate the three terms: cells measured once count too
+            cells = [(b, b * (k + 1), e.value) for (b, k), e in self.cells.items()]
+        if len({t for _, t, _ in cells}) < 2:
+            return None
+        y = np.array([c for _, _, c in cells])
+        x = np.array([[1.0, b, t] for b, t, _ in cells])
+        if np.linalg.matrix_rank(x) == 3:
+            a, per_session, per_token = np.linalg.lstsq(x, y, rcond=None)[0]
+            if min(a, per_session, per_token) >= 0:
+                return float(a), float(per_session), float(per_token)
+        a, per_token = np.linalg.lstsq(x[:, [0, 2]], y, rcond=None)[0]
+        per_token = max(float(per_token), 0.0)
+        a = max(float(np.mean(y - per_token * x[:, 2])), 0.0)
+        return a, 0.0, per_token
+
+    def estimate(self, b: int, k: int, model: Fit | None) -> float:
+        """Seconds of one cycle at (bucket ``b``, ``k`` drafts), overhead included.
+
+        A confirmed cell (two steps or more), or any measured cell while there is no fit, is
+        its own price. Otherwise ``model`` (from :meth:`fit`; must not be None for a cell never
+        measured), floored by the dearest
+        confirmed cell with no more sessions and no more drafts (a step with more work never
+        costs less, so a noisy fit cannot make an unmeasured large-batch cell look cheap); a
+        cell measured once is priced at the lower of its step and that estimate, so one stalled
+        step neither prices the cell out nor bounds every cell above it."""
+        e = self.cells.get((b, k))
+        if e is not None and (not e.provisional or model is None):
+            return e.value + self._overhead.value
+        a, per_session, per_token = model
+        floor = max((c.value for (b2, k2), c in self.cells.items()
+                     if b2 <= b and k2 <= k and not c.provisional), default=0.0)
+        est = max(a + per_session * b + per_token * b * (k + 1), floor)
+        if e is not None:
+            est = min(est, e.value)
+        return est + self._overhead.value

@@ -1,0 +1,182 @@
+"""One decode step's verification for the whole batch, as a pure function of tensors.
+
+:func:`verify_batch` takes, per request (row) of the step, the drafts, the target's logits for
+the verified block and the drafter's probabilities, plus the request's sampling parameters,
+random generator, stop ids and remaining room, and returns what the row commits.
+
+Math (via the :mod:`kernels` entry points, which pick the Triton kernel on CUDA and the torch
+reference elsewhere; see :mod:`kernels.reference`):
+
+* greedy rows (temperature < ``GREEDY_EPS``): longest prefix with ``draft[j] ==
+  argmax(logits[j])``, then the bonus token ``argmax(logits[accepted])`` (z-lab/dflash
+  ``dflash_generate`` greedy acceptance, ``kernels.greedy_accept``);
+* sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al.
+  2023 (``kernels.rejection_sample``): draft ``d_j`` accepted when ``u_j * q_j(d_j) <=
+  p_j(d_j)``, the recovered token drawn from ``max(p - q, 0)`` at the first rejection, else the
+  bonus token from ``p_K``. ``p = probs_from_logits(logits, sampling)``; ``q`` is the drafter's
+  probabilities, or the one-hot of the drafts when the drafter sent none.
+
+Shapes and dtypes (row ``i`` with ``k_i`` drafts, vocabulary ``V``, same for every row):
+
+* ``drafts[i]``: integer (int64) ``[k_i]``;
+* ``logits[i]``: float (float32 from the target) ``[k_i + 1, V]``; row ``j`` scores the token
+  after block position ``j`` of ``[anchor, d_1..d_k]``;
+* ``draft_probs[i]``: float ``[k_i, V]`` or ``None`` (shape checked always, values only read
+  for sampled rows);
+* kernel inputs per group of ``n`` rows: drafts ``[n, k]`` int64, logits / p ``[n, k + 1, V]``,
+  q ``[n, k, V]`` float32, uniforms ``[n, k]`` float32, exponential noise ``[n, k + 1, V]``
+  float32.
+
+Batching: rows are grouped by (greedy or sampled, k) and each group is ONE kernel call over its
+rows stacked; in the usual step every row has the same k, so there is one call per mode. Grouping
+by k keeps the result exact: every row of a group is computed exactly as alone (the kernels are
+row-independent). Padding a shorter block up to a common k instead would need the padded drafts
+to be rejected with probability 1 (and their random numbers not drawn), which the kernels do not
+express.
+
+Randomness: each sampled row draws from its own generator exactly as the per-session loop did
+(``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise shaped like
+``p`` ``[1, k + 1, V]``, rows in order, so seeded requests keep their outputs bit for bit. The
+numbers are drawn on the generator's device and moved to the logits' device. Greedy rows draw
+nothing.
+
+Commit cut per row (as ``decode_step``): the accepted drafts plus the bonus/recovered token, cut
+after the first token in ``stops`` (finish ``"stop"``), then to ``room`` tokens (finish
+``"stop"`` if already set, else ``"length"``); ``accepted`` counts the accepted drafts among the
+committed tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import kernels
+from dflash.sampling import Sampling, probs_from_logits
+
+__all__ = ["RowParams", "Verified", "verify_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """Per-request parameters of one row.
+
+    ``generator`` is required when ``sampling`` is not greedy; ``room`` is how many tokens the
+    request may still emit (``max_tokens - emitted``, >= 1).
+    """
+
+    sampling: Sampling
+    generator: torch.Generator | None
+    stops: frozenset[int]
+    room: int
+
+    def __post_init__(self):
+        if self.room < 1:
+            raise ValueError(f"room must be >= 1, got {self.room}")
+        if not self.sampling.greedy and self.generator is None:
+            raise ValueError("generator is required for a sampled row")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What one row commits this step.
+
+    ``tokens``: committed after the stop/length cut; ``accepted``: accepted drafts among them
+    (``min(accepted, len(tokens))``); ``drafted``: k of the row; ``finish``: ``"stop"``,
+    ``"length"`` or None.
+    """
+
+    tokens: list[int]
+    accepted: int
+    drafted: int
+    finish: str | None
+
+
+def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
+                 draft_probs: list[torch.Tensor | None], params: list[RowParams]
+                 ) -> list[Verified]:
+    """Verify every row of a step; see the module docstring for shapes, math and randomness.
+
+    Raises:
+        ValueError: naming the argument, when the lists differ in length or a row's shapes do
+            not agree (logits rows != k + 1, vocab sizes differ, draft_probs not [k, V], ...).
+    """
+    n = len(drafts)
+    for name, seq in (("logits", logits), ("draft_probs", draft_probs), ("params", params)):
+        if len(seq) != n:
+            raise ValueError(f"{name}: {len(seq)} rows, but drafts has {n}")
+    if n == 0:
+        return []
+    vocab = _check_rows(drafts, logits, draft_probs, params)
+
+    # Random numbers first, per row in row order (a generator shared by rows is consumed in the
+    # same order as the per-row loop would).
+    noise: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, par in enumerate(params):
+        if par.sampling.greedy:
+            continue
+        k, gen = drafts[i].shape[0], par.generator
+        u = torch.rand((1, k), generator=gen, device=gen.device)
+        e = torch.empty((1, k + 1, vocab), dtype=torch.float32,
+                        device=gen.device).exponential_(generator=gen)
+        noise[i] = (u, e)
+
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for i, par in enumerate(params):
+        groups.setdefault((par.sampling.greedy, drafts[i].shape[0]), []).append(i)
+
+    raw: list[tuple[int, list[int]] | None] = [None] * n
+    for (greedy, k), rows in groups.items():
+        device = logits[rows[0]].device
+        d = torch.stack([drafts[i].to(device=device, dtype=torch.int64) for i in rows])  # [m, k]
+        if greedy:
+            acc, out = kernels.greedy_accept(d, torch.stack([logits[i] for i in rows]))
+        else:
+            p = torch.stack([probs_from_logits(logits[i], params[i].sampling) for i in rows])
+            q = torch.stack([
+                draft_probs[i].to(device=device, dtype=torch.float32)
+                if draft_probs[i] is not None else
+                torch.nn.functional.one_hot(d[j], vocab).float()
+                for j, i in enumerate(rows)])                                       # [m, k, V]
+            u = torch.cat([noise[i][0] for i in rows]).to(device)                    # [m, k]
+            e = torch.cat([noise[i][1] for i in rows]).to(device)                    # [m, k+1, V]
+            acc, out = kernels.rejection_sample(d, q, p, u, e)
+        for i, a, o in zip(rows, acc.tolist(), out.tolist()):
+            raw[i] = (a, o[:a + 1])
+
+    results = []
+    for i, par in enumerate(params):
+        accepted, new = raw[i]
+        finish = None
+        for j, tok in enumerate(new):
+            if tok in par.stops:
+                new, finish = new[:j + 1], "stop"
+                break
+        if len(new) >= par.room:
+            new, finish = new[:par.room], finish or "length"
+        results.append(Verified(tokens=new, accepted=min(accepted, len(new)),
+                                drafted=drafts[i].shape[0], finish=finish))
+    return results
+
+
+def _check_rows(drafts, logits, draft_probs, params) -> int:
+    """Validate every row's shapes; return the (common) vocabulary size."""
+    vocab = None
+    for i, (d, lg, q, par) in enumerate(zip(drafts, logits, draft_probs, params)):
+        if not isinstance(par, RowParams):
+            raise ValueError(f"params[{i}]: expected RowParams, got {type(par).__name__}")
+        if d.dim() != 1 or d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(f"drafts[{i}]: expected a 1-D integer tensor [k], got "
+                             f"{d.dtype} {tuple(d.shape)}")
+        k = d.shape[0]
+        if lg.dim() != 2 or lg.shape[0] != k + 1:
+            raise ValueError(f"logits[{i}]: expected [k + 1 = {k + 1}, V], got {tuple(lg.shape)}")
+        if vocab is None:
+            vocab = lg.shape[1]
+        elif lg.shape[1] != vocab:
+            raise ValueError(f"logits[{i}]: vocab size {lg.shape[1]} != {vocab} of row 0")
+        if q is not None and tuple(q.shape) != (k, vocab):
+            raise ValueError(f"draft_probs[{i}]: expected [k = {k}, V = {vocab}], got "
+                             f"{tuple(q.shape)}")
+    return vocab
