@@ -10,7 +10,7 @@ batching paid per session before (vLLM v1 keeps a persistent batch for the same 
 
 An idle sequence (a session kept between turns) can be :meth:`KVPool.spill` ed to tensors of its
 own exact length so the pool's rows stay those of active sequences; its next use moves it back.
-Rows freed by finished sequences are reused; when no row is in use the buffers are dropped.
+Rows freed by finished sequences are reused; when no row is in use, large buffers are dropped.
 
 Memory: ``rows x capacity`` positions per layer, capacity being the longest resident sequence
 (rounded up by ``room``), like the padded batch it replaces; a paged layout (vLLM's
@@ -72,6 +72,8 @@ class KVPool:
         kv_heads, head_dim: per-layer K/V shape.
         dtype, device: of the buffers (the model's).
         room: capacity granularity (positions).
+        keep_idle_bytes: when no row is in use, buffers larger than this are dropped (smaller
+            ones are kept, so back-to-back requests do not allocate and zero them again).
 
     Buffers are zero-initialised and only ever receive finite values, so positions a mask
     hides (another row's padding, stale drafts) cannot turn an attention output into NaN.
@@ -79,9 +81,10 @@ class KVPool:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 room: int = ROOM):
+                 room: int = ROOM, keep_idle_bytes: int = 1 << 30):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.room = dtype, torch.device(device), room
+        self.keep_idle_bytes = keep_idle_bytes
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._rows: list[_Rec | None] = []          # row -> its sequence (None = free)
@@ -93,6 +96,11 @@ class KVPool:
     def capacity(self) -> int:
         """Positions per row."""
         return self.k[0].shape[2] if self.k else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     @property
     def rows(self) -> int:
@@ -114,15 +122,15 @@ class KVPool:
             if rec.row >= 0 and rec.row < len(self._rows) and self._rows[rec.row] is rec:
                 self._rows[rec.row] = None
             rec.row, rec.spilled = -1, None
-        if self._rows and all(r is None for r in self._rows):
-            self.k, self.v, self._rows = [], [], []   # idle: give the memory back
+        if self._rows and all(r is None for r in self._rows) and self.nbytes > self.keep_idle_bytes:
+            self.k, self.v, self._rows = [], [], []   # idle and large: give the memory back
 
     def _alloc(self, rows: int, capacity: int) -> None:
         """Buffers with at least ``rows`` rows and ``capacity`` positions, keeping the contents
-        (one copy of the pool per growth: rows in steps of 8, capacity by 25% or ``room``)."""
+        (one copy of the pool per growth: rows by half, capacity by 25% or ``room``)."""
         cur_rows = self.k[0].shape[0] if self.k else 0
         cur_cap = self.capacity
-        new_rows = cur_rows if rows <= cur_rows else -(-rows // 8) * 8
+        new_rows = cur_rows if rows <= cur_rows else max(rows, cur_rows + cur_rows // 2)
         new_cap = cur_cap if capacity <= cur_cap else \
             -(-max(capacity + self.room, cur_cap + cur_cap // 4) // self.room) * self.room
         if self.k and (new_rows, new_cap) == (cur_rows, cur_cap):

@@ -149,7 +149,8 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                ctx_kv: list[LayerKV], mask: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_kv: list[LayerKV], mask: torch.Tensor | None = None,
+                context_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run the block through all layers.
 
         Args:
@@ -159,6 +160,9 @@ class DFlashDrafter(nn.Module):
             ctx_kv: per-layer context K/V from :meth:`context_kv` (``n`` context positions).
             mask: optional bool [b, 1, q, n + q], True = may attend. None = attend everywhere
                 (the inference case for one block with a full-attention drafter).
+            context_positions: optional int64 [b, n], the absolute position of each context
+                K/V column (read by sliding-window layers only). None = the ``n`` positions
+                right before each block's anchor.
         Returns:
             [b, q, H] final-normed hidden states (apply the target LM head for logits).
         """
@@ -167,16 +171,17 @@ class DFlashDrafter(nn.Module):
         for layer, kv in zip(self.layers, ctx_kv):
             layer_mask = mask
             if layer.self_attn.sliding_window is not None:
-                layer_mask = _and_masks(mask, self._window_mask(block_positions, kv, layer))
+                layer_mask = _and_masks(mask, self._window_mask(block_positions, kv, layer,
+                                                                context_positions))
             x = layer(x, cos, sin, kv, layer_mask)
         return self.norm(x)
 
-    def _window_mask(self, block_positions, kv, layer) -> torch.Tensor:
-        # Context positions are implied to be 0..n-1 relative to the first block position's
-        # cache; callers that use sliding layers pass contexts that end right before the block.
-        n = kv[0].shape[2]
-        q0 = block_positions[:, :1]                                 # [b, 1] anchor position
-        ctx_pos = q0 - n + torch.arange(n, device=q0.device)        # [b, n]
+    def _window_mask(self, block_positions, kv, layer, ctx_pos=None) -> torch.Tensor:
+        # Without ``ctx_pos`` the context is taken to end right before the block.
+        if ctx_pos is None:
+            n = kv[0].shape[2]
+            q0 = block_positions[:, :1]                             # [b, 1] anchor position
+            ctx_pos = q0 - n + torch.arange(n, device=q0.device)    # [b, n]
         key_pos = torch.cat([ctx_pos, block_positions], dim=1)      # [b, n + q]
         dist = block_positions[:, :, None] - key_pos[:, None, :]   # [b, q, n + q]
         return (dist < layer.self_attn.sliding_window).unsqueeze(1)

@@ -1,9 +1,10 @@
 """The DFlash drafter engine: per-session context K/V and one-pass block drafting.
 
 Pure torch; never imports generated protobuf. Per session it keeps each layer's context K/V for
-positions ``[0, cached)`` (z-lab's draft cache after its crop, i.e. context only), receives only
-the newly committed positions' taps each step, and drafts ``[anchor, MASK x (B-1)]`` at
-positions ``cached .. cached + B - 1`` (z-lab/dflash ``dflash_generate`` step 2).
+positions ``[0, cached)`` (z-lab's draft cache after its crop, i.e. context only) on one row of
+a batch KV pool (``dflash.kv_pool``), receives only the newly committed positions' taps each
+step, and drafts ``[anchor, MASK x (B-1)]`` at positions ``cached .. cached + B - 1``
+(z-lab/dflash ``dflash_generate`` step 2).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint, torch_dtype
 from dflash.draft_vocab import load_draft_vocab
-from dflash.growable import ROOM, append_into
-from dflash.modeling import DFlashDrafter, LayerKV, TargetHead
+from dflash.kv_pool import KVPool, PoolSeq
+from dflash.modeling import DFlashDrafter, TargetHead
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.sampling import probs_from_logits, sample_from
 from dflash.threads import claim
@@ -34,31 +35,19 @@ log = logging.getLogger("dflash.drafter")
 CONTEXT_SCHED = ("idle", "normal")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _SessionCtx:
-    """One session's context K/V. ``kv`` are views ``[:, :, :length]`` of per-layer buffers with
-    up to :attr:`ROOM` spare positions: :meth:`append` writes new rows in place, and a crop
-    (``context_start`` below ``length``) only shortens the views. Concatenating instead copied
-    every session's whole context once more per layer and step: 22 of 83 ms of a 32-session,
-    one-draft step in process (``torch.profiler``, SmolLM2 drafter, ~400 positions each)."""
+    """One session's context K/V: positions ``[0, length)`` of its pool row (``seq``), written
+    in place as they arrive; a crop only sets the length. Dropping the session frees the row."""
 
-    kv: list[LayerKV]                 # per layer ([1, kvh, n, d], [1, kvh, n, d])
-    length: int                       # cached context positions
+    seq: PoolSeq
     generator: torch.Generator | None = None
     last_used: float = dataclasses.field(default_factory=time.monotonic)
-    buffers: list[LayerKV] = dataclasses.field(default_factory=list)
 
-    ROOM = ROOM
-
-    def append(self, rows: list[LayerKV]) -> None:
-        """Per layer ``(k, v)`` of ``n`` new positions, each ``[1, kvh, n, d]``, after ``length``
-        (``dflash.growable.append_into``: the views are prefixes of the buffers)."""
-        n = self.length
-        held = self.buffers or [(None, None)] * len(rows)
-        self.buffers = [(append_into(kb, n, k1, 2, self.ROOM), append_into(vb, n, v1, 2, self.ROOM))
-                        for (kb, vb), (k1, v1) in zip(held, rows)]
-        self.length = n + rows[0][0].shape[2]
-        self.kv = [(kb[:, :, :self.length], vb[:, :, :self.length]) for kb, vb in self.buffers]
+    @property
+    def length(self) -> int:
+        """Cached context positions."""
+        return self.seq.get_seq_length()
 
 
 class DrafterEngine:
@@ -118,6 +107,11 @@ class DrafterEngine:
             if context_threads else None
         self.draft_vocab = draft_vocab
         self._draft_head = head.lm_head[draft_vocab].contiguous() if draft_vocab is not None else None
+        # Every session's context K/V, [rows, kvh, capacity, head_dim] per layer in the drafter's
+        # dtype: a batch attends over rows 0..b-1 in place instead of a padded copy per step.
+        p = next(drafter.parameters())
+        self.pool = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads,
+                           self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
         self._sessions: dict[str, _SessionCtx] = {}
         self._lock = threading.Lock()
@@ -191,10 +185,10 @@ class DrafterEngine:
     # ------------------------------------------------------------------ Proposer
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         """Every session of one verifier step at once: one context forward for all sessions'
-        new rows, then one drafter forward over all blocks (context K/V left-padded, blocks
-        right-padded, a mask hiding both). A bad item fails alone. Runs on the engine's
-        compute thread, or its context thread when no item has a block to draft (the caller
-        waits either way, so calls keep their order)."""
+        new rows, then one drafter forward over all blocks (contexts on pool rows 0..b-1 from
+        column 0, blocks right-padded, a mask hiding what lies past each). A bad item fails
+        alone. Runs on the engine's compute thread, or its context thread when no item has a
+        block to draft (the caller waits either way, so calls keep their order)."""
         pool = self._compute
         if self._context is not None and all(r.block_size <= 1 for r in requests):
             pool = self._context
@@ -214,7 +208,7 @@ class DrafterEngine:
             for i, r, sess in sessions:
                 if r.block_size <= 1:
                     out[i] = Proposal(tokens=torch.empty(0, dtype=torch.int64))
-                elif not sess.kv:
+                elif not sess.length:
                     out[i] = DraftError("no_context", "the drafter has no context for this session")
                 else:
                     drafting.append((i, r, sess))
@@ -232,11 +226,13 @@ class DrafterEngine:
             self._context.shutdown(wait=True)
         with self._lock:
             self._sessions.clear()
+            self.pool.collect()
 
     def release(self, session_ids: list[str]) -> None:
         with self._lock:
             for s in session_ids:
                 self._sessions.pop(s, None)
+            self.pool.collect()
 
     # ------------------------------------------------------------------ internals
     def _session_for(self, r: ProposalRequest) -> _SessionCtx:
@@ -255,18 +251,18 @@ class DrafterEngine:
         if r.context_start > have:
             raise DraftError("context_gap", f"have {have} positions, got context_start {r.context_start}")
         if sess is None or r.context_start == 0:
-            sess = _SessionCtx(kv=[], length=0)
+            sess = _SessionCtx(seq=self.pool.new_seq())
             self._sessions[r.session_id] = sess
             self._evict()
         elif r.context_start < have:
-            sess.kv = [(k[:, :, :r.context_start], v[:, :, :r.context_start]) for k, v in sess.kv]
-            sess.length = r.context_start
+            self.pool.set_length(sess.seq, r.context_start)
         sess.last_used = time.monotonic()
         return sess
 
     def _append_context(self, sessions) -> None:
         """New context rows of every session through ``fc``/``k_proj``/``v_proj`` in one call
-        (per-position work: the rows of all sessions form one sequence with their own positions)."""
+        (per-position work: the rows of all sessions form one sequence with their own positions),
+        each session's slice then written into its pool row at its length."""
         parts = [(r, sess) for _, r, sess in sessions if r.context.shape[0]]
         if not parts:
             return
@@ -274,16 +270,29 @@ class DrafterEngine:
         feats = torch.cat([r.context.to(dtype) for r, _ in parts])[None]
         pos = torch.cat([torch.arange(s.length, s.length + r.context.shape[0]) for r, s in parts])[None]
         new_kv = self.drafter.context_kv(feats, pos)              # per layer [1, kvh, sum n, d]
+        pool = self.pool
+        for _, sess in parts:
+            pool.ensure_resident(sess.seq)
+        pool.reserve(max(s.length + r.context.shape[0] for r, s in parts))
         start = 0
         for r, sess in parts:
             n = r.context.shape[0]
-            sess.append([(k[:, :, start:start + n], v[:, :, start:start + n]) for k, v in new_kv])
+            for layer, (k, v) in enumerate(new_kv):
+                pool.write(layer, sess.seq.row, sess.length,
+                           k[:, :, start:start + n], v[:, :, start:start + n])
+            pool.advance([sess.seq], [n])
             start += n
 
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
         """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one),
-        all blocks in one drafter forward."""
+        all blocks in one drafter forward.
+
+        The items' sessions go onto pool rows ``0..b-1`` (``KVPool.arrange``: rows move only
+        when the batch's make-up changes) and the drafter reads ``K[:b, :, :n_max]`` in place;
+        row i's context fills columns ``[0, length_i)`` and the mask hides the rest of them
+        (stale or zero, always finite) and the padding of shorter blocks."""
         cfg = self.cfg
+        pool = self.pool
         b = len(items)
         n_max = max(s.length for _, s in items)
         q = max(r.block_size for r, _ in items)
@@ -292,28 +301,20 @@ class DrafterEngine:
         for i, (r, s) in enumerate(items):
             block[i, 0] = r.anchor_token
             positions[i] = torch.arange(s.length, s.length + q)
-        if b == 1:
-            kv, mask = items[0][1].kv, None      # nothing padded: attend everywhere
+        if b == 1:                               # the row's own context: attend everywhere
+            kv = pool.views(pool.ensure_resident(items[0][1].seq), 1, n_max)
+            mask = ctx_pos = None
         else:
-            kv = []
-            for layer in range(len(items[0][1].kv)):
-                k0, v0 = items[0][1].kv[layer]
-                k = k0.new_empty((b, k0.shape[1], n_max, k0.shape[3]))
-                v = v0.new_empty((b, v0.shape[1], n_max, v0.shape[3]))
-                for i, (_, s) in enumerate(items):
-                    pad = n_max - s.length
-                    if pad:                       # left padding: masked, but must be finite
-                        k[i, :, :pad] = 0
-                        v[i, :, :pad] = 0
-                    k[i, :, pad:] = s.kv[layer][0][0]
-                    v[i, :, pad:] = s.kv[layer][1][0]
-                kv.append((k, v))
+            pool.arrange([s.seq for _, s in items])
+            kv = pool.views(0, b, n_max)
             keys = torch.arange(n_max + q)
             lens = torch.tensor([s.length for _, s in items])[:, None]           # [b, 1]
             sizes = torch.tensor([r.block_size for r, _ in items])[:, None]      # [b, 1]
-            ok = torch.where(keys < n_max, keys >= n_max - lens, keys - n_max < sizes)   # [b, n+q]
+            ok = torch.where(keys < n_max, keys < lens, keys - n_max < sizes)    # [b, n+q]
             mask = ok[:, None, None, :].expand(b, 1, q, n_max + q)
-        hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask)
+            ctx_pos = torch.arange(n_max).expand(b, n_max)   # column = position (sliding layers)
+        hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask,
+                              context_positions=ctx_pos)
         # One LM-head product for every block's rows: per block, each call streamed the whole
         # head (16384 x 576 floats for the draft vocabulary) for a few rows, so 32 sessions x 3
         # drafts cost 346 ms against 28 ms for one 16-token block (SmolLM2 drafter, 2 cores).

@@ -154,8 +154,8 @@ def test_long_prefill_is_chunked_between_decode_steps(target_model, hf_target):
     real_prefill, real_decode = engine.prefill_chunk, engine.decode_step
     engine.prefill_chunk = lambda job, budget: log.append(("prefill", job.req.request_id)) or \
         real_prefill(job, budget)
-    engine.decode_step = lambda jobs, waiting=0: log.append(("decode", tuple(j.req.request_id for j in jobs))) or \
-        real_decode(jobs, waiting)
+    engine.decode_step = lambda plan: log.append(("decode", tuple(j.req.request_id for j in plan.jobs))) or \
+        real_decode(plan)
     short, long = prompts(1, seed=9)[0], list(range(200, 250)) * 18
     out = {}
     started = threading.Event()
@@ -189,7 +189,7 @@ def _run_readers(engine, delays, n):
 
     steps = []
     real = engine.decode_step
-    engine.decode_step = lambda jobs, waiting=0: steps.append(tuple(j.req.request_id for j in jobs)) or real(jobs, waiting)
+    engine.decode_step = lambda plan: steps.append(tuple(j.req.request_id for j in plan.jobs)) or real(plan)
     done = {}
 
     def run(rid, delay):
@@ -240,30 +240,114 @@ def test_a_slow_reader_does_not_hold_back_the_batch(target_model):
     assert sum("r0" in s for s in steps) >= 11
 
 
-def test_append_layer_matches_concatenation():
-    """The batched cache layer writes a block into its preallocated room; the K/V it returns
-    equal DynamicLayer's concatenation, also once a block overflows the room (one copy into a
-    larger buffer) and after a crop (the next block overwrites the cropped positions)."""
-    from transformers.cache_utils import DynamicLayer
+def test_pool_rows_are_reused_with_no_growth_over_1000_join_leave_cycles():
+    """The batch KV pool hands freed rows to new sequences: 1,000 cycles of sequences joining
+    (up to 8 at once, random lengths) and leaving keep the rows at the peak of live sequences,
+    reallocate only while the capacity first grows, and return the memory when all are gone
+    (a pool above ``keep_idle_bytes``; smaller ones keep their buffers for the next request)."""
+    import random
 
-    from verifier_svc.target import _AppendLayer
+    from dflash.kv_pool import KVPool
 
-    g = torch.Generator().manual_seed(0)
-    past_k, past_v = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
-    room_k = torch.cat([past_k, torch.full((2, 3, 3, 4), float("nan"))], 2)
-    room_v = torch.cat([past_v, torch.full((2, 3, 3, 4), float("nan"))], 2)
-    room, ref = _AppendLayer(room_k, room_v, 5), DynamicLayer()
-    ref.update(past_k, past_v)
-    for n, crop in ((2, 0), (1, 0), (2, 0), (3, 2), (1, 0)):  # 2 + 1 fill the room; 2 overflow
-        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
-        got, want = room.update(k, v), ref.update(k, v)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        room.crop(-crop)
-        ref.crop(-crop)
-    assert room.get_seq_length() == ref.get_seq_length() == 12
-    assert room.keys.data_ptr() == room._kbuf.data_ptr() != room_k.data_ptr()
+    rng = random.Random(0)
+    pool = KVPool(2, 2, 4, room=32, keep_idle_bytes=0)
+    live, peak, grown_at = [], 0, {}
+    for cycle in range(1000):
+        seq = pool.new_seq()
+        n = rng.randint(1, 60)
+        row = pool.ensure_resident(seq)
+        pool.reserve(n)
+        for layer in range(2):
+            k = torch.full((1, 2, n, 4), float(cycle))
+            pool.write(layer, row, 0, k, k)
+        pool.advance([seq], [n])
+        live.append((seq, cycle, n))
+        del seq                                           # only ``live`` holds sequences
+        peak = max(peak, len(live))
+        if len(live) > rng.randint(1, 8):
+            live.pop(rng.randrange(len(live)))
+        pool.arrange([s for s, _, _ in live])               # the next step's batch
+        for i, (s, c, m) in enumerate(live):                # every row still holds its own K/V
+            assert s.row == i and torch.equal(pool.k[1][i, :, :m], torch.full((2, m, 4), float(c)))
+        assert pool.rows <= peak and pool.resident == len(live)
+        grown_at[cycle] = pool.grown
+    assert grown_at[999] == grown_at[100] <= 8, grown_at[999]
+    live.clear()
+    del s
+    assert pool.resident == 0 and pool.rows == 0 and not pool.k   # memory given back
+    kept = KVPool(2, 2, 4)
+    kept.ensure_resident(kept.new_seq())                  # the handle is dropped at once
+    assert kept.resident == 0 and kept.k and kept.nbytes <= kept.keep_idle_bytes
 
+
+def test_engine_frees_pool_rows_of_finished_requests(target_model):
+    """Requests that come and go (one-shot and kept sessions, some concurrent) leave no rows
+    behind: one-shot sessions free theirs, kept sessions spill out of the pool between turns."""
+    from verifier_svc.engine import Request, VerifierEngine
+
+    engine = VerifierEngine(target_model)
+    pool = target_model.pool
+    before = pool.resident
+
+    def run(i):
+        sid = f"kept-{i % 3}" if i % 2 else ""
+        for _ in engine.generate(Request(request_id=f"j{i}", session_id=sid,
+                                         prompt=[5 + i % 7, 6, 7], max_tokens=3, ignore_eos=True)):
+            pass
+
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(run, range(120)))
+    assert pool.resident == before
+    assert engine.num_sessions == 3
+    for sid in ("kept-0", "kept-1", "kept-2"):
+        engine.close_session(sid)
+    engine.close()
+
+
+def test_a_stalled_reader_neither_blocks_nor_slows_the_others_and_is_cancelled(target_model):
+    """The scheduler never waits for readers: a client that stops reading after its first
+    event does not hold back a neighbour (which finishes while the stalled one still waits,
+    at its usual inter-token latency); its events are buffered up to ``max_unread``, then its
+    request is cancelled with SlowConsumer."""
+    from verifier_svc.engine import Request, SlowConsumer, VerifierEngine
+
+    engine = VerifierEngine(target_model, max_unread=16)
+
+    def itl(rid):
+        times = []
+        for ev in engine.generate(Request(request_id=rid, prompt=[9, 8, 7], max_tokens=48,
+                                          ignore_eos=True)):
+            times.append(time.perf_counter())
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        return gaps[len(gaps) // 2]
+
+    alone = itl("alone")
+    release, got = threading.Event(), {}
+
+    def stalled():
+        evs = engine.generate(Request(request_id="stalled", prompt=[1, 2, 3], max_tokens=400,
+                                      ignore_eos=True))
+        got["first"] = next(evs)
+        release.wait(60)
+        try:
+            for _ in evs:
+                got["n"] = got.get("n", 0) + 1
+        except SlowConsumer as e:
+            got["error"] = e
+
+    t = threading.Thread(target=stalled)
+    t.start()
+    while "first" not in got:
+        time.sleep(0.01)
+    beside = itl("beside")
+    assert not release.is_set() and t.is_alive()        # the neighbour finished meanwhile
+    release.set()
+    t.join(60)
+    engine.close()
+    assert isinstance(got.get("error"), SlowConsumer), got
+    assert got.get("n", 0) <= 16                          # buffered events, then the error
+    assert beside < 3 * alone + 0.005, (beside, alone)
+    assert engine.num_sessions == 0
 
 def test_a_step_that_loses_events_fails_its_requests_instead_of_hanging(target_model):
     """If a decode step returns fewer events than it had jobs, the scheduler fails the requests
@@ -271,7 +355,7 @@ def test_a_step_that_loses_events_fails_its_requests_instead_of_hanging(target_m
     from verifier_svc.engine import Request, VerifierEngine
 
     engine = VerifierEngine(target_model)
-    engine.decode_step = lambda jobs, waiting=0: []
+    engine.decode_step = lambda plan: []
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="0 events for 1 jobs"):
         for _ in engine.generate(Request(request_id="x", prompt=[5, 6, 7], max_tokens=4,

@@ -65,41 +65,76 @@ def test_a_bad_item_fails_alone(make_drafter, tiny_target):
     assert out[0].tokens.numel() == 7 and out[2].tokens.numel() == 3
 
 
-def test_session_context_appends_in_place():
-    """A session's context K/V grows in its buffers (no copy per step), a crop only shortens
-    the views, and outgrowing the room copies once: the views always equal the concatenation
-    of what was appended after the last crop."""
-    from drafter_svc.engine import _SessionCtx
+def test_session_context_appends_in_place(make_drafter, tiny_target):
+    """A session's context K/V is written into its pool row at its length (no copy per step), a
+    crop only sets the length, and outgrowing the capacity copies once: the row always equals
+    the K/V of the context sent since the last crop."""
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target, context_threads=0)
+    cfg, pool = engine.cfg, engine.pool
+    g = torch.Generator().manual_seed(0)
+    feats = torch.empty(0, cfg.context_size)
 
-    torch.manual_seed(0)
-    sess = _SessionCtx(kv=[], length=0)
-    ref = [[torch.empty(1, 2, 0, 4), torch.empty(1, 2, 0, 4)] for _ in range(2)]
-
-    def add(n):
-        rows = [(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)) for _ in range(2)]
-        sess.append(rows)
-        for r, (k, v) in zip(ref, rows):
-            r[0], r[1] = torch.cat([r[0], k], 2), torch.cat([r[1], v], 2)
+    def add(n, start=None):
+        nonlocal feats
+        start = feats.shape[0] if start is None else start
+        rows = torch.randn(n, cfg.context_size, generator=g)
+        feats = torch.cat([feats[:start], rows])
+        engine.propose([ProposalRequest(session_id="s", context_start=start, context=rows,
+                                        anchor_token=1, block_size=1, sampling=Sampling())])
 
     def check():
-        assert sess.length == ref[0][0].shape[2]
-        for (k, v), (rk, rv) in zip(sess.kv, ref):
-            assert torch.equal(k, rk) and torch.equal(v, rv)
+        sess = engine._sessions["s"]
+        assert sess.length == feats.shape[0] == engine.cached_tokens
+        with torch.inference_mode():
+            want = engine.drafter.context_kv(feats[None], torch.arange(feats.shape[0])[None])
+        for (k, v), (wk, wv) in zip(pool.views(sess.seq.row, 1, sess.length), want):
+            torch.testing.assert_close(k, wk)
+            torch.testing.assert_close(v, wv)
 
     add(5)
-    buffers = [kb.data_ptr() for kb, _ in sess.buffers]
+    buffers, grown = [k.data_ptr() for k in pool.k], pool.grown
     for n in (1, 3, 2):
         add(n)
         check()
-    assert [kb.data_ptr() for kb, _ in sess.buffers] == buffers      # appended in place
-    sess.kv = [(k[:, :, :7], v[:, :, :7]) for k, v in sess.kv]          # the engine's crop
-    sess.length = 7
-    for r in ref:
-        r[0], r[1] = r[0][:, :, :7], r[1][:, :, :7]
-    add(4)
+    assert [k.data_ptr() for k in pool.k] == buffers and pool.grown == grown   # in place
+    add(4, start=7)                                                # a crop, then new rows
     check()
-    assert [kb.data_ptr() for kb, _ in sess.buffers] == buffers
-    add(_SessionCtx.ROOM)                                              # past the room: one copy
+    assert [k.data_ptr() for k in pool.k] == buffers
+    add(pool.capacity - feats.shape[0] + 1)                        # past the capacity: one copy
     check()
-    assert [kb.data_ptr() for kb, _ in sess.buffers] != buffers
-    assert sess.buffers[0][0].shape[2] == sess.length + _SessionCtx.ROOM
+    assert pool.grown == grown + 1
+
+
+def test_pool_rows_bounded_over_session_churn(make_drafter, tiny_target):
+    """Sessions joining and leaving reuse pool rows: over 200 cycles the pool never has more
+    rows than sessions were live at once, and its buffers stop growing once that peak is met."""
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target, context_threads=0)
+    cfg, pool = engine.cfg, engine.pool
+    g = torch.Generator().manual_seed(0)
+    live: dict[str, int] = {}                      # session -> cached positions
+    peak, grown_at = 0, {}
+    for cycle in range(200):
+        live[f"c{cycle}"] = 0
+        peak = max(peak, len(live))
+        reqs = []
+        for sid, have in live.items():
+            n = int(torch.randint(1, 20, (1,), generator=g))
+            reqs.append(ProposalRequest(session_id=sid, context_start=have,
+                                        context=torch.randn(n, cfg.context_size, generator=g),
+                                        anchor_token=cycle % 256, block_size=1 + cycle % 8,
+                                        sampling=Sampling()))
+            live[sid] = have + n
+        out = engine.propose(reqs)
+        assert all(not isinstance(o, DraftError) for o in out)
+        assert pool.rows <= peak
+        while len(live) > 1 + cycle % 5:           # 1..5 stay on, so the pool is never empty
+            engine.release([next(iter(live))])
+            live.pop(next(iter(live)))
+        assert pool.resident == len(live) == engine.num_sessions
+        grown_at[cycle] = pool.grown
+    assert peak == 6
+    # rows grow by half (1, 2, 3, 4, 6) and capacity once: then never again
+    assert grown_at[199] == grown_at[10] <= 6, "no growth per cycle"
+    engine.release(list(live))
+    assert pool.resident == 0 and engine.cached_tokens == 0
+    assert pool.nbytes <= pool.keep_idle_bytes          # small idle buffers are kept for reuse

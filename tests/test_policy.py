@@ -161,27 +161,40 @@ def test_context_flushed_every_n_rows_without_speculation(target_model, hf_targe
 
 def run_overlapping(engine, proposer, prompts: dict[str, list[int]], n: int, after: int) -> None:
     """Greedy requests, one per session id, ``n`` tokens each: the first starts alone, each
-    next one once the previous has streamed ``after`` events; then the engine is closed."""
+    next one joins right after the previous one's ``after``-th event (the scheduler thread,
+    which never waits for readers, holds that step's end until the next request is submitted,
+    so the join point does not depend on thread timing); then the engine is closed."""
     import threading
+    import time
 
     threads, errors = [], []
-    for sid, prompt in prompts.items():
-        started = threading.Event()
+    items = list(prompts.items())
+    gates = {sid: threading.Event() for sid, _ in items}
 
-        def run(sid=sid, prompt=prompt, started=started):
+    def hold(req, ev):
+        # events: the prefill's, then one per decode step (listeners see decode steps)
+        if ev.step + 2 == after and req.request_id in gates and not gates[req.request_id].is_set():
+            gates[req.request_id].set()
+            deadline = time.monotonic() + 10
+            while not engine.scheduler._incoming and time.monotonic() < deadline \
+                    and req.request_id != items[-1][0]:
+                time.sleep(0.001)
+
+    engine.step_listeners.append(hold)
+    for sid, prompt in items:
+        def run(sid=sid, prompt=prompt):
             try:
-                for i, _ in enumerate(engine.generate(Request(
+                for _ in engine.generate(Request(
                         request_id=sid, session_id=sid, prompt=prompt, max_tokens=n,
-                        ignore_eos=True, proposer=proposer))):
-                    if i + 1 == after:
-                        started.set()
+                        ignore_eos=True, proposer=proposer)):
+                    pass
             except Exception as e:   # re-raised below, in the test's thread
                 errors.append(e)
-            started.set()
+            gates[sid].set()
 
         threads.append(threading.Thread(target=run))
         threads[-1].start()
-        assert started.wait(60)
+        assert gates[sid].wait(60)
     for t in threads:
         t.join(60)
     engine.close()
@@ -199,20 +212,18 @@ def test_sessions_without_speculation_flush_together(target_model, hf_target):
     oracle = ReferenceDrafter(target_model, refs, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=4)
     engine.policy.choose = lambda jobs, waiting=0: [0] * len(jobs)
-    real = engine._draft_all
+    real = engine.sync.draft
     calls = []                      # per step with a drafter call: [(unsent, room, sent)] per job
 
-    def draft_all(jobs, anchors, lens, ks):
-        before = [(lens[i] - j.session.drafter_len, j.req.max_tokens - j.emitted > 1)
-                  for i, j in enumerate(jobs)]
-        out = real(jobs, anchors, lens, ks)
-        sent = [j.session.drafter_len == lens[i] and u > 0 for i, (j, (u, _)) in
-                enumerate(zip(jobs, before))]
+    def draft_all(items):
+        before = [(it.cached - it.state.length, it.room) for it in items]
+        out = real(items)
+        sent = [it.state.length == it.cached and u > 0 for it, (u, _) in zip(items, before)]
         if any(sent):
             calls.append([(u, room, s) for (u, room), s in zip(before, sent)])
         return out
 
-    engine._draft_all = draft_all
+    engine.sync.draft = draft_all
     run_overlapping(engine, oracle, {"a": pa, "b": pb}, n, after=3)
     for call in calls:
         for unsent, room, sent in call:
@@ -233,9 +244,9 @@ def test_cost_cells_skip_ramp_and_joining_steps(target_model, hf_target):
     steps = []                      # [waiting, joining, recorded] per decode step
     real_decode, real_observe = engine.decode_step, engine.policy.observe_step
 
-    def decode(jobs, waiting=0):
-        steps.append([waiting, any(j.session.drafter_len == 0 for j in jobs), False])
-        return real_decode(jobs, waiting)
+    def decode(plan):
+        steps.append([plan.waiting, any(j.session.drafter.length == 0 for j in plan.jobs), False])
+        return real_decode(plan)
 
     def observe(*a):
         steps[-1][2] = True
@@ -424,8 +435,9 @@ def test_per_step_overhead_makes_speculation_pay():
     assert p.last_decision.cost_seconds > 0.020
 
 
-def test_scheduler_reports_the_cycle_overhead(target_model):
-    """A reader that takes 30 ms per event shows up as ~30 ms of overhead per cycle."""
+def test_a_slow_reader_is_not_cycle_overhead(target_model):
+    """The scheduler never waits for readers: one that takes 30 ms per event adds nothing to
+    the policy's per-cycle overhead (the steps ran ahead, their events buffered)."""
     import threading
     import time
 
@@ -440,7 +452,7 @@ def test_scheduler_reports_the_cycle_overhead(target_model):
     t.start()
     t.join(60)
     engine.close()
-    assert 0.02 < engine.policy.overhead_seconds < 0.2, engine.policy.overhead_seconds
+    assert engine.policy.overhead_seconds < 0.01, engine.policy.overhead_seconds
 
 
 

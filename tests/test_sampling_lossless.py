@@ -117,9 +117,16 @@ class MarkovTarget:
         taps = torch.zeros(len(tokens), len(layer_ids) * self.hidden_size) if layer_ids else None
         return logits[-logits_to_keep:], taps
 
+    def forward_batch(self, blocks, caches, layer_ids):
+        return [self.forward(b, c, ids) for b, c, ids in zip(blocks, caches, layer_ids)]
+
     @staticmethod
     def crop(cache, length: int) -> None:
         del cache.tokens[length:]
+
+    @staticmethod
+    def own(cache) -> None:
+        pass
 
 
 class FixedQDrafter:

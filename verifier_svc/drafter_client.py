@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import grpc
@@ -39,6 +40,13 @@ class WireStat:
     context_bytes: int           # hidden-state bytes sent for this session
     round_trip_seconds: float    # request queued -> reply received (the whole batch)
     drafter_seconds: float       # the drafter's own compute (DraftBatchResult.draft_seconds)
+
+
+@runtime_checkable
+class WireStats(Protocol):
+    """A proposer that reports each session's last draft call (``RemoteProposer``)."""
+
+    def take_wire_stat(self, session_id: str) -> WireStat | None: ...
 
 
 def describe(address: str, timeout_s: float = 5.0) -> DrafterCard:

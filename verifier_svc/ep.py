@@ -195,6 +195,10 @@ class DistributedTarget:
         return self._call("forward_batch", op, lambda: self.shard.forward_batch(
             blocks, [c.local for c in caches], layer_ids))
 
+    def tune_skinny(self) -> int:
+        """Every rank keeps the row limit it was started with (no tuning across ranks)."""
+        return self.shard.skinny_max_rows
+
     def own(self, cache: RankCache) -> None:
         self._call("own", {"cid": cache.cid}, lambda: self.shard.own(cache.local))
 

@@ -1,11 +1,11 @@
 """What the verifier shows: acceptance metrics per step, a trace per request, the log line.
 
 * Metrics and the vLLM-format log line come from ``VerifierEngine.step_listeners`` (every
-  decode step of every request, whoever drives the engine).
-* Spans come from wrapping the ``Generate`` response stream: the engine runs one step per
-  response, so each ``next()`` is bracketed by that step's span, which is the current span
-  while the engine calls the drafter; ``RemoteProposer`` copies it into the ``DraftItem`` and
-  the drafter opens its child span. Spans::
+  decode step of every request, on the scheduler thread, whoever drives the engine).
+* Spans: the ``Generate`` handler opens the request's server span and gives the request a
+  :class:`RequestSpans` (``Request.trace``); the scheduler thread opens and ends the prefill,
+  decode and step spans as the steps run (not when the client reads them: events are
+  buffered), and hands each traced step's context to the drafter in its ``DraftItem``::
 
       dflash.v1.Verifier/Generate (SERVER, parent: the gateway's span via traceparent metadata)
         verifier.prefill
@@ -20,7 +20,7 @@ import dataclasses
 import threading
 import time
 
-from opentelemetry import context as otel_context
+from opentelemetry import propagate
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -29,6 +29,7 @@ from dflash.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetr
 from dflash.speclog import SpecDecodingLogger
 from dflash.telemetry import Telemetry
 from dflash.tracing import abort_status, metadata_context, set_error
+from verifier_svc.drafter_client import WireStats
 from verifier_svc.servicer import VerifierServicer
 
 
@@ -47,11 +48,6 @@ class StepView:
     mode: str = ""
 
 
-def session_key(req) -> str:
-    """The engine's session id for ``req`` (``VerifierEngine.generate``: one-shot = req-<id>)."""
-    return req.session_id or f"req-{req.request_id}"
-
-
 class VerifierObserver:
     def __init__(self, telemetry: Telemetry):
         self.metrics = VerifierMetrics(telemetry.registry)
@@ -59,7 +55,6 @@ class VerifierObserver:
         self.tracer = telemetry.tracer
         self.steps = telemetry.trace_steps
         self.engine = None
-        self._local = threading.local()
         SessionGauges(telemetry.registry, "dflash_verifier", lambda: self.engine)
         PolicyGauges(telemetry.registry, lambda: self.engine)
 
@@ -72,10 +67,10 @@ class VerifierObserver:
 
     # ------------------------------------------------------------------ metrics (listener)
     def on_step(self, req, ev) -> None:
+        """One decode step of ``req`` (scheduler thread): metrics, and the view its span shows."""
         proposer = req.proposer
         label = proposer.card.label if proposer is not None else NO_DRAFTER
-        take = getattr(proposer, "take_wire_stat", None)
-        wire = take(session_key(req)) if take else None
+        wire = proposer.take_wire_stat(req.session_key) if isinstance(proposer, WireStats) else None
         if wire is not None:
             draft_s, wire_s = wire.drafter_seconds, max(0.0, ev.draft_seconds - wire.drafter_seconds)
         else:
@@ -93,72 +88,98 @@ class VerifierObserver:
                           context_bytes=view.context_bytes)
         if ev.drafted:
             self.speclog.record(ev.drafted, ev.accepted)
-        self._local.view = view
+        if isinstance(req.trace, RequestSpans):
+            req.trace.view = view
 
-    # ------------------------------------------------------------------ spans (stream wrapper)
-    def stream(self, request, context, chunks):
-        """Wrap the servicer's ``Generate`` stream ``chunks`` (a generator) with spans."""
+    # ------------------------------------------------------------------ spans
+    def stream(self, request, context, generate):
+        """Run the servicer's ``Generate`` (``generate(trace)`` -> chunk generator) inside the
+        request's server span; the scheduler thread adds the prefill/decode/step spans."""
         parent = metadata_context(context)
         span = self.tracer.start_span("dflash.v1.Verifier/Generate", context=parent,
                                       kind=SpanKind.SERVER, attributes=_request_attrs(request))
-        server_ctx = trace.set_span_in_context(span, parent)
-        decode = decode_ctx = None
-        step, last, view = -1, None, None
+        spans = RequestSpans(self, trace.set_span_in_context(span, parent),
+                             len(request.prompt_token_ids))
+        last = None
         self.metrics.running.inc()
+        chunks = generate(spans)
         try:
-            while True:
-                self._local.view = None
-                t0, t0_ns = time.perf_counter(), time.time_ns()
-                if last is not None and last.finish_reason:
-                    cur = None  # drain: the engine finishes (keeps the session) on StopIteration
-                elif step < 0:
-                    cur = self.tracer.start_span("verifier.prefill", context=server_ctx, attributes={
-                        "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids)})
-                elif self.steps.span_for(step):
-                    cur = self.tracer.start_span("verifier.step", context=decode_ctx)
-                else:
-                    cur = None  # untraced step: the drafter gets no parent either
-                token = otel_context.attach(trace.set_span_in_context(cur or trace.INVALID_SPAN))
-                try:
-                    chunk = next(chunks)
-                except StopIteration:
-                    if cur is not None:
-                        cur.end()
-                    break
-                except BaseException as e:
-                    if cur is not None:
-                        abort_status(cur, context, e)
-                        cur.end()
-                    raise
-                finally:
-                    otel_context.detach(token)
-                seconds = time.perf_counter() - t0
-                view = self._local.view or view
+            for chunk in chunks:
                 self.metrics.generation_tokens.inc(len(chunk.token_ids))
-                if step < 0:
-                    self.metrics.prefill(prompt_tokens=len(request.prompt_token_ids), seconds=seconds)
-                    cur.end()
-                    decode = self.tracer.start_span("verifier.decode", context=server_ctx)
-                    decode_ctx = trace.set_span_in_context(decode, server_ctx)
-                else:
-                    self._trace_step(cur, decode, decode_ctx, step, chunk, self._local.view, t0_ns)
-                step, last = step + 1, chunk
+                last = chunk
                 yield chunk
         except GeneratorExit:
             span.set_attribute("dflash.cancelled", True)
             raise
         except BaseException as e:
             abort_status(span, context, e)
+            spans.fail(context, e)
             raise
         finally:
-            chunks.close()
+            chunks.close()   # the engine lets go of the request before the spans close
             self.metrics.running.dec()
-            self._finish(span, decode, last, view)
+            spans.close()
+            if last is not None and last.finish_reason:
+                span.set_attribute("gen_ai.response.finish_reasons",
+                                   [FINISH_NAME.get(last.finish_reason) or "unknown"])
+                span.set_attribute("dflash.cached_prompt_tokens", last.cached_prompt_tokens)
+                self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
+            if spans.view is not None:
+                span.set_attribute("dflash.drafter_version", spans.view.label)
+            span.end()
 
-    def _trace_step(self, cur, decode, decode_ctx, step, chunk, view, t0_ns) -> None:
-        attrs = {"dflash.step": step, "dflash.drafted": chunk.drafted,
-                 "dflash.block_size": chunk.drafted + 1, "dflash.accepted": chunk.accepted,
-                 "dflash.emitted": len(chunk.token_ids)}
+
+class RequestSpans:
+    """One request's prefill, decode and step spans (``verifier_svc.request.RequestTrace``),
+    opened and ended on the scheduler thread as its steps run."""
+
+    def __init__(self, observer: VerifierObserver, server_ctx, prompt_tokens: int):
+        self.o, self.server_ctx, self.prompt_tokens = observer, server_ctx, prompt_tokens
+        self.view: StepView | None = None    # the last decode step's (VerifierObserver.on_step)
+        self._lock = threading.Lock()
+        self._prefill = self._prefill_t0 = None
+        self._decode = self._decode_ctx = None
+        self._step = None
+        self._step_t0_ns = 0
+
+    def prefill_started(self) -> None:
+        with self._lock:
+            self._prefill_t0 = time.perf_counter()
+            self._prefill = self.o.tracer.start_span(
+                "verifier.prefill", context=self.server_ctx,
+                attributes={"gen_ai.usage.prompt_tokens": self.prompt_tokens})
+
+    def step_started(self, step: int) -> dict[str, str]:
+        with self._lock:
+            self._step_t0_ns = time.time_ns()
+            if self._decode_ctx is None or not self.o.steps.span_for(step):
+                self._step = None
+                return {}   # untraced step: the drafter gets no parent either
+            self._step = self.o.tracer.start_span("verifier.step", context=self._decode_ctx)
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier, context=trace.set_span_in_context(self._step))
+            return carrier
+
+    def event(self, req, ev) -> None:
+        with self._lock:
+            if ev.step < 0 and self._prefill is not None:
+                if ev.finish != "cancelled":
+                    self.o.metrics.prefill(prompt_tokens=self.prompt_tokens,
+                                           seconds=time.perf_counter() - self._prefill_t0)
+                self._prefill.end()
+                self._prefill = None
+                self._decode = self.o.tracer.start_span("verifier.decode", context=self.server_ctx)
+                self._decode_ctx = trace.set_span_in_context(self._decode, self.server_ctx)
+            elif ev.step >= 0:
+                self._end_step(ev)
+            if ev.finish and self._decode is not None:
+                self._end_decode(ev.stats)
+
+    def _end_step(self, ev) -> None:
+        view, cur, self._step = self.view, self._step, None
+        attrs = {"dflash.step": ev.step, "dflash.drafted": ev.drafted,
+                 "dflash.block_size": ev.drafted + 1, "dflash.accepted": ev.accepted,
+                 "dflash.emitted": len(ev.tokens)}
         if view is not None:
             attrs["dflash.drafter_version"] = view.label
             attrs["dflash.verify_seconds"] = view.verify_s
@@ -177,38 +198,45 @@ class VerifierObserver:
                               "dflash.policy.cost_seconds": d.cost_seconds,
                               "dflash.policy.explored": d.explored,
                               "dflash.policy.waiting": d.waiting})
-        if chunk.finish_reason:
-            attrs["dflash.finish_reason"] = FINISH_NAME.get(chunk.finish_reason) or "unknown"
-        if cur is None and view is not None and view.fallback:
+        if ev.finish:
+            attrs["dflash.finish_reason"] = ev.finish
+        if cur is None and ev.fallback:
             # Steps that fell back are always traced, even when their step was not sampled.
-            cur = self.tracer.start_span("verifier.step", context=decode_ctx, start_time=t0_ns)
+            cur = self.o.tracer.start_span("verifier.step", context=self._decode_ctx,
+                                           start_time=self._step_t0_ns)
         if cur is not None:
             cur.set_attributes(attrs)
-            if view is not None and view.fallback:
-                set_error(cur, f"drafter fallback: {view.fallback}")
+            if ev.fallback:
+                set_error(cur, f"drafter fallback: {ev.fallback}")
             cur.end()
-        elif self.steps.events and decode is not None:
-            decode.add_event("spec_step", attrs)
+        elif self.o.steps.events and self._decode is not None:
+            self._decode.add_event("spec_step", attrs)
 
-    def _finish(self, span, decode, last, view) -> None:
-        if last is not None and last.finish_reason:
-            finish = FINISH_NAME.get(last.finish_reason) or "unknown"
-            span.set_attribute("gen_ai.response.finish_reasons", [finish])
-            span.set_attribute("dflash.cached_prompt_tokens", last.cached_prompt_tokens)
-            self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
-        if view is not None:
-            span.set_attribute("dflash.drafter_version", view.label)
-        if decode is not None:
-            if last is not None and last.HasField("stats"):
-                st = last.stats
-                decode.set_attributes({
-                    "dflash.mean_acceptance_length": st.mean_acceptance_length or 1.0,
-                    "dflash.drafts": st.drafts, "dflash.draft_tokens": st.draft_tokens,
-                    "dflash.accepted_tokens": st.accepted_tokens,
-                    "dflash.accepted_per_position": list(st.accepted_per_position),
-                    "dflash.fallback_steps": st.fallback_steps})
-            decode.end()
-        span.end()
+    def _end_decode(self, st) -> None:
+        if st is not None:
+            self._decode.set_attributes({
+                "dflash.mean_acceptance_length": st.mean_acceptance_length or 1.0,
+                "dflash.drafts": st.drafts, "dflash.draft_tokens": st.draft_tokens,
+                "dflash.accepted_tokens": st.accepted_tokens,
+                "dflash.accepted_per_position": list(st.accepted_per_position),
+                "dflash.fallback_steps": st.fallback_steps})
+        self._decode.end()
+        self._decode = None
+
+    def fail(self, context, e: BaseException) -> None:
+        """The request failed: the span that was open says so."""
+        with self._lock:
+            for s in (self._step, self._prefill):
+                if s is not None:
+                    abort_status(s, context, e)
+
+    def close(self) -> None:
+        """End whatever is still open (a cancelled or failed request); idempotent."""
+        with self._lock:
+            for s in (self._step, self._prefill, self._decode):
+                if s is not None:
+                    s.end()
+            self._step = self._prefill = self._decode = None
 
 
 def _request_attrs(r) -> dict:
@@ -223,7 +251,7 @@ def _request_attrs(r) -> dict:
 
 
 class ObservedVerifierServicer(VerifierServicer):
-    """The Verifier servicer with its ``Generate`` stream observed (spans, per-request metrics)."""
+    """The Verifier servicer with its ``Generate`` observed (spans, per-request metrics)."""
 
     def __init__(self, engine, pool, observer: VerifierObserver):
         super().__init__(engine, pool, metrics=observer.metrics)
@@ -231,4 +259,5 @@ class ObservedVerifierServicer(VerifierServicer):
         observer.bind(engine)
 
     def Generate(self, request, context):
-        return self.observer.stream(request, context, super().Generate(request, context))
+        return self.observer.stream(request, context,
+                                    lambda spans: self._generate(request, context, spans))

@@ -7,12 +7,11 @@ Each iteration, between steps:
 2. waiting requests are prefilled, at most ``prefill_chunk`` prompt tokens per iteration in
    all (long prompts take several iterations), so a new prompt never stalls the running
    sessions for more than one chunk; a request joins the batch once its prompt is in;
-3. one decode step for the whole batch (``VerifierEngine.decode_step``): one drafter call per
-   drafter with every session's new context features and anchor, one target forward over all
-   sessions' blocks.
+3. one decode step for the whole batch (``StepRunner.decode_step`` with a :class:`StepPlan`).
 
-Events go to each request's queue; ``VerifierEngine.generate`` reads them in the caller's
-thread (so per-request listeners and trace spans keep their one-thread-per-request shape).
+The loop never waits for readers: events go to each request's queue and a slow client only
+slows itself. A reader that leaves more than ``max_unread`` events unread is cancelled with
+:class:`~verifier_svc.request.SlowConsumer`, so a stalled client holds no batch slot.
 """
 
 from __future__ import annotations
@@ -21,76 +20,90 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
 from dflash.stats import AcceptanceCounter
 from dflash.threads import claim
+from verifier_svc.request import Request, SlowConsumer, StepEvent
+from verifier_svc.sessions import Session
 
 log = logging.getLogger("dflash.verifier.scheduler")
 
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One request inside the scheduler (decode state filled in by ``VerifierEngine.start_job``)."""
+    """One request inside the scheduler (decode state filled in by ``StepRunner.start_job``)."""
 
-    req: object                              # verifier_svc.engine.Request
-    session: object                          # verifier_svc.engine.Session
+    req: Request
+    session: Session
     cancelled: Callable[[], bool]
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     closed: bool = False                     # the reader is gone: drop without an event
-    demand: bool = False                     # the reader waits for the next event
     gone: threading.Event = dataclasses.field(default_factory=threading.Event)
-    trace_context: dict = dataclasses.field(default_factory=dict)
     started: bool = False
-    tap_ids: tuple[int, ...] = ()
-    reuse: int = 0
+    reuse: int = 0                           # prompt positions reused from the session's cache
     prefilled: int = 0
     prefill_seconds: float = 0.0
     gen: torch.Generator | None = None
-    stops: set[int] = dataclasses.field(default_factory=set)
-    stats: object = None
-    mode: str = "fixed"
-    block_limit: int = 1
+    stops: frozenset[int] = frozenset()
+    stats: AcceptanceCounter = dataclasses.field(default_factory=AcceptanceCounter)
+    mode: str = "off"                        # speculation mode of this request
+    block_limit: int = 1                     # largest block (anchor + drafts) it may verify
     emitted: int = 0
-    emitted_at: float = 0.0                  # monotonic time of the last step event
-    turnaround: float = 0.0                  # EWMA seconds from a step event to the next ask
+    steps: int = 0                           # decode steps so far
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One decode step's make-up."""
+
+    jobs: list[Job]                          # the batch, in the order of its events
+    waiting: int = 0                         # prompts waiting for prefill behind this step
+    fresh_cycle: bool = False                # a prefill chunk ran or the loop was idle since
+                                             # the last step: this cycle is not a step's cost
+
+
+class StepRunner(Protocol):
+    """What the scheduler drives (``verifier_svc.engine.VerifierEngine``)."""
+
+    threads: int
+
+    def start_job(self, job: Job) -> None: ...
+
+    def prefill_chunk(self, job: Job, budget: int) -> StepEvent | None: ...
+
+    def decode_step(self, plan: StepPlan) -> list[StepEvent]: ...
+
+    def notify(self, job: Job, ev: StepEvent) -> None: ...
 
 
 class Scheduler:
-    """The decode-loop thread of a ``VerifierEngine``.
+    """The decode-loop thread of a step runner.
 
     Args:
-        engine: provides ``start_job``, ``prefill_chunk`` and ``decode_step``.
+        runner: provides ``start_job``, ``prefill_chunk``, ``decode_step`` and ``notify``.
         prefill_chunk: prompt tokens prefilled per iteration, over all waiting requests.
         max_batch: sessions per decode step (the rest wait their turn, oldest first).
-        demand_wait_s: least time a step waits for readers that have not asked yet.
-        max_demand_wait_s: most time a step waits for them; a reader slower than this on
-            average (a slow client) is never waited for.
-
-    A reader comes back only after its event went out through gRPC (milliseconds to tens of
-    milliseconds under load); a step that left it behind would run the batch as alternating
-    singletons (measured on SmolLM2, 2 CPU cores, 2 clients: 11.9 tok/s aggregate vs 12.3 for one).
-    So each step waits for each missing reader up to twice its own measured turnaround.
+        max_unread: events a reader may leave unread before its request is cancelled.
     """
 
-    def __init__(self, engine, *, prefill_chunk: int = 256, max_batch: int = 64,
-                 demand_wait_s: float = 0.01, max_demand_wait_s: float = 0.1):
-        self.engine = engine
-        self.demand_wait_s = demand_wait_s
-        self.max_demand_wait_s = max_demand_wait_s
+    def __init__(self, runner: StepRunner, *, prefill_chunk: int = 256, max_batch: int = 64,
+                 max_unread: int = 4096):
+        self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
+        self.max_unread = max_unread
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
         self._waiting: list[Job] = []        # prefilling, oldest first
         self._running: list[Job] = []
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._last_step_end = 0.0            # for the policy's per-cycle overhead
+        self._idle = True                    # nothing ran since the loop last waited
         self._calls: list[tuple[Callable[[], object], Future]] = []   # run_on_loop
 
     @property
@@ -120,20 +133,6 @@ class Scheduler:
             self._cv.notify()
         return fut.result()
 
-    def want_next(self, job: Job, trace_context: dict) -> None:
-        """The reader of ``job`` asks for its next event (from its current span).
-
-        A running request takes part in a step only once its reader asked: steps run inside the
-        reader's ``next()`` (where its step span is current) and a slow reader is not run ahead.
-        """
-        with self._cv:
-            if job.emitted_at:
-                dt = time.monotonic() - job.emitted_at
-                job.turnaround = dt if not job.turnaround else 0.7 * job.turnaround + 0.3 * dt
-            job.trace_context = trace_context
-            job.demand = True
-            self._cv.notify()
-
     def wait_gone(self, job: Job) -> None:
         """Block until the scheduler no longer touches ``job`` (its session is free)."""
         with self._cv:
@@ -149,14 +148,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        if getattr(self.engine, "threads", 0):
-            claim(self.engine.threads)       # the one thread that runs forwards multi-threaded
+        if self.runner.threads:
+            claim(self.runner.threads)       # the one thread that runs forwards multi-threaded
         while True:
             with self._cv:
-                while not (self._incoming or self._waiting or self._stop or self._calls
-                           or any(j.demand or j.closed for j in self._running)):
-                    if not self._running:          # idle, not just waiting for a reader:
-                        self._last_step_end = 0.0  # the next cycle is not a per-step cost
+                while not (self._incoming or self._waiting or self._running or self._stop
+                           or self._calls):
+                    self._idle = True
                     self._cv.wait()
                 if self._stop:
                     for j in self._incoming + self._waiting + self._running:
@@ -186,62 +184,29 @@ class Scheduler:
         self._waiting = [j for j in self._waiting if self._keep(j)]
         self._running = [j for j in self._running if self._keep(j)]
         budget = self.prefill_chunk
-        prefilled = bool(self._waiting)
+        fresh = bool(self._waiting) or self._idle
+        self._idle = False
         while self._waiting and budget > 0 and len(self._running) < self.max_batch:
             job = self._waiting[0]
             if not job.started:
-                self.engine.start_job(job)
+                self.runner.start_job(job)
                 job.started = True
             before = job.prefilled
-            ev = self.engine.prefill_chunk(job, budget)
+            ev = self.runner.prefill_chunk(job, budget)
             budget -= job.prefilled - before
             if ev is None:
                 break  # a long prompt: its next chunk after the running sessions' next step
             self._waiting.pop(0)
-            job.demand = False          # answered by this event (the reader asks again after it)
-            self._emit(job, ev, notify=False)
-            if not ev.finish:
+            if self._emit(job, ev) and not ev.finish:
                 self._running.append(job)
-        ready = self._ready()
-        if ready:
-            events = self.engine.decode_step(ready, len(self._waiting))
-            if len(events) != len(ready):   # a reader without its event would wait forever
-                raise RuntimeError(f"decode_step returned {len(events)} events for {len(ready)} jobs")
-            self._observe_cycle(events, prefilled)
-            for job, ev in zip(ready, events):
-                self._emit(job, ev, notify=True)
-            self._running = [j for j in self._running if not j.gone.is_set()]
-
-    def _observe_cycle(self, events, prefilled: bool) -> None:
-        """Tell the policy how long a decode cycle took outside verify and draft (cycles with a
-        prefill chunk, or after the loop went idle, are skipped: they are not per-step costs)."""
-        now = time.monotonic()
-        policy = getattr(self.engine, "policy", None)
-        last, self._last_step_end = self._last_step_end, now
-        if policy is None or prefilled or not last or not events:
-            return
-        ev = events[0]
-        policy.observe_overhead(now - last - ev.verify_seconds - ev.draft_seconds)
-
-    def _ready(self) -> list[Job]:
-        """Running jobs whose readers asked for a step (waiting for stragglers: each missing
-        reader up to twice its measured turnaround, all within ``max_demand_wait_s``)."""
-        now = time.monotonic()
-        deadline = now + self.demand_wait_s
-        with self._cv:
-            for j in self._running:
-                if not j.demand and j.emitted_at and j.turnaround <= self.max_demand_wait_s:
-                    deadline = max(deadline, j.emitted_at + 2 * j.turnaround + self.demand_wait_s)
-            deadline = min(deadline, now + self.max_demand_wait_s)
-            while not all(j.demand for j in self._running):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
-            ready = [j for j in self._running if j.demand and not j.closed]
-            for j in ready:
-                j.demand = False
-        return ready
+        if self._running:
+            jobs = list(self._running)
+            events = self.runner.decode_step(StepPlan(jobs=jobs, waiting=len(self._waiting),
+                                                      fresh_cycle=fresh))
+            if len(events) != len(jobs):   # a reader without its event would wait forever
+                raise RuntimeError(f"decode_step returned {len(events)} events for {len(jobs)} jobs")
+            kept = [job for job, ev in zip(jobs, events) if self._emit(job, ev) and not ev.finish]
+            self._running = kept
 
     def _keep(self, job: Job) -> bool:
         if job.closed:
@@ -252,19 +217,30 @@ class Scheduler:
         except Exception:
             cancelled = True
         if cancelled:
-            from verifier_svc.engine import StepEvent
-
-            self._emit(job, StepEvent(tokens=[], finish="cancelled",
-                                      stats=job.stats or AcceptanceCounter()), notify=False)
+            self._emit(job, StepEvent(tokens=[], finish="cancelled", stats=job.stats))
             return False
         return True
 
-    @staticmethod
-    def _emit(job: Job, ev, *, notify: bool) -> None:
-        job.emitted_at = time.monotonic()
-        job.events.put((ev, notify))
+    def _emit(self, job: Job, ev: StepEvent) -> bool:
+        """Queue ``ev`` for the reader; False when the job leaves (finished, or too far behind)."""
+        if job.closed:
+            job.gone.set()
+            return False
+        if job.events.qsize() >= self.max_unread and not ev.finish:
+            log.warning("request %s: %d events unread; cancelled", job.req.request_id,
+                        job.events.qsize())
+            self._fail(job, SlowConsumer(f"the client read none of the last {self.max_unread} "
+                                         "events; request cancelled"))
+            return False
+        try:
+            self.runner.notify(job, ev)
+        except Exception:  # observers never fail a request
+            log.exception("step listener failed")
+        job.events.put(ev)
         if ev.finish:
             job.gone.set()
+            return False
+        return True
 
     @staticmethod
     def _fail(job: Job, e: BaseException) -> None:

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_WIRE_DTYPE]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
-    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "fixed"),
+    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "adaptive"),
                    choices=("off", "fixed", "adaptive"),
                    help="default speculation policy: off, fixed (always the block size) or adaptive "
                         "(block length per step from measured acceptance and cost; requests may "
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     stop_log = rt.servicer.observer.speclog.start(a.spec_log_interval)
     rt.set_serving(True)
     log.info("SERVING %s on port %d", a.target, rt.port)
-    close = getattr(target, "close", lambda: None)  # expert parallel: stop the other ranks
+    close = target.close   # expert parallel: stop the other ranks
     run_until_signal(rt, a.grace,
                      on_stop=lambda: (stop.set(), stop_log.set(), close(), telemetry.shutdown()))
 
@@ -140,9 +140,7 @@ def _warmup(engine) -> None:
     expert-parallel targets keep theirs), then one tiny request."""
     from verifier_svc.engine import Request
 
-    tune = getattr(engine.target, "tune_skinny", None)
-    if tune is not None:
-        engine.scheduler.run_on_loop(tune)
+    engine.scheduler.run_on_loop(engine.target.tune_skinny)
 
     for _ in engine.generate(Request(request_id="warmup", prompt=[0, 1, 2], max_tokens=2,
                                      ignore_eos=True)):

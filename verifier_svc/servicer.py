@@ -12,7 +12,9 @@ from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from
 from dflash.sampling import InvalidParam
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import RemoteProposer, describe
-from verifier_svc.engine import PreconditionError, Request, VerifierEngine, check_drafter_card
+from verifier_svc.cards import check_drafter_card
+from verifier_svc.engine import VerifierEngine
+from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer
 from verifier_svc.target import TargetUnavailable
 
 log = logging.getLogger("dflash.verifier")
@@ -61,7 +63,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _ready(self, context) -> VerifierEngine:
         if self.engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading")
-        failure = getattr(self.engine.target, "failure", None)
+        failure = self.engine.target.failure
         if failure:  # an expert-parallel rank died: fail fast, never queue behind a dead group
             context.abort(grpc.StatusCode.UNAVAILABLE, f"target unavailable: {failure}")
         return self.engine
@@ -95,11 +97,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             existed=self._ready(context).close_session(request.session_id))
 
     def Generate(self, request, context):
+        return self._generate(request, context, None)
+
+    def _generate(self, request, context, trace: RequestTrace | None):
         engine = self._ready(context)
         try:
             req = self._request(request)
-            proposer = self._proposer(request, context)
-            req.proposer = proposer
+            req.proposer = self._proposer(request, context)
+            req.trace = trace
             events = engine.generate(req, cancelled=lambda: not context.is_active())
             first = next(events)  # validation errors surface here, before anything is streamed
         except InvalidParam as e:
@@ -121,6 +126,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 yield chunk
         except TargetUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except SlowConsumer as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             events.close()  # a cancelled stream frees the session now, not at garbage collection
 

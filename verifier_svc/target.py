@@ -96,6 +96,7 @@ class TargetModel:
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None) \
             if "sliding_attention" in types else None
         self._pool: KVPool | None = None
+        self.failure: str | None = None     # a single process never fails apart (cf. ep.py)
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
 
@@ -169,6 +170,9 @@ class TargetModel:
         """An idle session's K/V leaves the batch pool for tensors of its own length (its next
         turn moves it back: one copy per turn, none per step)."""
         self.pool.spill(cache)
+
+    def close(self) -> None:
+        """Nothing to stop (``DistributedTarget.close`` stops its ranks)."""
 
     def tune_skinny(self, context: int = 64) -> int:
         """With ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`: time decode- and

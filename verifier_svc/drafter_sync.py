@@ -1,0 +1,218 @@
+"""What each session's drafter holds, and the step's draft calls.
+
+The drafter keeps each session's context (its K/V of the committed positions' taps). The
+verifier must know how much of it the drafter holds, send exactly the rows it lacks, and start
+over whenever the drafter may have lost some: a failed draft, a failed context-only update
+reported later by the stream's reader thread, another drafter, other tap layers. That state
+lives here, in one place: :class:`DrafterState` per session (the tap rows included) and
+:class:`DrafterSync` for the calls of one step.
+
+A context-only update that nothing waits for (``ContextSender.send_context``) advances the
+held length at once; if it fails, the session's epoch says whether the failure is still news
+(a reset since then already resends everything) and the next step resends the whole context.
+A draft request that overtakes the news fails with ``context_gap`` on the drafter and falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from dflash.proposer import DraftError, Proposal, ProposalRequest, Proposer
+from dflash.sampling import Sampling
+from verifier_svc.tap_buffer import TapRows
+
+log = logging.getLogger("dflash.verifier")
+
+
+@runtime_checkable
+class ContextSender(Protocol):
+    """A proposer that can send context-only updates without waiting for the reply."""
+
+    def send_context(self, requests: list[ProposalRequest],
+                     on_failed: Callable[[list[str]], None]) -> None: ...
+
+
+@dataclasses.dataclass
+class DrafterState:
+    """One session's drafter: which one, which taps, and what it holds."""
+
+    proposer: Proposer | None = None
+    tap_ids: tuple[int, ...] = ()
+    taps: TapRows = dataclasses.field(default_factory=TapRows)   # rows of the cached positions
+    length: int = 0                    # context positions the drafter holds
+    epoch: int = 0                     # bumped by reset: older async failures are moot
+
+    def reset(self) -> None:
+        """The drafter holds none of this session's context now: the next call resends it all."""
+        self.length = 0
+        self.epoch += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftItem:
+    """One session's part of a step's draft calls."""
+
+    session_id: str
+    state: DrafterState
+    proposer: Proposer | None          # the request's drafter (None: speculation off)
+    cached: int                        # target positions cached (the anchor comes next)
+    anchor: int
+    k: int                             # drafts wanted (0: context update only, if any)
+    room: bool                         # could speculate at all (block limit and tokens left)
+    sampling: Sampling
+    trace_context: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOutcome:
+    """One session's drafts this step."""
+
+    tokens: list[int]                  # k drafts (empty: none)
+    probs: torch.Tensor | None         # [k, V] float, sampled drafts' q; None = greedy/one-hot
+    fallback: str | None               # why a wanted block is missing
+    called: bool                       # the drafter was called for it (its time counts)
+
+
+NONE = DraftOutcome([], None, None, False)
+
+
+class DrafterSync:
+    """The draft calls of one step and the per-session bookkeeping around them.
+
+    Args:
+        vocab_size: drafts outside ``[0, vocab_size)`` are refused (``out_of_vocab``).
+        context_flush: a session that does not speculate this step sends its new context once
+            this many rows are unsent, or whenever its drafter is called this step anyway; a
+            draft request always carries the rest. Raises ValueError below 1.
+    """
+
+    def __init__(self, vocab_size: int, context_flush: int = 8):
+        if context_flush < 1:
+            raise ValueError(f"context_flush must be >= 1, got {context_flush}")
+        self.vocab_size = vocab_size
+        self.context_flush = context_flush
+        self._lock = threading.Lock()
+        self._failed: set[tuple[str, int]] = set()   # (session, epoch) of failed async updates
+
+    # ------------------------------------------------------------------ per session
+    def bind(self, session_id: str, state: DrafterState, proposer: Proposer | None) -> bool:
+        """A request starts on this session with ``proposer``: release another drafter, reset
+        the taps when the layers differ. Returns whether the cached prefix's taps are usable."""
+        tap_ids = tuple(proposer.card.target_layer_ids) if proposer else ()
+        if state.proposer is not None and state.proposer is not proposer:
+            self.release(session_id, state)
+        if tap_ids != state.tap_ids:
+            state.taps, state.tap_ids = TapRows(), tap_ids
+            state.reset()
+            return False
+        return True
+
+    def truncate(self, state: DrafterState, n: int) -> None:
+        """The session keeps its first ``n`` positions (prefix reuse)."""
+        if state.tap_ids:
+            state.taps.truncate(n)
+        state.length = min(state.length, n)
+
+    @staticmethod
+    def release(session_id: str, state: DrafterState) -> None:
+        """The drafter may drop the session (never raises: a drafter failure fails nothing)."""
+        if state.proposer is not None:
+            try:
+                state.proposer.release([session_id])
+            except Exception:
+                log.warning("drafter release failed for session %s", session_id, exc_info=True)
+            state.proposer = None
+        state.reset()
+
+    # ------------------------------------------------------------------ one step
+    def draft(self, items: list[DraftItem]) -> list[DraftOutcome]:
+        """Per item its drafts; one call per drafter, with every session that has unsent rows.
+
+        A call without any draft goes to a :class:`ContextSender` without waiting."""
+        out = [NONE] * len(items)
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        for it in items:   # an earlier context-only update did not land: resend it all
+            if (it.session_id, it.state.epoch) in failed:
+                it.state.reset()
+        candidates: dict[int, list[tuple[int, bool, bool]]] = {}   # proposer -> (item, must, may)
+        for i, it in enumerate(items):
+            if it.proposer is None or it.state.proposer is not it.proposer:
+                continue
+            unsent = it.cached - it.state.length
+            must = bool(it.k) or (it.room and unsent >= self.context_flush)
+            candidates.setdefault(id(it.proposer), []).append((i, must, it.room and unsent > 0))
+        # Once a drafter is called this step every session with unsent rows rides along: the
+        # call, not the rows, is the cost.
+        groups = [[i for i, must, may in c if must or may] for c in candidates.values()
+                  if any(must for _, must, _ in c)]
+        for idx in groups:
+            proposer = items[idx[0]].proposer
+            if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
+                self._send_context(proposer, [items[i] for i in idx])
+                for i in idx:
+                    out[i] = DraftOutcome([], None, None, True)
+                continue
+            reqs = [self._request(items[i], items[i].k + 1) for i in idx]
+            try:
+                res = proposer.propose(reqs)
+            except Exception as e:  # the drafter must never fail the request
+                res = [DraftError("exception", repr(e))] * len(reqs)
+            for i, r in zip(idx, res):
+                it = items[i]
+                reason = self.malformed(r, it.k)
+                if reason:
+                    it.state.reset()  # resend the whole context once the drafter is healthy
+                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
+                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
+                else:
+                    it.state.length = it.cached
+                    out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True)
+        return out
+
+    @staticmethod
+    def _request(it: DraftItem, block_size: int) -> ProposalRequest:
+        start = it.state.length
+        return ProposalRequest(session_id=it.session_id, context_start=start,
+                               context=it.state.taps.rows(start), anchor_token=it.anchor,
+                               block_size=block_size, sampling=it.sampling,
+                               trace_context=it.trace_context)
+
+    def _send_context(self, proposer: ContextSender, items: list[DraftItem]) -> None:
+        """Context-only update nothing this step waits for; the held length advances now."""
+        reqs = [self._request(it, 1) for it in items]
+        epochs = {it.session_id: it.state.epoch for it in items}
+
+        def failed(ids: list[str]) -> None:
+            log.info("context update failed for %d session(s); resending", len(ids))
+            with self._lock:
+                self._failed.update((i, epochs[i]) for i in ids if i in epochs)
+
+        try:
+            proposer.send_context(reqs, failed)
+        except Exception as e:  # the drafter must never fail the request
+            log.info("context update raised %r; resending", e)
+            failed([r.session_id for r in reqs])
+        for it in items:
+            it.state.length = it.cached
+
+    def malformed(self, res: Proposal | DraftError, k: int) -> str | None:
+        """Why ``res`` is not ``k`` usable drafts (None: it is)."""
+        if isinstance(res, DraftError):
+            return res.reason
+        toks = res.tokens
+        if toks.dim() != 1 or toks.numel() != k:
+            return "malformed_block"
+        if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
+            return "out_of_vocab"
+        if res.probs is not None:
+            p = res.probs
+            if p.shape != (k, self.vocab_size) or not torch.isfinite(p).all() or (p < 0).any():
+                return "malformed_probs"
+        return None

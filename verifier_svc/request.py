@@ -1,0 +1,106 @@
+"""What passes between the verifier's stages: a validated request, its step events, its trace.
+
+Pure Python/torch types, imported by the scheduler, the engine, the servicer and the observer
+alike (none of them imports another for a type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from dflash.proposer import Proposer
+from dflash.sampling import InvalidParam, Sampling
+from dflash.stats import AcceptanceCounter
+from verifier_svc.policy import MODES, Decision
+
+MAX_BLOCK_SIZE = 64
+
+
+class PreconditionError(RuntimeError):
+    """The request or drafter does not fit this target; maps to FAILED_PRECONDITION."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class SlowConsumer(RuntimeError):
+    """The request's reader left more than the allowed number of events unread; the request
+    was cancelled so a stalled client holds no batch slot (maps to RESOURCE_EXHAUSTED)."""
+
+
+class RequestTrace(Protocol):
+    """Spans of one request, driven from the scheduler thread (``verifier_svc.observe``)."""
+
+    def prefill_started(self) -> None: ...
+
+    def step_started(self, step: int) -> dict[str, str]:
+        """Open step ``step``'s span if it is traced; returns its W3C carrier for the drafter
+        (empty when the step is not traced)."""
+
+    def event(self, req: "Request", ev: "StepEvent") -> None:
+        """An event left the scheduler (ends the prefill span or the step's span)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Request:
+    """One generation request, validated. ``proposer`` None = speculation off."""
+
+    request_id: str
+    session_id: str = ""
+    prompt: list[int]
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    max_tokens: int = 16
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    proposer: Proposer | None = None
+    block_size: int = 0                 # 0 = the drafter's block size
+    spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive"
+    trace: RequestTrace | None = None
+
+    @property
+    def session_key(self) -> str:
+        """The engine's session id: one-shot requests get ``req-<request_id>``."""
+        return self.session_id or f"req-{self.request_id}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepEvent:
+    """What one step committed. ``finish`` is set on the last event."""
+
+    tokens: list[int]
+    accepted: int = 0
+    drafted: int = 0
+    finish: str | None = None          # "length" | "stop" | "cancelled"
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    fallback: str | None = None        # reason this step ran without speculation
+    stats: AcceptanceCounter | None = None   # the request's counts so far (same object each step)
+    prompt_tokens: int = 0             # set on the prefill event (the first)
+    cached_prompt_tokens: int = 0      # prompt tokens reused from the session's KV cache
+    batch_size: int = 1                # sessions verified in this step's target forward
+    policy: Decision | None = None     # the speculation policy's choice for this step
+    step: int = -1                     # decode step index (-1: the prefill event)
+
+
+def validate(req: Request, vocab_size: int, window: int) -> None:
+    """Raise InvalidParam naming the field for a request that cannot run on a target with
+    ``vocab_size`` ids and a context window of ``window`` positions."""
+    if not req.prompt:
+        raise InvalidParam("prompt", "must not be empty")
+    if req.max_tokens < 1:
+        raise InvalidParam("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    bad = next((t for t in req.prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParam("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if len(req.prompt) >= window:
+        raise InvalidParam("prompt", f"{len(req.prompt)} tokens do not fit the context window "
+                           f"of {window} tokens")
+    if len(req.prompt) + req.max_tokens > window:
+        raise InvalidParam("max_tokens", f"prompt ({len(req.prompt)}) + max_tokens "
+                           f"({req.max_tokens}) exceeds the context window of {window} tokens")
+    if req.block_size < 0 or req.block_size > MAX_BLOCK_SIZE:
+        raise InvalidParam("block_size", f"must be in [0, {MAX_BLOCK_SIZE}]")
+    if req.spec_mode and req.spec_mode not in MODES:
+        raise InvalidParam("speculation.mode", f"{req.spec_mode!r} not one of {', '.join(MODES)}")
