@@ -10,19 +10,22 @@ batching paid per session before (vLLM v1 keeps a persistent batch for the same 
 
 An idle sequence (a session kept between turns) can be :meth:`KVPool.spill` ed to tensors of its
 own exact length so the pool's rows stay those of active sequences; its next use moves it back.
-Rows freed by finished sequences are reused; when no row is in use, large buffers are dropped.
+Rows freed by finished sequences are reused; buffers far larger than the resident rows need
+shrink after a while (``shrink_after_s``).
 
 Memory: ``rows x capacity`` positions per layer, capacity being the longest resident sequence
 (rounded up by ``room``), like the padded batch it replaces; a paged layout (vLLM's
 PagedAttention) would remove the padding but needs an attention kernel that reads pages.
 
-Thread model: one owner thread calls everything; a handle garbage-collected on another thread
-only queues its row, freed by the owner's next call.
+Thread model: callers serialise every call (the verifier holds ``TargetModel.lock``, the
+drafter its engine lock); a handle garbage-collected on any thread only queues its row, freed
+by the next call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 
 import torch
@@ -72,8 +75,10 @@ class KVPool:
         kv_heads, head_dim: per-layer K/V shape.
         dtype, device: of the buffers (the model's).
         room: capacity granularity (positions).
-        keep_idle_bytes: when no row is in use, buffers larger than this are dropped (smaller
-            ones are kept, so back-to-back requests do not allocate and zero them again).
+        keep_idle_bytes, shrink_after_s: buffers larger than ``keep_idle_bytes`` that have been
+            more than twice what the resident rows need for ``shrink_after_s`` seconds shrink
+            to fit (dropped when no row is in use); smaller ones are kept, so back-to-back
+            requests do not allocate and zero them again.
 
     Buffers are zero-initialised and only ever receive finite values, so positions a mask
     hides (another row's padding, stale drafts) cannot turn an attention output into NaN.
@@ -81,10 +86,14 @@ class KVPool:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 room: int = ROOM, keep_idle_bytes: int = 1 << 30):
+                 room: int = ROOM, keep_idle_bytes: int = 1 << 30, shrink_after_s: float = 30.0):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.room = dtype, torch.device(device), room
         self.keep_idle_bytes = keep_idle_bytes
+        self.shrink_after_s = shrink_after_s
+        self._over_since: float | None = None
+        self._checked = 0.0
+        self.shrunk = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._rows: list[_Rec | None] = []          # row -> its sequence (None = free)
@@ -100,7 +109,9 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes held by the K/V buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        if not self.k:
+            return 0
+        return 2 * self.num_layers * self.k[0].numel() * self.k[0].element_size()
 
     @property
     def rows(self) -> int:
@@ -117,13 +128,44 @@ class KVPool:
         return PoolSeq(self)
 
     def _collect(self) -> None:
+        freed = bool(self._orphaned)
         while self._orphaned:
             rec = self._orphaned.pop()
             if rec.row >= 0 and rec.row < len(self._rows) and self._rows[rec.row] is rec:
                 self._rows[rec.row] = None
             rec.row, rec.spilled = -1, None
-        if self._rows and all(r is None for r in self._rows) and self.nbytes > self.keep_idle_bytes:
-            self.k, self.v, self._rows = [], [], []   # idle and large: give the memory back
+        now = time.monotonic()
+        if freed or now - self._checked >= 1.0:   # cheap enough per call, not per row
+            self._checked = now
+            self._maybe_shrink(now)
+
+    def _maybe_shrink(self, now: float) -> None:
+        """Give memory back once the buffers have been more than twice what the resident rows
+        need, and above ``keep_idle_bytes``, for ``shrink_after_s`` (so a burst's peak is not
+        kept forever, and a pool that empties between the turns of one client is not dropped
+        and re-zeroed every turn)."""
+        if not self.k or self.nbytes <= self.keep_idle_bytes:
+            self._over_since = None
+            return
+        used = [i for i, r in enumerate(self._rows) if r is not None]
+        need_rows = used[-1] + 1 if used else 0
+        need_cap = max((self._rows[i].length for i in used), default=0)
+        if 2 * need_rows > self.k[0].shape[0] and 2 * need_cap > self.capacity:
+            self._over_since = None
+            return
+        if self._over_since is None:
+            self._over_since = now
+        if now - self._over_since < self.shrink_after_s:
+            return
+        self._over_since = None
+        if not used:
+            self.k, self.v, self._rows = [], [], []
+            return
+        cap = min(-(-(need_cap + self.room) // self.room) * self.room, self.capacity)
+        self.k = [k[:need_rows, :, :cap].clone() for k in self.k]
+        self.v = [v[:need_rows, :, :cap].clone() for v in self.v]
+        del self._rows[need_rows:]
+        self.shrunk += 1
 
     def _alloc(self, rows: int, capacity: int) -> None:
         """Buffers with at least ``rows`` rows and ``capacity`` positions, keeping the contents
@@ -176,22 +218,35 @@ class KVPool:
             rec.spilled = None
         return row
 
-    def arrange(self, seqs: list[PoolSeq]) -> None:
-        """Put ``seqs[i]`` on row ``i`` (moving rows only where they are not there yet)."""
+    def arrange(self, seqs: list[PoolSeq]) -> list[int]:
+        """Place ``seqs`` on rows ``0..b-1`` (b = len(seqs)) and return each one's row.
+
+        Sequences already on a row below b stay there; the others fill the free places, so a
+        leave or a join moves at most the sequences it displaces, not every later row."""
         for s in seqs:
             self.ensure_resident(s)
-        for i, s in enumerate(seqs):
-            if s._rec.row != i:
-                self._swap(i, s._rec.row)
+        b = len(seqs)
+        taken = {s._rec.row for s in seqs if s._rec.row < b}
+        holes = iter(i for i in range(b) if i not in taken)
+        for s in seqs:
+            if s._rec.row >= b:
+                self._swap(next(holes), s._rec.row)
+        return [s._rec.row for s in seqs]
 
     def _swap(self, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` (copying only what their sequences hold)."""
         ra, rb = self._rows[a], self._rows[b]
-        n = max(ra.length if ra else 0, rb.length if rb else 0)
-        if n:
-            for buf in self.k + self.v:
+        na, nb = (ra.length if ra else 0), (rb.length if rb else 0)
+        for buf in self.k + self.v:
+            if na and nb:
+                n = max(na, nb)
                 tmp = buf[a, :, :n].clone()
                 buf[a, :, :n].copy_(buf[b, :, :n])
                 buf[b, :, :n].copy_(tmp)
+            elif nb:
+                buf[a, :, :nb].copy_(buf[b, :, :nb])
+            elif na:
+                buf[b, :, :na].copy_(buf[a, :, :na])
         self._rows[a], self._rows[b] = rb, ra
         if ra is not None:
             ra.row = b
@@ -221,10 +276,11 @@ class KVPool:
 
     # ------------------------------------------------------------------ one forward
     def write(self, layer: int, row0: int, starts: torch.Tensor | int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              v: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` [b, H, q, D] of rows ``row0..row0+b-1`` at positions ``starts[i]..``
-        (``starts``: int for one row, else int64 [b]) and return the K/V views
-        ``[b, H, max(starts) + q, D]`` the attention reads."""
+        (``starts``: int for one row, else int64 [b], on the buffers' device) and return the
+        K/V views ``[b, H, end, D]`` the attention reads; ``end`` = max(starts) + q, given by
+        the caller when it knows it (computing it from a device tensor would synchronise)."""
         b, q = k.shape[0], k.shape[2]
         kb, vb = self.k[layer], self.v[layer]
         if isinstance(starts, int):
@@ -236,7 +292,7 @@ class KVPool:
             idx = idx[:, None, :, None].expand(b, k.shape[1], q, k.shape[3])
             kb[row0:row0 + b].scatter_(2, idx, k)
             vb[row0:row0 + b].scatter_(2, idx, v)
-            end = int(starts.max()) + q
+            end = end if end is not None else int(starts.max()) + q
         return kb[row0:row0 + b, :, :end], vb[row0:row0 + b, :, :end]
 
     def advance(self, seqs: list[PoolSeq], counts: list[int]) -> None:

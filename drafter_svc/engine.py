@@ -114,6 +114,7 @@ class DrafterEngine:
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
         self._sessions: dict[str, _SessionCtx] = {}
+        self._spill_checked = 0.0
         self._lock = threading.Lock()
         fp = self.cfg.target_fingerprint
         self.card = DrafterCard(
@@ -197,6 +198,7 @@ class DrafterEngine:
     def _propose_on(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
         out: list[Proposal | DraftError | None] = [None] * len(requests)
         with self._lock, torch.inference_mode():
+            self._spill_idle({r.session_id for r in requests})
             sessions: list[tuple[int, ProposalRequest, _SessionCtx]] = []
             for i, r in enumerate(requests):
                 try:
@@ -287,13 +289,18 @@ class DrafterEngine:
         """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one),
         all blocks in one drafter forward.
 
-        The items' sessions go onto pool rows ``0..b-1`` (``KVPool.arrange``: rows move only
-        when the batch's make-up changes) and the drafter reads ``K[:b, :, :n_max]`` in place;
+        The items' sessions go onto pool rows ``0..b-1`` (``KVPool.arrange``: only sessions
+        not there yet move) and the drafter reads ``K[:b, :, :n_max]`` in place;
         row i's context fills columns ``[0, length_i)`` and the mask hides the rest of them
         (stale or zero, always finite) and the padding of shorter blocks."""
         cfg = self.cfg
         pool = self.pool
         b = len(items)
+        order = list(range(b))
+        if b > 1:                                # row r holds items[order[r]]
+            rows = pool.arrange([s.seq for _, s in items])
+            order = sorted(range(b), key=rows.__getitem__)
+            items = [items[i] for i in order]
         n_max = max(s.length for _, s in items)
         q = max(r.block_size for r, _ in items)
         block = torch.full((b, q), cfg.mask_token_id, dtype=torch.int64)
@@ -305,7 +312,6 @@ class DrafterEngine:
             kv = pool.views(pool.ensure_resident(items[0][1].seq), 1, n_max)
             mask = ctx_pos = None
         else:
-            pool.arrange([s.seq for _, s in items])
             kv = pool.views(0, b, n_max)
             keys = torch.arange(n_max + q)
             lens = torch.tensor([s.length for _, s in items])[:, None]           # [b, 1]
@@ -320,7 +326,11 @@ class DrafterEngine:
         # drafts cost 346 ms against 28 ms for one 16-token block (SmolLM2 drafter, 2 cores).
         sizes = [r.block_size - 1 for r, _ in items]
         rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
-        return list(self.head.logits(rows, self._draft_head).split(sizes))
+        by_row = self.head.logits(rows, self._draft_head).split(sizes)
+        out: list[torch.Tensor] = [by_row[0]] * b
+        for r, i in enumerate(order):
+            out[i] = by_row[r]
+        return out
 
     def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:
         """Drafts (and q for sampled drafts) in target ids: with a draft vocabulary, logits are
@@ -342,6 +352,19 @@ class DrafterEngine:
         full = probs.new_zeros((probs.shape[0], self.cfg.vocab_size))
         full[:, ids] = probs
         return Proposal(tokens=ids[tok], probs=full)
+
+    #: Sessions not drafted for this long leave the pool for tensors of their own length
+    #: (a kept conversation between turns), so idle ones do not hold rows sized to the longest.
+    SPILL_AFTER_S = 5.0
+
+    def _spill_idle(self, keep: set[str]) -> None:
+        now = time.monotonic()
+        if now - self._spill_checked < 1.0:
+            return
+        self._spill_checked = now
+        for sid, sess in self._sessions.items():
+            if sid not in keep and sess.seq.resident and now - sess.last_used > self.SPILL_AFTER_S:
+                self.pool.spill(sess.seq)
 
     def _evict(self) -> None:
         while len(self._sessions) > self.max_sessions:

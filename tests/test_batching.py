@@ -244,7 +244,8 @@ def test_pool_rows_are_reused_with_no_growth_over_1000_join_leave_cycles():
     """The batch KV pool hands freed rows to new sequences: 1,000 cycles of sequences joining
     (up to 8 at once, random lengths) and leaving keep the rows at the peak of live sequences,
     reallocate only while the capacity first grows, and return the memory when all are gone
-    (a pool above ``keep_idle_bytes``; smaller ones keep their buffers for the next request)."""
+    (a pool above ``keep_idle_bytes``, after ``shrink_after_s``; smaller ones keep their
+    buffers for the next request)."""
     import random
 
     from dflash.kv_pool import KVPool
@@ -266,12 +267,14 @@ def test_pool_rows_are_reused_with_no_growth_over_1000_join_leave_cycles():
         peak = max(peak, len(live))
         if len(live) > rng.randint(1, 8):
             live.pop(rng.randrange(len(live)))
-        pool.arrange([s for s, _, _ in live])               # the next step's batch
-        for i, (s, c, m) in enumerate(live):                # every row still holds its own K/V
-            assert s.row == i and torch.equal(pool.k[1][i, :, :m], torch.full((2, m, 4), float(c)))
+        rows = pool.arrange([s for s, _, _ in live])        # the next step's batch
+        assert sorted(rows) == list(range(len(live)))
+        for r, (s, c, m) in zip(rows, live):                # every row still holds its own K/V
+            assert s.row == r and torch.equal(pool.k[1][r, :, :m], torch.full((2, m, 4), float(c)))
         assert pool.rows <= peak and pool.resident == len(live)
         grown_at[cycle] = pool.grown
     assert grown_at[999] == grown_at[100] <= 8, grown_at[999]
+    pool.shrink_after_s = 0                               # shrink at once once over-provisioned
     live.clear()
     del s
     assert pool.resident == 0 and pool.rows == 0 and not pool.k   # memory given back
@@ -363,3 +366,20 @@ def test_a_step_that_loses_events_fails_its_requests_instead_of_hanging(target_m
             pass
     assert time.monotonic() - t0 < 30
     engine.close()
+
+
+def test_a_cancelled_turn_of_a_kept_session_frees_the_session(target_model):
+    """A turn cancelled between steps may have left part of its prompt in the cache: the
+    session is closed (not kept for prefix reuse), like a one-shot request."""
+    from verifier_svc.engine import Request, VerifierEngine
+
+    engine = VerifierEngine(target_model)
+    cancel = threading.Event()
+    evs = []
+    for ev in engine.generate(Request(request_id="c", session_id="kept", prompt=[4, 5, 6, 7],
+                                      max_tokens=200, ignore_eos=True), cancelled=cancel.is_set):
+        evs.append(ev)
+        cancel.set()
+    engine.close()
+    assert evs[-1].finish == "cancelled" and len(evs) < 200
+    assert "kept" not in engine._sessions

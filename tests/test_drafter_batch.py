@@ -138,3 +138,25 @@ def test_pool_rows_bounded_over_session_churn(make_drafter, tiny_target):
     engine.release(list(live))
     assert pool.resident == 0 and engine.cached_tokens == 0
     assert pool.nbytes <= pool.keep_idle_bytes          # small idle buffers are kept for reuse
+
+
+def test_idle_sessions_spill_out_of_the_pool_and_draft_the_same_when_back(make_drafter, tiny_target):
+    """A session not drafted for SPILL_AFTER_S leaves the pool (its row freed, its context kept
+    in tensors of its own length); its next call moves it back and drafts exactly as a session
+    that never left."""
+    d = make_drafter(block_size=8)
+    spilling = DrafterEngine.from_pretrained(d, tiny_target)
+    staying = DrafterEngine.from_pretrained(d, tiny_target)
+    spilling.SPILL_AFTER_S = 0.0
+    checked = 0
+    for reqs in steps(spilling.cfg):
+        for r in reqs:                       # one session per call: the others are idle
+            spilling._spill_checked = 0.0     # check every call
+            got, want = spilling.propose([r])[0], staying.propose([r])[0]
+            assert got.tokens.tolist() == want.tokens.tolist(), r.session_id
+            others = [s for sid, s in spilling._sessions.items() if sid != r.session_id]
+            assert not any(s.seq.resident for s in others)
+            checked += len(others)
+    assert checked > 50
+    assert spilling.cached_tokens == staying.cached_tokens
+    assert spilling.pool.resident <= 1

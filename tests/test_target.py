@@ -62,3 +62,68 @@ def test_pool_cache_writes_in_place_and_matches_a_concatenating_cache(target_mod
     assert not ours.resident and pool.resident == held - 1
     torch.testing.assert_close(t.forward([6], ours, None)[0], hf([6]), rtol=1e-5, atol=1e-5)
     assert ours.resident and pool.resident == held
+
+
+def _tiny_mistral(path, window):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                        max_position_embeddings=256)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_sliding_window_target_matches_transformers_through_the_pool(tmp_path):
+    """A Mistral-style config (a ``sliding_window`` and no ``layer_types``) slides on every
+    layer: the pool's mask keeps each query within the window, single and batched, with rows
+    of different lengths; logits equal transformers' own forward of each whole sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from verifier_svc.target import TargetModel
+
+    path = _tiny_mistral(tmp_path / "mistral", window=5)
+    t = TargetModel(path)
+    assert (t._mask_kind, t.sliding_window) == ("sliding_attention", 5)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 14, 20)]
+    caches = [t.new_cache() for _ in seqs]
+    for s, c in zip(seqs, caches):
+        t.forward(s[:-4], c, None)
+    outs = t.forward_batch([s[-4:] for s in seqs[:2]] + [seqs[2][-4:-2]], caches, [()] * 3)
+    for s, (logits, _) in zip(seqs, outs):
+        m = logits.shape[0]
+        with torch.no_grad():
+            want = hf(torch.tensor([s[:len(s) - 4 + m]])).logits[0, -m:]
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+    full = AutoModelForCausalLM.from_pretrained(path, sliding_window=None).eval()
+    with torch.no_grad():   # the window matters: without it the same weights give other logits
+        unwindowed = full(torch.tensor([seqs[1]])).logits[0, -4:]
+    assert (unwindowed - outs[1][0]).abs().max() > 1e-3
+
+
+def test_attention_layouts_the_pool_cannot_express_are_refused():
+    """Eager attention (which would add a boolean mask), chunked attention and unknown layer
+    types are refused naming the field; the layouts the pool serves are recognised."""
+    import types
+
+    import pytest
+
+    from verifier_svc.target import _attention_layout
+
+    def cfg(**kw):
+        return types.SimpleNamespace(**{"_attn_implementation": "sdpa", **kw})
+
+    assert _attention_layout(cfg()) == ("full_attention", None)
+    assert _attention_layout(cfg(sliding_window=8)) == ("sliding_attention", 8)
+    assert _attention_layout(cfg(sliding_window=8, use_sliding_window=False)) == ("full_attention", None)
+    assert _attention_layout(cfg(sliding_window=8, layer_types=["full_attention", "sliding_attention"])) \
+        == ("mixed", 8)
+    for bad, field in ((cfg(_attn_implementation="eager"), "attn_implementation"),
+                       (cfg(attention_chunk_size=64), "attention_chunk_size"),
+                       (cfg(layer_types=["linear_attention"]), "layer_types"),
+                       (cfg(layer_types=["sliding_attention"]), "sliding_window")):
+        with pytest.raises(ValueError, match=field):
+            _attention_layout(bad)

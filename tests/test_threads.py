@@ -154,6 +154,22 @@ def test_context_flush_below_one_is_refused(tiny_target):
         parse_args(["--target", "t", "--context-flush", "0"])
 
 
+def test_verifier_flags_default_to_adaptive_and_bound_unread_events(monkeypatch, capsys):
+    """A new user's first run speculates adaptively (fixed blocks of 16 run slower than no
+    speculation at batch 1 on a CPU); the unread-event bound is a flag with its env var and a
+    value below 1 is refused naming the flag."""
+    from verifier_svc.server import parse_args
+
+    monkeypatch.delenv("DFLASH_SPEC_MODE", raising=False)
+    a = parse_args(["--target", "t"])
+    assert a.spec_mode == "adaptive" and a.max_unread_events == 4096
+    monkeypatch.setenv("DFLASH_MAX_UNREAD_EVENTS", "7")
+    assert parse_args(["--target", "t"]).max_unread_events == 7
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--max-unread-events", "0"])
+    assert "--max-unread-events" in capsys.readouterr().err
+
+
 def test_default_spin_count_yields_to_the_users_setting():
     from dflash.omp import SPIN_COUNT, default_spin_count
 

@@ -119,8 +119,7 @@ class DrafterSync:
             state.taps.truncate(n)
         state.length = min(state.length, n)
 
-    @staticmethod
-    def release(session_id: str, state: DrafterState) -> None:
+    def release(self, session_id: str, state: DrafterState) -> None:
         """The drafter may drop the session (never raises: a drafter failure fails nothing)."""
         if state.proposer is not None:
             try:

@@ -16,8 +16,8 @@ compares against, and the fallback that keeps a drafter failure from ever failin
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from contextlib import AbstractContextManager
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -47,7 +47,7 @@ class Target(Protocol):
     vocab_size: int
     max_positions: int
     eos_token_ids: frozenset[int]
-    lock: threading.Lock
+    lock: AbstractContextManager        # serialises forwards and cache changes
 
     def new_cache(self) -> CacheHandle: ...
 
@@ -149,7 +149,8 @@ class VerifierEngine:
                     raise item
                 yield item
                 if item.finish:
-                    finished = True
+                    # a cancelled turn may have left part of its prompt in the cache: drop it
+                    finished = item.finish != "cancelled"
                     return
         finally:
             job.closed = True

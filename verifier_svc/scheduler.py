@@ -11,7 +11,8 @@ Each iteration, between steps:
 
 The loop never waits for readers: events go to each request's queue and a slow client only
 slows itself. A reader that leaves more than ``max_unread`` events unread is cancelled with
-:class:`~verifier_svc.request.SlowConsumer`, so a stalled client holds no batch slot.
+:class:`~verifier_svc.request.SlowConsumer`, so a stalled client holds no batch slot (its
+session's K/V stays resident until its reader unwinds, when the session is freed).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self._stop:
+                self._fail(job, RuntimeError("verifier engine stopped"))
+                return
             self._start_locked()
             self._incoming.append(job)
             self._cv.notify()
@@ -128,6 +132,8 @@ class Scheduler:
         every forward) between iterations; returns its result or raises its exception."""
         fut: Future = Future()
         with self._cv:
+            if self._stop:
+                raise RuntimeError("verifier engine stopped")
             self._start_locked()
             self._calls.append((fn, fut))
             self._cv.notify()
@@ -161,6 +167,7 @@ class Scheduler:
                         self._fail(j, RuntimeError("verifier engine stopped"))
                     for _, fut in self._calls:
                         fut.set_exception(RuntimeError("verifier engine stopped"))
+                    self._incoming, self._waiting, self._running, self._calls = [], [], [], []
                     return
                 self._waiting += self._incoming
                 self._incoming = []

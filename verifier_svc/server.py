@@ -66,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on steps without speculation, send a session's new context features to "
                         "its drafter once this many rows are unsent (1 = every step); a draft "
                         "request always carries the rest [DFLASH_CONTEXT_FLUSH]")
+    p.add_argument("--max-unread-events", type=at_least(1),
+                   default=env("DFLASH_MAX_UNREAD_EVENTS", "4096"),
+                   help="events a request's reader may leave unread before the request is "
+                        "cancelled with RESOURCE_EXHAUSTED; the decode loop never waits for "
+                        "readers [DFLASH_MAX_UNREAD_EVENTS]")
     add_compute_args(p, "decode (scheduler) thread")
     p.add_argument("--spec-log-interval", type=float,
                    default=float(env("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
@@ -100,7 +105,8 @@ def main(argv=None) -> None:
     target = _load_target(a, rt)
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
-                            context_flush=a.context_flush, threads=threads)
+                            context_flush=a.context_flush, max_unread=a.max_unread_events,
+                            threads=threads)
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)

@@ -88,14 +88,15 @@ class TargetModel:
         if hasattr(embed, "full_tensor"):  # a sharded DTensor (expert parallel): gather, all ranks
             embed = embed.full_tensor()
         self.fingerprint = target_fingerprint(text, embed.detach().cpu())
-        types = set(getattr(self.config, "layer_types", None) or ["full_attention"])
-        if not types <= {"full_attention", "sliding_attention"}:
-            raise ValueError(f"layer_types: {sorted(types)} — only full and sliding-window attention "
-                             "layers fit the batch KV pool")
-        # Sliding-window layers keep every position in the pool; their mask limits the window.
-        self.sliding_window: int | None = getattr(self.config, "sliding_window", None) \
-            if "sliding_attention" in types else None
-        self._pool: KVPool | None = None
+        self._mask_kind, self.sliding_window = _attention_layout(self.config)
+        c = self.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        if getattr(c, "v_head_dim", None) not in (None, head_dim):
+            raise ValueError(f"v_head_dim: keys ({head_dim}) and values ({c.v_head_dim}) of "
+                             "different sizes (multi-head latent attention) do not fit the batch KV pool")
+        self.pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
+                           head_dim, dtype=self.dtype, device=self.device)
         self.failure: str | None = None     # a single process never fails apart (cf. ep.py)
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
@@ -104,17 +105,6 @@ class TargetModel:
         """The eval-mode model (``verifier_svc.ep.EPShard`` loads this rank's expert shard)."""
         return AutoModelForCausalLM.from_pretrained(
             str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
-
-    @property
-    def pool(self) -> KVPool:
-        """Every session's K/V (``dflash.kv_pool``), created at first use."""
-        if self._pool is None:
-            c = self.config
-            heads = c.num_attention_heads
-            self._pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
-                                getattr(c, "head_dim", None) or c.hidden_size // heads,
-                                dtype=self.dtype, device=self.device)
-        return self._pool
 
     def new_cache(self) -> PoolSeq:
         """A session's cache: a sequence of the batch KV pool."""
@@ -138,33 +128,37 @@ class TargetModel:
         n, q = cache.get_seq_length(), len(tokens)
         pool.reserve(n + q)
         want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], n, want, logits_to_keep)
+        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], want, logits_to_keep)
         pool.advance([cache], [q])
         taps = None
         if layer_ids:
             taps = torch.cat([out.hidden_states[j][0] for j in hidden_state_indices(layer_ids)], dim=-1)
         return out.logits[0].float(), taps
 
-    def _run(self, ids: torch.Tensor, row0: int, lens: list[int], starts: torch.Tensor | int,
-             want: list[int] | bool, logits_to_keep: int = 0):
-        """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] at positions
-        ``lens[i]..``, K/V written into the pool in place (``_PoolStep``), a boolean
-        [b, 1, q, max(lens) + q] mask (causal from each row's own length; sliding-window
-        layers get their own)."""
+    def _run(self, ids: torch.Tensor, row0: int, lens: list[int], want: list[int] | bool,
+             logits_to_keep: int = 0):
+        """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] with row i's tokens
+        at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``), a
+        boolean [b, 1, q, max(lens) + q] mask: causal from each row's own length, within the
+        window for sliding-window layers (SDPA reads True = attend)."""
         b, q = ids.shape
         lens_t = torch.tensor(lens, dtype=torch.int64)
         pos = lens_t[:, None] + torch.arange(q)                               # [b, q]
-        cols = torch.arange(max(lens) + q)
-        allowed = cols[None, None, :] <= pos[:, :, None]                      # [b, q, L]
-        mask = allowed[:, None].to(self.device)
+        end = max(lens) + q
+        cols = torch.arange(end)
+        causal = cols[None, None, :] <= pos[:, :, None]                       # [b, q, L]
         if self.sliding_window:
-            near = cols[None, None, :] > pos[:, :, None] - self.sliding_window
-            mask = {"full_attention": mask, "sliding_attention": (allowed & near)[:, None].to(self.device)}
-        if isinstance(starts, torch.Tensor):
-            starts = starts.to(self.device)
+            window = causal & (cols[None, None, :] > pos[:, :, None] - self.sliding_window)
+        masks = {"full_attention": causal, "sliding_attention": window if self.sliding_window else None}
+        if self._mask_kind == "mixed":
+            mask = {k: m[:, None].to(self.device) for k, m in masks.items()}
+        else:
+            mask = masks[self._mask_kind][:, None].to(self.device)
+        starts = lens[0] if b == 1 else lens_t.to(self.device)
         return self.model(input_ids=ids.to(self.device), attention_mask=mask,
-                          position_ids=pos.to(self.device), cache=_PoolStep(self.pool, row0, starts),
-                          use_cache=True, output_hidden_states=want, logits_to_keep=logits_to_keep)
+                          position_ids=pos.to(self.device),
+                          cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
+                          output_hidden_states=want, logits_to_keep=logits_to_keep)
 
     def own(self, cache: PoolSeq) -> None:
         """An idle session's K/V leaves the batch pool for tensors of its own length (its next
@@ -218,23 +212,25 @@ class TargetModel:
         if len(blocks) == 1:
             return [self.forward(blocks[0], caches[0], layer_ids[0])]
         pool = self.pool
-        pool.arrange(caches)
+        rows = pool.arrange(caches)              # session i on row rows[i] of 0..b-1
         b = len(blocks)
-        lens = [c.get_seq_length() for c in caches]
+        lens = [0] * b
+        for r, c in zip(rows, caches):
+            lens[r] = c.get_seq_length()
         q = max(len(x) for x in blocks)
         pool.reserve(max(lens) + q)
         ids = torch.zeros((b, q), dtype=torch.int64)
-        for i, blk in enumerate(blocks):
-            ids[i, :len(blk)] = torch.tensor(blk)
+        for r, blk in zip(rows, blocks):
+            ids[r, :len(blk)] = torch.tensor(blk)
         want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
-        out = self._run(ids, 0, lens, torch.tensor(lens, dtype=torch.int64), want)
+        out = self._run(ids, 0, lens, want)
         pool.advance(caches, [len(blk) for blk in blocks])
         results = []
-        for i, blk in enumerate(blocks):
+        for r, blk, ids_i in zip(rows, blocks, layer_ids):
             m = len(blk)
-            logits = out.logits[i, :m].float()
-            taps = torch.cat([out.hidden_states[j][i, :m] for j in hidden_state_indices(layer_ids[i])],
-                             dim=-1) if layer_ids[i] else None
+            logits = out.logits[r, :m].float()
+            taps = torch.cat([out.hidden_states[j][r, :m] for j in hidden_state_indices(ids_i)],
+                             dim=-1) if ids_i else None
             results.append((logits, taps))
         return results
 
@@ -247,9 +243,37 @@ class _PoolStep:
 
     is_compileable = False
 
-    def __init__(self, pool: KVPool, row0: int, starts: torch.Tensor | int):
-        self.pool, self.row0, self.starts = pool, row0, starts
+    def __init__(self, pool: KVPool, row0: int, starts: torch.Tensor | int, end: int):
+        self.pool, self.row0, self.starts, self.end = pool, row0, starts, end
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states)
+        return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states, self.end)
+
+
+def _attention_layout(config) -> tuple[str, int | None]:
+    """(mask kind, sliding window) of a transformers config, as its model builds its masks:
+    ``"full_attention"`` / ``"sliding_attention"`` (one mask for every layer) or ``"mixed"``
+    (a dict by layer type). Without ``layer_types`` a config with a ``sliding_window`` (and
+    ``use_sliding_window`` not False) slides on every layer (Mistral). Raises ValueError for
+    layouts the pool's masks cannot express (chunked or linear attention, a non-SDPA kernel:
+    the boolean mask is SDPA's form; eager attention would add it)."""
+    impl = getattr(config, "_attn_implementation", "sdpa")
+    if impl != "sdpa":
+        raise ValueError(f"attn_implementation: {impl!r}; the batch KV pool's masks need 'sdpa'")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError("attention_chunk_size: chunked attention layers do not fit the batch KV pool")
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    types = set(getattr(config, "layer_types", None) or
+                ["sliding_attention" if window else "full_attention"])
+    if not types <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types: {sorted(types)}; only full and sliding-window attention "
+                         "layers fit the batch KV pool")
+    if "sliding_attention" in types and not window:
+        raise ValueError("sliding_window: required by sliding_attention layers")
+    if len(types) == 2:
+        return "mixed", window
+    kind = types.pop()
+    return kind, window if kind == "sliding_attention" else None
