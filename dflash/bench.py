@@ -34,6 +34,38 @@ def _tpot(latency: float, ttft: float, n: int) -> float:
     return (latency - ttft) / max(n - 1, 1)
 
 
+def split_mode(spec: str) -> tuple[str, int]:
+    """A bench mode name -> (speculation mode, tree budget): ``"tree:8"`` -> ("tree", 8); other
+    names -> (name, 0 = the verifier's budget)."""
+    mode, _, budget = spec.partition(":")
+    return mode, int(budget) if budget else 0
+
+
+def mode_list(text: str) -> str:
+    """argparse ``type`` of ``--spec-modes``: a non-empty comma-separated list of distinct
+    ``dflash.speculation.MODES``, a tree mode optionally with its node budget (``tree:8``);
+    returns it normalised."""
+    import argparse
+
+    from dflash.server import choice_list
+    from dflash.speculation import MAX_TREE_BUDGET, MODES
+
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    for item in items:
+        _, sep, budget = item.partition(":")
+        if sep and not (item.startswith("tree:") and budget.isdigit()
+                        and 1 <= int(budget) <= MAX_TREE_BUDGET):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: a budget goes with tree only, tree:<nodes in [1, {MAX_TREE_BUDGET}]>")
+    if not items:
+        choice_list(MODES)(text)             # the "name at least one" error
+    for item in items:
+        choice_list(MODES)(item.partition(":")[0])
+    if len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
+    return ",".join(items)
+
+
 def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, speculation: bool,
                 drafter: str = "", mode: str = "") -> dict:
     """One prompt (chat ``messages``) through the running stack (``client``:
@@ -45,8 +77,9 @@ def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, 
     from dflash.client import build_request
     from dflash.convert import stats_from_proto
 
-    req = build_request(messages=messages, max_tokens=max_tokens,
-                        speculation=speculation, drafter=drafter, speculation_mode=mode)
+    mode, budget = split_mode(mode)
+    req = build_request(messages=messages, max_tokens=max_tokens, speculation=speculation,
+                        drafter=drafter, speculation_mode=mode, tree_budget=budget)
     c = client.complete(req, timeout=1800)
     st = stats_from_proto(c.acceptance)
     n = c.usage.completion_tokens
@@ -57,7 +90,8 @@ def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, 
             "drafts": st.drafts, "draft_tokens": st.draft_tokens,
             "accepted": st.accepted_tokens, "accepted_per_position": st.accepted_per_position,
             "tau": st.mean_acceptance_length, "drafter": c.drafter,
-            "draft_s": st.draft_seconds, "verify_s": st.verify_seconds}
+            "draft_s": st.draft_seconds, "verify_s": st.verify_seconds,
+            "tree_drafts": st.tree_drafts, "tree_nodes": st.tree_nodes}
 
 
 def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
@@ -131,6 +165,10 @@ def aggregate(rows: list[dict]) -> dict:
     out = {"prompts": len(rows), "tokens": toks, "tau": st.mean_acceptance_length,
            "per_position": st.per_position_rate, "draft_acceptance_rate": st.draft_acceptance_rate,
            "tok_s": toks / sum(r["latency_s"] for r in rows)}
+    tree_drafts = sum(r.get("tree_drafts", 0) for r in rows)
+    if tree_drafts:
+        out["tree_share"] = tree_drafts / max(st.drafts, 1)
+        out["nodes_per_tree_step"] = sum(r.get("tree_nodes", 0) for r in rows) / tree_drafts
     if rows and "tpot_s" in rows[0]:
         out["tpot_ms"] = 1000 * sum(r["latency_s"] - r["ttft_s"] for r in rows) / max(
             sum(r["tokens"] - 1 for r in rows), 1)
@@ -166,6 +204,10 @@ def markdown(results: dict) -> str:
         if a.get("per_position"):
             lines.append(f"\n{mode} per-position acceptance: " +
                          ", ".join(f"{x:.3f}" for x in a["per_position"]))
+        if a.get("nodes_per_tree_step"):
+            lines.append(f"\n{mode}: {100 * a['tree_share']:.0f}% of drafted steps were trees, "
+                         f"{a['nodes_per_tree_step']:.1f} nodes per tree step (per-position "
+                         "acceptance above = per depth of the accepted path)")
     return "\n".join(lines) + "\n"
 
 
@@ -319,8 +361,7 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
 def add_parser(sub) -> None:
     from dflash.cli import _add_stack_args
-    from dflash.bench_load import MODES
-    from dflash.server import at_least, choice_list, int_list
+    from dflash.server import at_least, int_list
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
@@ -339,7 +380,7 @@ def add_parser(sub) -> None:
     b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
-    b.add_argument("--spec-modes", type=choice_list(MODES), default="off,fixed,adaptive",
+    b.add_argument("--spec-modes", type=mode_list, default="off,fixed,adaptive",
                    help="speculation modes compared side by side: the --concurrency sweep runs "
                         "each; the on/off comparison runs each non-off mode against off")
     b.add_argument("--requests", type=at_least(1), default=8,

@@ -30,18 +30,20 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.speculation import MODES  # noqa: F401  (the sweep's modes; tests read them here)
 from dflash.stats import AcceptanceCounter
-
-MODES = ("off", "fixed", "adaptive")
 
 
 def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
     from dflash.client import build_request
     from dflash.convert import stats_from_proto
 
+    from dflash.bench import split_mode
+
+    name, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens,
                         speculation=mode != "off", drafter=drafter,
-                        speculation_mode="" if mode == "off" else mode)
+                        speculation_mode="" if mode == "off" else name, tree_budget=budget)
     c = client.complete(req, timeout=3600)
     st = stats_from_proto(c.acceptance)
     n = c.usage.completion_tokens
@@ -143,6 +145,11 @@ def _paired(runs: list[dict], others: list[dict]) -> list[float]:
             if other.get(x.get("repeat", 0))]
 
 
+def _modes(levels: list[dict]) -> list[str]:
+    """The modes of ``levels`` in order of first appearance (``tree:8`` beside ``tree``)."""
+    return list(dict.fromkeys(x["mode"] for x in levels))
+
+
 def markdown(levels: list[dict]) -> str:
     """One table, modes side by side per concurrency; figures are means over the repeats, and
     aggregate tokens/s shows its range when a cell ran more than once. Then, per concurrency,
@@ -150,7 +157,7 @@ def markdown(levels: list[dict]) -> str:
     spread of both (the noise the comparison has to clear) and, with repeats, the ratio within
     each round (:func:`_paired`)."""
     by = _cells(levels)
-    modes = [m for m in MODES if any(x["mode"] == m for x in levels)]
+    modes = _modes(levels)
     conc = sorted({x["concurrency"] for x in levels})
     lines = ["| concurrency | mode | aggregate tok/s | per-request tok/s | tau | TTFT p50 / p99 ms | "
              "ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
@@ -192,7 +199,7 @@ def plot(levels: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     by = _cells(levels)
-    for m in MODES:
+    for m in _modes(levels):
         conc = sorted(c for mm, c in by if mm == m)
         if conc:
             runs = [[x["agg_tok_s"] for x in by[(m, c)]] for c in conc]

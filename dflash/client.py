@@ -32,14 +32,15 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.0,
                   top_k: int = 0, seed: int | None = None, stop: list[str] = (),
                   speculation: bool = True, drafter: str = "", session_id: str = "",
-                  block_size: int = 0, speculation_mode: str = "") -> gateway_pb2.GenerateRequest:
+                  block_size: int = 0, speculation_mode: str = "",
+                  tree_budget: int = 0) -> gateway_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     if seed is not None:
         sampling.seed = seed
     r = gateway_pb2.GenerateRequest(sampling=sampling, max_tokens=max_tokens, stop=list(stop),
                                     speculation=speculation, drafter=drafter,
                                     session_id=session_id, block_size=block_size,
-                                    speculation_mode=speculation_mode)
+                                    speculation_mode=speculation_mode, tree_budget=tree_budget)
     if messages is not None:
         r.chat.messages.extend(gateway_pb2.ChatMessage(**m) for m in messages)
     else:

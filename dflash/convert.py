@@ -56,11 +56,13 @@ def stats_to_proto(s: AcceptanceCounter) -> common_pb2.AcceptanceStats:
         drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
         accepted_per_position=list(s.accepted_per_position),
         mean_acceptance_length=s.mean_acceptance_length, fallback_steps=s.fallback_steps,
-        draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds)
+        draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
+        tree_drafts=s.tree_drafts, tree_nodes=s.tree_nodes)
 
 
 def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
     return AcceptanceCounter(
         drafts=m.drafts, draft_tokens=m.draft_tokens, accepted_tokens=m.accepted_tokens,
         accepted_per_position=list(m.accepted_per_position), fallback_steps=m.fallback_steps,
-        draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds)
+        draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
+        tree_drafts=m.tree_drafts, tree_nodes=m.tree_nodes)

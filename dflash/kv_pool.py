@@ -25,6 +25,7 @@ by the next call.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import weakref
 
@@ -65,6 +66,41 @@ class PoolSeq:
     @property
     def row(self) -> int:
         return self._rec.row
+
+
+def check_compact(length: int, start: int, offsets: list[int]) -> list[int]:
+    """Validate a :meth:`KVPool.compact` of a sequence of ``length`` positions: ``0 <= start``,
+    ``offsets`` non-empty integers (anything ``operator.index`` takes), strictly increasing,
+    ``offsets[0] == 0`` (the anchor) and every ``start + offsets[m] < length`` (entries the
+    last forward wrote). Returns ``offsets`` as a list of Python ints.
+
+    Raises:
+        ValueError: naming ``start`` or ``offsets`` and the offending index.
+    """
+    try:
+        start = operator.index(start)
+    except TypeError:
+        raise ValueError(f"start: an int expected, got {start!r}") from None
+    if not 0 <= start <= length:
+        raise ValueError(f"start: {start} outside the sequence's [0, {length}] positions")
+    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__") or not len(offsets):
+        raise ValueError(f"offsets: a non-empty list of ints expected, got {offsets!r}")
+    out = []
+    for m, o in enumerate(offsets):
+        try:
+            out.append(operator.index(o))
+        except TypeError:
+            raise ValueError(f"offsets[{m}]: an int expected, got {o!r}") from None
+    if out[0] != 0:
+        raise ValueError(f"offsets[0]: must be 0 (the anchor), got {out[0]}")
+    for m in range(1, len(out)):
+        if out[m] <= out[m - 1]:
+            raise ValueError(f"offsets[{m}]: must be above offsets[{m - 1}] ({out[m - 1]}), "
+                             f"got {out[m]}")
+    if start + out[-1] >= length:
+        raise ValueError(f"offsets[-1]: position {start} + {out[-1]} is past the sequence's "
+                         f"{length} positions")
+    return out
 
 
 class KVPool:
@@ -273,6 +309,34 @@ class KVPool:
         if rec.spilled is not None:
             rec.spilled = [(k[:, :, :length], v[:, :, :length]) for k, v in rec.spilled]
         rec.length = length
+
+    def compact(self, seq: PoolSeq, start: int, offsets: list[int]) -> None:
+        """Keep entries ``start + offsets[m]`` at ``start + m`` in every layer, then set the
+        length to ``start + len(offsets)`` (a tree verify's accepted path: DDTree's KV
+        compaction). In place on the resident row (or the spilled tensors): one index_select
+        and one copy per K and V per layer, of the entries from the first one that moves; none
+        when ``offsets`` is ``0..n-1`` (a path straight down the block, as a chain's).
+
+        ``start``, ``offsets``: as :func:`check_compact` wants them.
+
+        Raises:
+            ValueError: naming ``start`` or ``offsets`` (:func:`check_compact`).
+        """
+        rec = seq._rec
+        offsets = check_compact(rec.length, start, offsets)
+        n = len(offsets)
+        first = next((m for m, o in enumerate(offsets) if o != m), n)
+        if first < n:
+            if rec.row >= 0:
+                bufs = [buf[rec.row] for buf in self.k + self.v]             # [H, cap, D] views
+            else:
+                bufs = [t[0] for kv in rec.spilled for t in kv]              # [H, len, D]
+            dev = bufs[0].device
+            src = torch.tensor([start + o for o in offsets[first:]], dtype=torch.int64, device=dev)
+            for buf in bufs:
+                # index_select copies first, so overlapping source and destination are safe
+                buf[:, start + first:start + n].copy_(buf.index_select(1, src))
+        self.set_length(seq, start + n)
 
     # ------------------------------------------------------------------ one forward
     def write(self, layer: int, row0: int, starts: torch.Tensor | int, k: torch.Tensor,

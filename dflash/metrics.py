@@ -86,12 +86,23 @@ class VerifierMetrics:
             "dflash_spec_decode_policy_drafts",
             "Drafts the speculation policy chose per session-step (0 = no speculation).",
             [V, "mode"], buckets=(0,) + STEP_LENGTHS, registry=r)
+        self.tree_drafts = Counter(
+            "dflash_spec_decode_num_tree_drafts",
+            "Drafted steps verified as a tree (DDTree); they count in num_drafts too, with the "
+            "tree's depth as draft tokens.", [V], registry=r)
+        self.tree_nodes = Counter("dflash_spec_decode_num_tree_nodes",
+                                  "Tree nodes verified (the root/bonus token not counted).", [V],
+                                  registry=r)
         self._pos_children: dict[tuple[str, int], object] = {}
 
     def step(self, label: str, *, drafted: int, accepted: int, fallback: str | None,
              verify_s: float, draft_s: float | None, wire_s: float | None,
-             context_bytes: int | None) -> None:
-        """One decode step. ``accepted`` counts drafts accepted and emitted (stop-aware)."""
+             context_bytes: int | None, tree_nodes: int = 0) -> None:
+        """One decode step. ``accepted`` counts drafts accepted and emitted (stop-aware); a tree
+        step (``tree_nodes`` > 0) gives its depth as ``drafted`` and its path as ``accepted``."""
+        if tree_nodes:
+            self.tree_drafts.labels(label).inc()
+            self.tree_nodes.labels(label).inc(tree_nodes)
         if drafted > 0:
             self.drafts.labels(label).inc()
             self.draft_tokens.labels(label).inc(drafted)

@@ -16,6 +16,11 @@ import torch
 
 from dflash.sampling import Sampling
 
+#: Most top-k alternatives per block position a drafter returns (``ProposalRequest.top_k``):
+#: DDTree needs K = min(node budget, vocabulary) per depth (Ringel & Romano, arXiv 2604.12989,
+#: section 3); 64 bounds the wire and the drafter's top-k work per block.
+MAX_TOP_K = 64
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterCard:
@@ -49,14 +54,26 @@ class ProposalRequest:
     block_size: int             # anchor + (block_size - 1) drafts; <= 1: context update only
     sampling: Sampling
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C, this request's step span
+    top_k: int = 0              # alternatives per draft position (Proposal.top_ids); 0 = none
 
 
 @dataclasses.dataclass(kw_only=True)
 class Proposal:
-    """A draft block: ``tokens`` int64 [K]; ``probs`` float32 [K, V] when sampling, else None."""
+    """A draft block: ``tokens`` int64 [K]; ``probs`` float32 [K, V] when sampling, else None.
 
-    tokens: torch.Tensor
-    probs: torch.Tensor | None = None
+    With ``ProposalRequest.top_k`` > 0 (and K > 0) also the drafter's top alternatives per draft
+    position, from the same forward, what DDTree builds its tree from (liranringel/ddtree
+    ``build_ddtree_tree``): ``top_ids`` int64 [K, c] target-vocabulary ids, distinct per row,
+    and ``top_logprobs`` float32 [K, c] their log-probabilities under the drafter's own
+    distribution at temperature 1 (log-softmax of its logits, whatever the request's sampling),
+    sorted descending along the last dim; c = min(top_k, the drafter's vocabulary). None from a
+    chain drafter that predates top-k. ``tokens`` and ``probs`` do not depend on ``top_k``.
+    """
+
+    tokens: torch.Tensor                        # [K] int64
+    probs: torch.Tensor | None = None           # [K, V] float32
+    top_ids: torch.Tensor | None = None         # [K, c] int64
+    top_logprobs: torch.Tensor | None = None    # [K, c] float32, descending per row
 
 
 class DraftError(RuntimeError):
@@ -65,6 +82,13 @@ class DraftError(RuntimeError):
     def __init__(self, reason: str, message: str = ""):
         super().__init__(f"{reason}: {message}" if message else reason)
         self.reason = reason
+
+
+def check_top_k(top_k: int) -> None:
+    """Raises ``DraftError("bad_request", ...)`` naming ``top_k`` unless 0 <= top_k <= MAX_TOP_K
+    (a drafter refuses that session alone; the rest of its batch is drafted)."""
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise DraftError("bad_request", f"top_k: must be in [0, {MAX_TOP_K}], got {top_k}")
 
 
 class Proposer(Protocol):

@@ -92,6 +92,16 @@ def at_least(low: int):
     return parse
 
 
+def in_range(low: int, high: int):
+    """argparse ``type`` for an int flag within ``[low, high]`` (refused naming the flag)."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
+        return n
+    return parse
+
+
 def one_of(choices: tuple[str, ...]):
     """argparse ``type`` for a string flag with fixed choices. Unlike ``choices=``, argparse
     also runs it on a string default (an environment variable's value), so a bad value there
@@ -103,8 +113,9 @@ def one_of(choices: tuple[str, ...]):
     return parse
 
 
-def int_list(low: int = 1):
-    """argparse ``type`` for a comma-separated list of distinct ints, each ``>= low`` (e.g.
+def int_list(low: int = 1, high: int | None = None):
+    """argparse ``type`` for a comma-separated list of distinct ints, each ``>= low`` and, when
+    given, ``<= high`` (e.g.
     ``--concurrency 1,2,4``); returns it normalised (``"1,2,4"``; ``""`` stays empty: the flag
     unset). A bad item is refused with an error naming the flag (argparse adds the name)."""
     def parse(text: str) -> str:
@@ -116,6 +127,9 @@ def int_list(low: int = 1):
         bad = [v for v in values if v < low]
         if bad:
             raise argparse.ArgumentTypeError(f"every value must be >= {low}, got {bad[0]}")
+        bad = [v for v in values if high is not None and v > high]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be <= {high}, got {bad[0]}")
         if len(set(values)) != len(values):
             raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
         return ",".join(map(str, values))

@@ -14,6 +14,10 @@ Definitions (written once; the same meaning as vLLM's spec-decoding counters):
   DFlash paper's tau, SGLang's ``accept len``).
 * per-position acceptance rate ``i = accepted_per_position[i] / drafts``.
 * draft acceptance rate ``= accepted_tokens / draft_tokens``.
+* trees (DDTree): ``tree_drafts`` steps verified a tree of ``tree_nodes`` nodes in all; such a
+  step counts in ``drafts`` as well, with the tree's depth as its draft tokens and the accepted
+  path's length as its accepted tokens, so tau and per-position (= per-depth) rates compare
+  with chains, and nodes per tree step is ``tree_nodes / tree_drafts``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ class AcceptanceCounter:
     fallback_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    tree_drafts: int = 0
+    tree_nodes: int = 0
+
+    def record_tree(self, nodes: int) -> None:
+        """The step just recorded verified a tree of ``nodes`` nodes."""
+        self.tree_drafts += 1
+        self.tree_nodes += nodes
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One step that verified ``num_draft_tokens`` drafts of which the first ``num_accepted``
@@ -60,6 +71,8 @@ class AcceptanceCounter:
         self.fallback_steps += other.fallback_steps
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        self.tree_drafts += other.tree_drafts
+        self.tree_nodes += other.tree_nodes
 
     @property
     def mean_acceptance_length(self) -> float:

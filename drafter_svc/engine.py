@@ -25,7 +25,7 @@ from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint
 from dflash.draft_vocab import load_draft_vocab
 from dflash.kv_pool import KVPool, PoolSeq
 from dflash.modeling import DFlashDrafter, TargetHead
-from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
+from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest, check_top_k
 from dflash.sampling import probs_from_logits, sample_from
 from dflash.threads import claim
 from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
@@ -218,6 +218,8 @@ class DrafterEngine:
                 logits = self._draft_blocks([(r, sess) for _, r, sess in drafting])
                 for (i, r, sess), lg in zip(drafting, logits):
                     out[i] = self._sample(r, sess, lg)
+                    if r.top_k:
+                        out[i].top_ids, out[i].top_logprobs = self._top_k(lg, r.top_k)
         return out
 
     def close(self) -> None:
@@ -241,6 +243,7 @@ class DrafterEngine:
         """Validate ``r``; the session's context, cropped to ``r.context_start``."""
         cfg = self.cfg
         ctx = r.context
+        check_top_k(r.top_k)
         if ctx.dim() != 2 or ctx.shape[1] != cfg.context_size:
             raise DraftError("bad_request", f"context: expected [n, {cfg.context_size}], "
                              f"got {list(ctx.shape)}")
@@ -352,6 +355,40 @@ class DrafterEngine:
         full = probs.new_zeros((probs.shape[0], self.cfg.vocab_size))
         full[:, ids] = probs
         return Proposal(tokens=ids[tok], probs=full)
+
+    def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's top ``k`` per draft position, what DDTree builds its tree from
+        (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
+        log-softmax of the draft logits, top-k per depth).
+
+        Args:
+            logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
+                is one, else V), the very logits the drafts came from (no second forward).
+            k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
+        Returns:
+            (ids int64 [K, c] target-vocabulary ids, logprobs float32 [K, c] descending per
+            row), c = min(k, N): log-softmax at temperature 1 whatever the request's sampling.
+            Column 0 is ``argmax(logits)`` (its first index among ties), the greedy draft.
+        """
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        n = lp.shape[-1]
+        c = min(k, n)
+        vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
+        # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
+        # column 0 must be the greedy chain's draft. Only rows whose top two log-probs tie can
+        # differ, so only they pay an argmax; its log-prob is the row's max (rounding is
+        # monotone), so putting it first keeps the row sorted.
+        tied = (vals[:, 0] == vals[:, 1]).nonzero().flatten().tolist() if vals.shape[1] > 1 else []
+        for row in tied:
+            first = logits[row].argmax()
+            at = (idx[row] == first).nonzero().flatten()
+            if at.numel():
+                idx[row, at[0]] = idx[row, 0]
+            idx[row, 0] = first
+        vals, idx = vals[:, :c], idx[:, :c]
+        if self.draft_vocab is not None:
+            idx = self.draft_vocab[idx]
+        return idx, vals
 
     #: Sessions not drafted for this long leave the pool for tensors of their own length
     #: (a kept conversation between turns), so idle ones do not hold rows sized to the longest.

@@ -65,7 +65,7 @@ def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
     return ProposalRequest(session_id=item.session_id, context_start=item.context_start,
                            context=wire.from_proto(item.context, "context"),
                            anchor_token=item.anchor_token, block_size=item.block_size,
-                           sampling=sampling_from_proto(item.sampling))
+                           sampling=sampling_from_proto(item.sampling), top_k=item.top_k)
 
 
 def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:
@@ -74,4 +74,8 @@ def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftRes
     r = drafter_pb2.DraftResult(session_id=session_id, tokens=out.tokens.tolist())
     if out.probs is not None:
         r.probs.CopyFrom(wire.to_proto(out.probs.float()))
+    if out.top_ids is not None:
+        r.top_ids.CopyFrom(wire.to_proto(out.top_ids.long()))
+    if out.top_logprobs is not None:
+        r.top_logprobs.CopyFrom(wire.to_proto(out.top_logprobs.float()))
     return r

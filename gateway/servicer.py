@@ -12,6 +12,7 @@ import grpc
 
 from dflash.convert import FINISH, FINISH_NAME, sampling_from_proto, sampling_to_proto
 from dflash.sampling import InvalidParam
+from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.detok import IncrementalDetokenizer
 from gateway.registry import DrafterRegistry
@@ -67,8 +68,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                f"{self.max_positions} tokens")
         if r.block_size < 0:
             raise InvalidParam("block_size", "must be >= 0")
-        if r.speculation_mode not in ("", "off", "fixed", "adaptive"):
-            raise InvalidParam("speculation_mode", f"{r.speculation_mode!r} not one of off, fixed, adaptive")
+        if r.speculation_mode not in ("", *MODES):
+            raise InvalidParam("speculation_mode",
+                               f"{r.speculation_mode!r} not one of {', '.join(MODES)}")
+        if not 0 <= r.tree_budget <= MAX_TREE_BUDGET:
+            raise InvalidParam("tree_budget", f"must be in [0, {MAX_TREE_BUDGET}], got {r.tree_budget}")
         return sampling
 
     def _drafter(self, r: gateway_pb2.GenerateRequest) -> str:
@@ -128,7 +132,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stop_token_ids=list(request.stop_token_ids),
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
-                block_size=request.block_size, mode=request.speculation_mode))
+                block_size=request.block_size, mode=request.speculation_mode,
+                tree_budget=request.tree_budget))
         call = self.verifier.Generate(vreq)
         context.add_callback(call.cancel)
         detok = IncrementalDetokenizer(self.tok, list(request.stop))

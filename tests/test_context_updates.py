@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from doubles import ReferenceDrafter
+from doubles import ReferenceDrafter, chains
 from test_lossless import PROMPTS, reference
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.engine import Request, VerifierEngine
@@ -78,8 +78,8 @@ def test_no_speculation_steps_do_not_wait_for_the_drafter(target_model, hf_targe
     proposer = served(oracle)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=1)
     plan = iter([0] * 5 + [3] * 40)
-    engine.policy.choose = lambda jobs, waiting=0: [
-        min(next(plan), max(0, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+    engine.policy.choose_shapes = chains(lambda jobs, waiting=0: [
+        min(next(plan), max(0, j.req.max_tokens - j.emitted - 1)) for j in jobs])
     evs = []
     for i, ev in enumerate(engine.generate(Request(request_id="r", session_id="s", prompt=p,
                                                    max_tokens=N, ignore_eos=True,
@@ -110,9 +110,9 @@ def test_a_lost_context_update_is_resent_whole(target_model, hf_target, served):
     oracle.gate.set()
     proposer = served(oracle)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=1)
-    engine.policy.choose = lambda jobs, waiting=0: [
+    engine.policy.choose_shapes = chains(lambda jobs, waiting=0: [
         min(3 if oracle.resent.is_set() else 0, max(0, j.req.max_tokens - j.emitted - 1))
-        for j in jobs]
+        for j in jobs])
     evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=N,
                                        ignore_eos=True, proposer=proposer)))
     engine.close()

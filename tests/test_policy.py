@@ -10,7 +10,7 @@ import pytest
 from conftest import Stack, generate_ids
 from dflash.sampling import InvalidParam
 from dflash.v1 import verifier_pb2
-from doubles import ReferenceDrafter
+from doubles import ReferenceDrafter, chains
 from test_lossless import PROMPTS, assert_same_tokens, reference
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
@@ -120,8 +120,8 @@ def test_no_speculation_steps_still_send_context(target_model, hf_target):
     oracle = Recording(target_model, {"s": ref}, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=1)
     plan = iter([0, 0, 0, 3, 3, 0, 3] + [3] * 40)
-    engine.policy.choose = lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
-                                         for j in jobs]
+    engine.policy.choose_shapes = chains(lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+                                         for j in jobs])
     evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
                                        ignore_eos=True, proposer=oracle)))
     got = [t for ev in evs for t in ev.tokens]
@@ -143,8 +143,8 @@ def test_context_flushed_every_n_rows_without_speculation(target_model, hf_targe
     oracle = Recording(target_model, {"s": ref}, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=4)
     plan = iter([0] * 10 + [3] * 40)
-    engine.policy.choose = lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
-                                         for j in jobs]
+    engine.policy.choose_shapes = chains(lambda jobs, waiting=0: [min(next(plan), max(0, j.req.max_tokens - j.emitted - 1))
+                                         for j in jobs])
     evs = list(engine.generate(Request(request_id="r", session_id="s", prompt=p, max_tokens=n,
                                        ignore_eos=True, proposer=oracle)))
     assert [t for ev in evs for t in ev.tokens] == ref[len(p):]
@@ -211,7 +211,7 @@ def test_sessions_without_speculation_flush_together(target_model, hf_target):
             "b": pb + reference(hf_target, pb, n, ignore_eos=True)}
     oracle = ReferenceDrafter(target_model, refs, block_size=4)
     engine = VerifierEngine(target_model, spec_mode="adaptive", context_flush=4)
-    engine.policy.choose = lambda jobs, waiting=0: [0] * len(jobs)
+    engine.policy.choose_shapes = chains(lambda jobs, waiting=0: [0] * len(jobs))
     real = engine.sync.draft
     calls = []                      # per step with a drafter call: [(unsent, room, sent)] per job
 

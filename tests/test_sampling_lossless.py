@@ -103,22 +103,37 @@ class MarkovTarget:
     max_positions = 1 << 20
     eos_token_ids: frozenset[int] = frozenset()
 
+    supports_trees = True
+
     def __init__(self):
         self.lock = threading.Lock()
 
     def new_cache(self) -> _Cache:
         return _Cache()
 
-    def forward(self, tokens, cache, layer_ids, logits_to_keep=0):
+    def forward(self, tokens, cache, layer_ids, logits_to_keep=0, parents=None):
+        """A tree block (``parents = [tree]``, as ``TargetModel.forward``) puts node j at
+        position ``start + depth(j)``, so its logits depend on its depth, not its slot."""
         start = len(cache.tokens)
         cache.tokens.extend(tokens)
-        parity = torch.arange(start, start + len(tokens)) % 2
+        depth = list(range(len(tokens)))
+        tree = parents[0] if parents else None
+        if tree is not None:
+            for j in range(1, len(tokens)):
+                depth[j] = depth[tree[j]] + 1
+        parity = (start + torch.tensor(depth)) % 2
         logits = TARGET_LOGITS[parity, torch.tensor(tokens)]
         taps = torch.zeros(len(tokens), len(layer_ids) * self.hidden_size) if layer_ids else None
         return logits[-logits_to_keep:], taps
 
-    def forward_batch(self, blocks, caches, layer_ids):
-        return [self.forward(b, c, ids) for b, c, ids in zip(blocks, caches, layer_ids)]
+    def forward_batch(self, blocks, caches, layer_ids, parents=None):
+        parents = parents or [None] * len(blocks)
+        return [self.forward(b, c, ids, parents=[pa])
+                for b, c, ids, pa in zip(blocks, caches, layer_ids, parents)]
+
+    @staticmethod
+    def keep(cache, start: int, offsets: list[int]) -> None:
+        cache.tokens[start:] = [cache.tokens[start + o] for o in offsets]
 
     @staticmethod
     def crop(cache, length: int) -> None:

@@ -8,7 +8,11 @@ expected to commit.
 * per request: the drafter's table moved towards the request's own per-position counts, the
   drafter's rates weighing as ``SESSION_PRIOR_STEPS`` steps (:func:`session_table`);
 * calibration: ``accuracy`` = committed / expected drafted tokens of recent speculative steps,
-  by which the policy scales every expected drafted token (:attr:`AcceptanceEstimator.accuracy`).
+  by which the policy scales every expected drafted token (:attr:`AcceptanceEstimator.accuracy`);
+* trees (DDTree, ``verifier_svc/tree.py``): per drafter label and node budget, an EMA of the
+  tokens one tree step commits (:meth:`AcceptanceEstimator.observe_trees`). A chain's
+  per-position rates say nothing about the siblings a tree adds, so a tree budget is measured
+  as a whole rather than derived.
 
 How the policy weighs these against step cost: ``verifier_svc/policy.py``.
 """
@@ -21,6 +25,8 @@ from verifier_svc.cost_model import EMA
 
 # How many steps of its own a request's acceptance needs to weigh as much as the drafter's EMA.
 SESSION_PRIOR_STEPS = 4.0
+# Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
+TREE_MEASURED_STEPS = 3
 
 
 class PositionCounts(Protocol):
@@ -78,6 +84,7 @@ class AcceptanceEstimator:
         self._expected_extra = EMA(alpha)
         self._committed_extra = EMA(alpha)
         self._pending: tuple[list[int], float] | None = None   # (job indices, expected extra)
+        self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
 
     # ------------------------------------------------------------------ rates
     def observe(self, label: str, blocks: Sequence[tuple[int, int]]) -> None:
@@ -125,6 +132,26 @@ class AcceptanceEstimator:
     def expected_tokens(self, label: str, k: int) -> float:
         """E[committed tokens] of one step with ``k`` drafts of drafter ``label``."""
         return self.expected_table(label, k)[k]
+
+    # ------------------------------------------------------------------ trees
+    def observe_trees(self, label: str, rows: Sequence[tuple[int, int]]) -> None:
+        """One step's tree rows of drafter ``label``: ``(budget, committed tokens)`` each (the
+        bonus token included). One EMA update per budget per step with the step's mean."""
+        by_budget: dict[int, list[int]] = {}
+        for budget, committed in rows:
+            by_budget.setdefault(budget, []).append(committed)
+        for budget, got in by_budget.items():
+            self._trees.setdefault((label, budget), EMA(self.alpha)).add(sum(got) / len(got))
+
+    def tree_expected(self, label: str, budget: int) -> float | None:
+        """E[committed tokens] of one tree step with ``budget`` nodes of drafter ``label``, or
+        None until ``TREE_MEASURED_STEPS`` steps were seen."""
+        e = self._trees.get((label, budget))
+        return e.value if e is not None and e.n >= TREE_MEASURED_STEPS else None
+
+    def tree_table(self) -> dict[tuple[str, int], float]:
+        """(label, budget) -> EMA committed tokens per tree step (a copy, for metrics)."""
+        return {key: e.value for key, e in list(self._trees.items())}
 
     # ------------------------------------------------------------------ calibration
     def expect(self, indices: list[int], extra: float) -> None:

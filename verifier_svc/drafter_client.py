@@ -151,7 +151,8 @@ class RemoteProposer:
             items.append(drafter_pb2.DraftItem(
                 session_id=r.session_id, context_start=r.context_start, context=t,
                 anchor_token=r.anchor_token, block_size=r.block_size,
-                sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller))
+                sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller,
+                top_k=r.top_k))
         self.last_wire_bytes = nbytes
         return items
 
@@ -257,7 +258,14 @@ class RemoteProposer:
             probs = wire.from_proto(r.probs, "probs") if r.HasField("probs") else None
         except wire.WireError as e:
             return DraftError("malformed_probs", str(e))
-        return Proposal(tokens=torch.tensor(list(r.tokens), dtype=torch.int64), probs=probs)
+        try:   # absent from a chain drafter; their shapes and values: DrafterSync.malformed
+            top_ids = wire.from_proto(r.top_ids, "top_ids") if r.HasField("top_ids") else None
+            top_lp = (wire.from_proto(r.top_logprobs, "top_logprobs")
+                      if r.HasField("top_logprobs") else None)
+        except wire.WireError as e:
+            return DraftError("malformed_topk", str(e))
+        return Proposal(tokens=torch.tensor(list(r.tokens), dtype=torch.int64), probs=probs,
+                        top_ids=top_ids, top_logprobs=top_lp)
 
     def release(self, session_ids: list[str]) -> None:
         with self._lock:

@@ -67,6 +67,7 @@ class DraftItem:
     room: bool                         # could speculate at all (block limit and tokens left)
     sampling: Sampling
     trace_context: dict[str, str]
+    top_k: int = 0                     # alternatives wanted per draft position (a tree); 0 = chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,11 @@ class DraftOutcome:
     probs: torch.Tensor | None         # [k, V] float, sampled drafts' q; None = greedy/one-hot
     fallback: str | None               # why a wanted block is missing
     called: bool                       # the drafter was called for it (its time counts)
+    # The drafter's top alternatives per draft position (``Proposal.top_ids``), only when the
+    # item asked for top_k > 0 and the drafter has them; None from a chain drafter, whose
+    # block is then verified as a chain.
+    top_ids: torch.Tensor | None = None        # [k, c] int64 target ids, 1 <= c <= top_k
+    top_logprobs: torch.Tensor | None = None   # [k, c] float32 <= 0, descending per row
 
 
 NONE = DraftOutcome([], None, None, False)
@@ -165,14 +171,15 @@ class DrafterSync:
                 res = [DraftError("exception", repr(e))] * len(reqs)
             for i, r in zip(idx, res):
                 it = items[i]
-                reason = self.malformed(r, it.k)
+                reason = self.malformed(r, it.k, it.top_k if it.k else 0)
                 if reason:
                     it.state.reset()  # resend the whole context once the drafter is healthy
                     log.info("session %s: drafter fallback (%s)", it.session_id, reason)
                     out[i] = DraftOutcome([], None, reason if it.k else None, True)
                 else:
                     it.state.length = it.cached
-                    out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True)
+                    out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True,
+                                          top_ids=r.top_ids, top_logprobs=r.top_logprobs)
         return out
 
     @staticmethod
@@ -181,7 +188,8 @@ class DrafterSync:
         return ProposalRequest(session_id=it.session_id, context_start=start,
                                context=it.state.taps.rows(start), anchor_token=it.anchor,
                                block_size=block_size, sampling=it.sampling,
-                               trace_context=it.trace_context)
+                               trace_context=it.trace_context,
+                               top_k=it.top_k if block_size > 1 else 0)   # nothing to rank
 
     def _send_context(self, proposer: ContextSender, items: list[DraftItem]) -> None:
         """Context-only update nothing this step waits for; the held length advances now."""
@@ -201,8 +209,18 @@ class DrafterSync:
         for it in items:
             it.state.length = it.cached
 
-    def malformed(self, res: Proposal | DraftError, k: int) -> str | None:
-        """Why ``res`` is not ``k`` usable drafts (None: it is)."""
+    def malformed(self, res: Proposal | DraftError, k: int, top_k: int = 0) -> str | None:
+        """Why ``res`` is not ``k`` usable drafts with up to ``top_k`` alternatives each (None:
+        it is).
+
+        Top-k (reason "malformed_topk"): a result with neither ``top_ids`` nor
+        ``top_logprobs`` is a chain drafter that predates top-k and is fine whatever
+        ``top_k`` is. Otherwise both must be there, asked for (top_k > 0), int64 and float32
+        of one shape ``[k, c]`` with ``1 <= c <= min(top_k, vocab_size)`` (fewer than asked
+        only from a drafter whose vocabulary, a draft vocabulary included, is smaller), ids in
+        ``[0, vocab_size)`` and distinct per row (a tree node has one child per token),
+        log-probs finite, ``<= 0`` and non-increasing along each row.
+        """
         if isinstance(res, DraftError):
             return res.reason
         toks = res.tokens
@@ -214,4 +232,26 @@ class DrafterSync:
             p = res.probs
             if p.shape != (k, self.vocab_size) or not torch.isfinite(p).all() or (p < 0).any():
                 return "malformed_probs"
+        if res.top_ids is not None or res.top_logprobs is not None:
+            if not self._top_k_ok(res.top_ids, res.top_logprobs, k, top_k):
+                return "malformed_topk"
         return None
+
+    def _top_k_ok(self, ids: torch.Tensor | None, lp: torch.Tensor | None, k: int,
+                  top_k: int) -> bool:
+        if ids is None or lp is None or top_k <= 0:
+            return False
+        if ids.dtype != torch.int64 or lp.dtype != torch.float32 or ids.dim() != 2:
+            return False
+        c = ids.shape[1]
+        if lp.shape != ids.shape or ids.shape[0] != k or not 1 <= c <= min(top_k, self.vocab_size):
+            return False
+        if not k:
+            return True
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            return False
+        by_id = ids.sort(-1).values
+        if (by_id[:, 1:] == by_id[:, :-1]).any():
+            return False
+        return bool(torch.isfinite(lp).all() and (lp <= 0).all()
+                    and (lp[:, 1:] <= lp[:, :-1]).all())

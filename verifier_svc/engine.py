@@ -23,15 +23,18 @@ from typing import Protocol
 
 import torch
 
+from dflash.proposer import MAX_TOP_K
 from dflash.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
+from dflash.speculation import MAX_TREE_BUDGET
 from dflash.stats import AcceptanceCounter
 from verifier_svc.cards import check_drafter_card
 from verifier_svc.drafter_sync import DraftItem, DraftOutcome, DrafterSync
-from verifier_svc.policy import Decision, SpeculationPolicy, StepFeedback
+from verifier_svc.policy import DEFAULT_TREE_BUDGETS, Decision, Shape, SpeculationPolicy, StepFeedback
 from verifier_svc.request import (MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer,
                                   StepEvent, validate)
 from verifier_svc.scheduler import Job, Scheduler, StepPlan
 from verifier_svc.sessions import CacheHandle, Session, SessionStore
+from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
 from verifier_svc.verification import RowParams, Verified, verify_batch
 
 __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowConsumer",
@@ -48,14 +51,18 @@ class Target(Protocol):
     max_positions: int
     eos_token_ids: frozenset[int]
     lock: AbstractContextManager        # serialises forwards and cache changes
+    supports_trees: bool                # forward_batch takes ``parents``; ``keep`` compacts
 
     def new_cache(self) -> CacheHandle: ...
 
     def forward(self, tokens: list[int], cache: CacheHandle, layer_ids: tuple[int, ...] | None,
                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def forward_batch(self, blocks: list[list[int]], caches: list[CacheHandle], layer_ids: list[tuple[int, ...]]
+    def forward_batch(self, blocks: list[list[int]], caches: list[CacheHandle],
+                      layer_ids: list[tuple[int, ...]], parents: list[list[int] | None] | None = None
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]: ...
+
+    def keep(self, cache: CacheHandle, start: int, offsets: list[int]) -> None: ...
 
     def crop(self, cache: CacheHandle, length: int) -> None: ...
 
@@ -69,8 +76,11 @@ class VerifierEngine:
         target: the loaded target model.
         session_ttl_s: idle sessions are dropped after this many seconds.
         max_sessions: bound on kept sessions (least recently used dropped first).
-        spec_mode: default speculation mode ("off" | "fixed" | "adaptive"; ``verifier_svc.policy``;
-            the services default to adaptive, ``--spec-mode``).
+        spec_mode: default speculation mode ("off" | "fixed" | "adaptive" | "tree";
+            ``verifier_svc.policy``; the services default to adaptive, ``--spec-mode``).
+        tree_budget: nodes of a tree in mode "tree" when the request names none (``--tree-budget``).
+        tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
+            chains only). Trees need a target with ``supports_trees``.
         prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
         max_batch: sessions verified per step.
         context_flush: ``verifier_svc.drafter_sync.DrafterSync``. Raises ValueError below 1.
@@ -82,12 +92,19 @@ class VerifierEngine:
 
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
                  spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64,
-                 context_flush: int = 8, max_unread: int = 4096, threads: int = 0):
+                 context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
+                 tree_budget: int = 16, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS):
+        if not 1 <= tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
+        if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
+            raise ValueError(f"tree_budgets: each must be in [1, {MAX_TREE_BUDGET}], got {list(tree_budgets)}")
         self.target = target
         self.threads = threads
         self.sync = DrafterSync(target.vocab_size, context_flush)
         self.spec_mode = spec_mode
-        self.policy = SpeculationPolicy(spec_mode)
+        self.tree_budget = tree_budget
+        self.trees = target.supports_trees
+        self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else ())
         self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    max_unread=max_unread)
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,
@@ -182,9 +199,13 @@ class VerifierEngine:
         job.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
         job.mode = req.spec_mode or self.spec_mode
         job.block_limit = 1
+        job.tree_budget = 0
         if req.proposer is not None and job.mode != "off":
             card = req.proposer.card
             job.block_limit = min(req.block_size or card.block_size, card.block_size)
+            if self.trees and job.mode in ("tree", "adaptive"):
+                job.tree_budget = req.tree_budget or (
+                    self.tree_budget if job.mode == "tree" else max(self.policy.tree_budgets, default=0))
         with t.lock:
             t.crop(s.cache, job.reuse)
         self.sync.truncate(s.drafter, job.reuse)
@@ -222,9 +243,9 @@ class VerifierEngine:
         """One speculative step for every job of ``plan``: one drafter call per drafter, one
         target forward, one batched verification; returns one event per job, in order."""
         jobs, t = plan.jobs, self.target
-        ks = self.policy.choose(jobs, plan.waiting)
+        shapes = self.policy.choose_shapes(jobs, plan.waiting)
         lens = [j.session.cached for j in jobs]
-        items = [self._draft_item(j, k, n) for j, k, n in zip(jobs, ks, lens)]
+        items = [self._draft_item(j, sh, n) for j, sh, n in zip(jobs, shapes, lens)]
         # a session whose drafter holds none of its context yet sends its whole prompt this step
         joining = any(it.proposer is not None and it.state.proposer is it.proposer
                       and it.state.length == 0 for it in items)
@@ -232,65 +253,103 @@ class VerifierEngine:
         td = time.perf_counter()
         drafts = self.sync.draft(items)
         draft_s = time.perf_counter() - td
-        blocks = [[it.anchor] + d.tokens for it, d in zip(items, drafts)]
+        trees = [_tree(sh, d) for sh, d in zip(shapes, drafts)]
+        blocks = [[it.anchor] + (tr.tokens if tr else d.tokens)
+                  for it, d, tr in zip(items, drafts, trees)]
 
         tv = time.perf_counter()
         with t.lock:
             outs = t.forward_batch(blocks, [j.session.cache for j in jobs],
-                                   [j.session.drafter.tap_ids for j in jobs])
+                                   [j.session.drafter.tap_ids for j in jobs],
+                                   [tr.parents if tr else None for tr in trees]
+                                   if any(trees) else None)
         verify_s = time.perf_counter() - tv
 
-        verified = verify_batch(
-            [torch.tensor(d.tokens, dtype=torch.int64) for d in drafts], [lg for lg, _ in outs],
-            [d.probs for d in drafts],
-            [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted) for j in jobs])
+        verified = self._verify(jobs, drafts, trees, [lg for lg, _ in outs])
         decision = self.policy.last_decision
         with t.lock:
             events = [self._commit(j, n, v, taps, d, draft_s, verify_s, len(jobs), decision)
                       for j, n, v, (_, taps), d in zip(jobs, lens, verified, outs, drafts)]
-        self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s)
+        self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s, shapes, verified)
         return events
 
-    def _draft_item(self, j: Job, k: int, cached: int) -> DraftItem:
+    def _draft_item(self, j: Job, sh: Shape, cached: int) -> DraftItem:
         s, req = j.session, j.req
         ctx = req.trace.step_started(j.steps) if req.trace is not None else {}
         return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=cached,
-                         anchor=s.tokens[-1], k=k,
+                         anchor=s.tokens[-1], k=sh.k,
                          room=j.block_limit > 1 and req.max_tokens - j.emitted > 1,
-                         sampling=req.sampling, trace_context=ctx)
+                         sampling=req.sampling, trace_context=ctx,
+                         top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0)
+
+    @staticmethod
+    def _verify(jobs: list[Job], drafts: list[DraftOutcome], trees: list[DraftTree | None],
+                logits: list[torch.Tensor]) -> list[Verified]:
+        """Chains through ``verify_batch``, trees through ``verify_trees``, results in job order."""
+        params = [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted) for j in jobs]
+        chain = [i for i, tr in enumerate(trees) if tr is None]
+        tree = [i for i, tr in enumerate(trees) if tr is not None]
+        out: list[Verified | None] = [None] * len(jobs)
+        for i, v in zip(chain, verify_batch(
+                [torch.tensor(drafts[i].tokens, dtype=torch.int64) for i in chain],
+                [logits[i] for i in chain], [drafts[i].probs for i in chain],
+                [params[i] for i in chain])):
+            out[i] = v
+        if tree:
+            for i, v in zip(tree, verify_trees([trees[i] for i in tree], [logits[i] for i in tree],
+                                               [params[i] for i in tree])):
+                out[i] = v
+        return out  # type: ignore[return-value]  (every index filled above)
 
     def _commit(self, j: Job, n: int, v: Verified, taps: torch.Tensor | None, d: DraftOutcome,
                 draft_s: float, verify_s: float, batch: int, decision: Decision | None) -> StepEvent:
-        """Keep what row ``j`` committed: crop its KV cache to it, keep its taps and count it."""
+        """Keep what row ``j`` committed: crop its KV cache to it (a tree keeps its accepted
+        path's entries first), keep its taps and count it."""
         s = j.session
         new = v.tokens
+        nodes = 0
+        if isinstance(v, TreeVerified):
+            kept = [0] + v.path                    # the anchor and the accepted nodes
+            self.target.keep(s.cache, n, kept)
+            if taps is not None:
+                taps = taps[kept]
+            nodes = v.nodes
         self.target.crop(s.cache, n + len(new))
         if s.drafter.tap_ids:
             s.drafter.taps.append(taps[:len(new)])
         s.tokens.extend(new)
         j.emitted += len(new)
         j.stats.record(v.drafted, v.accepted)
+        self.totals.record(v.drafted, v.accepted)
+        if nodes:
+            j.stats.record_tree(nodes)
+            self.totals.record_tree(nodes)
         j.stats.verify_seconds += verify_s
         j.stats.draft_seconds += draft_s if d.called else 0.0
         if d.fallback:
             j.stats.fallback_steps += 1
-        self.totals.record(v.drafted, v.accepted)
         ev = StepEvent(tokens=new, accepted=v.accepted, drafted=v.drafted, finish=v.finish,
                        draft_seconds=draft_s if d.called else 0.0, verify_seconds=verify_s,
                        fallback=d.fallback, stats=j.stats, batch_size=batch, policy=decision,
-                       step=j.steps)
+                       step=j.steps, tree_nodes=nodes)
         j.steps += 1
         return ev
 
     def _feed_policy(self, plan: StepPlan, joining: bool, blocks: list[list[int]],
                      drafts: list[DraftOutcome], events: list[StepEvent], verify_s: float,
-                     draft_s: float) -> None:
+                     draft_s: float, shapes: list[Shape], verified: list[Verified]) -> None:
         """One observation of this step for the policy (``StepFeedback``)."""
         jobs = plan.jobs
         by_label: dict[str, list[tuple[int, int]]] = {}
-        for j, ev in zip(jobs, events):
-            if ev.drafted and j.req.proposer is not None:
-                by_label.setdefault(j.req.proposer.card.label, []).append((ev.drafted, ev.accepted))
+        trees: dict[str, list[tuple[int, int]]] = {}
+        for j, ev, sh, v in zip(jobs, events, shapes, verified):
+            if not ev.drafted or j.req.proposer is None:
+                continue
+            label = j.req.proposer.card.label
+            if isinstance(v, TreeVerified):
+                trees.setdefault(label, []).append((sh.budget, len(ev.tokens)))
+            else:
+                by_label.setdefault(label, []).append((ev.drafted, ev.accepted))
         now = time.monotonic()
         last, self._last_cycle_end = self._last_cycle_end, now
         overhead = None if plan.fresh_cycle or not last else now - last - verify_s - draft_s
@@ -299,7 +358,7 @@ class VerifierEngine:
         self.policy.observe(StepFeedback(
             batch=len(jobs), k=max(len(b) for b in blocks) - 1, verify_seconds=verify_s,
             draft_seconds=draft_s if any(d.called for d in drafts) else 0.0,
-            record_cost=not (plan.waiting or joining), blocks=by_label,
+            record_cost=not (plan.waiting or joining), blocks=by_label, trees=trees,
             committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead))
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
@@ -318,6 +377,15 @@ class VerifierEngine:
         if sampling.greedy:
             return int(logits[-1].argmax())
         return int(sample_from(probs_from_logits(logits[-1], sampling), gen))
+
+
+def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:
+    """The tree a job verifies this step, or None for a chain (no tree asked, no drafts, or a
+    drafter that sent no top-k: a chain drafter keeps working)."""
+    if not sh.budget or not d.tokens or d.top_ids is None or d.top_logprobs is None:
+        return None
+    depth = len(d.tokens)
+    return build_tree(d.top_ids[:depth], d.top_logprobs[:depth], sh.budget)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -2,13 +2,14 @@
 
 Rank 0 is the verifier process: it serves gRPC, runs the scheduler and holds a
 :class:`DistributedTarget`, which has the :class:`~verifier_svc.target.TargetModel` interface
-(``new_cache``, ``forward``, ``forward_batch``, ``crop``, card fields), so the engine does not
-know how many ranks run the target. Ranks 1..N-1 are ``python -m verifier_svc.ep_worker``
-processes that rank 0 starts. Each target call on rank 0 first broadcasts a small op record
-(op name, cache ids, tokens, length) to the workers with ``broadcast_object_list``; every rank
-then runs the same call on its own :class:`EPShard`, whose forward exchanges expert outputs
-through collectives. Workers mirror each session's KV cache by id (created on first use, freed
-when rank 0's cache object is garbage collected: the id rides on the next op).
+(``new_cache``, ``forward``, ``forward_batch``, ``crop``, ``keep``, card fields, trees), so the
+engine does not know how many ranks run the target. Ranks 1..N-1 are
+``python -m verifier_svc.ep_worker`` processes that rank 0 starts. Each target call on rank 0
+first broadcasts a small op record (op name, cache ids, tokens, tree parents, length) to the
+workers with ``broadcast_object_list``; every rank then runs the same call on its own
+:class:`EPShard`, whose forward exchanges expert outputs through collectives. Workers mirror
+each session's KV cache by id (created on first use, freed when rank 0's cache object is
+garbage collected: the id rides on the next op).
 
 Sharding is transformers' own (``DistributedConfig(ep_size=N, fsdp_size=N)``): each rank keeps
 ``num_experts / N`` experts (``ep_dispatch_experts``: per MoE layer, an all-to-all sends each
@@ -47,8 +48,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash.kv_pool import check_compact
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
-from verifier_svc.target import TargetModel, TargetUnavailable
+from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
 
 log = logging.getLogger("dflash.verifier.ep")
 
@@ -95,13 +97,18 @@ class EPShard(TargetModel):
 
     # FSDP's unshard hooks bump version counters, which inference-mode tensors lack: the shard
     # runs the base class's calls under no_grad instead of inference_mode.
-    def forward(self, tokens, cache, layer_ids, logits_to_keep: int = 0):
+    def forward(self, tokens, cache, layer_ids, logits_to_keep: int = 0, parents=None):
         with torch.no_grad():
-            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids, logits_to_keep)
+            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids, logits_to_keep,
+                                               parents)
 
-    def forward_batch(self, blocks, caches, layer_ids):
+    def forward_batch(self, blocks, caches, layer_ids, parents=None):
         with torch.no_grad():
-            return _plain(TargetModel.forward_batch)(self, blocks, caches, layer_ids)
+            return _plain(TargetModel.forward_batch)(self, blocks, caches, layer_ids, parents)
+
+    def keep(self, cache, start, offsets):
+        with torch.no_grad():
+            return _plain(TargetModel.keep)(self, cache, start, offsets)
 
 
 def _plain(fn):
@@ -179,21 +186,42 @@ class DistributedTarget:
         return getattr(self.shard, name)
 
     # ------------------------------------------------------------------ TargetModel interface
+    # Trees pass through: the mask and position ids act only in attention, which every rank
+    # runs whole on its own cache mirror (only the experts are sharded), so a tree forward and
+    # a keep are ops like any other. Arguments are validated here, before the broadcast: an
+    # error raised inside an op would leave the ranks out of step and fail the group.
+    supports_trees = True
+
     def new_cache(self) -> RankCache:
         c = RankCache(next(self._ids), self.shard.new_cache())
         weakref.finalize(c, self._freed.append, c.cid)  # workers drop the mirror on the next op
         return c
 
-    def forward(self, tokens: list[int], cache: RankCache, layer_ids, logits_to_keep: int = 0):
+    def forward(self, tokens: list[int], cache: RankCache, layer_ids, logits_to_keep: int = 0,
+                parents=None):
+        """``TargetModel.forward`` on every rank. Raises ValueError (no op sent) for bad
+        ``parents``."""
+        trees = check_parents(parents, [tokens])
         return self._call("forward", {"tokens": list(tokens), "cid": cache.cid, "layer_ids": layer_ids,
-                                      "logits_to_keep": logits_to_keep},
-                          lambda: self.shard.forward(tokens, cache.local, layer_ids, logits_to_keep))
+                                      "logits_to_keep": logits_to_keep, "parents": trees},
+                          lambda: self.shard.forward(tokens, cache.local, layer_ids, logits_to_keep,
+                                                     trees))
 
-    def forward_batch(self, blocks, caches, layer_ids):
+    def forward_batch(self, blocks, caches, layer_ids, parents=None):
+        """``TargetModel.forward_batch`` on every rank. Raises ValueError (no op sent) for bad
+        ``parents``."""
+        trees = check_parents(parents, blocks)
         op = {"blocks": [list(b) for b in blocks], "cids": [c.cid for c in caches],
-              "layer_ids": list(layer_ids)}
+              "layer_ids": list(layer_ids), "parents": trees}
         return self._call("forward_batch", op, lambda: self.shard.forward_batch(
-            blocks, [c.local for c in caches], layer_ids))
+            blocks, [c.local for c in caches], layer_ids, trees))
+
+    def keep(self, cache: RankCache, start: int, offsets: list[int]) -> None:
+        """``TargetModel.keep`` on every rank. Raises ValueError (no op sent) for bad
+        ``start`` / ``offsets``."""
+        offsets = check_compact(cache.get_seq_length(), start, offsets)
+        self._call("keep", {"cid": cache.cid, "start": int(start), "offsets": offsets},
+                   lambda: self.shard.keep(cache.local, start, offsets))
 
     def tune_skinny(self) -> int:
         """Every rank keeps the row limit it was started with (no tuning across ranks)."""

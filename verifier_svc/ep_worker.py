@@ -53,9 +53,13 @@ def serve(shard, recv) -> None:
         if kind == "exit":
             return
         if kind == "forward":
-            shard.forward(op["tokens"], cache(op["cid"]), op["layer_ids"], op.get("logits_to_keep", 0))
+            shard.forward(op["tokens"], cache(op["cid"]), op["layer_ids"],
+                          op.get("logits_to_keep", 0), op.get("parents"))
         elif kind == "forward_batch":
-            shard.forward_batch(op["blocks"], [cache(c) for c in op["cids"]], op["layer_ids"])
+            shard.forward_batch(op["blocks"], [cache(c) for c in op["cids"]], op["layer_ids"],
+                                op.get("parents"))
+        elif kind == "keep":
+            shard.keep(cache(op["cid"]), op["start"], op["offsets"])
         elif kind == "own":
             shard.own(cache(op["cid"]))
         elif kind == "crop":

@@ -85,7 +85,7 @@ class VerifierObserver:
         self.metrics.policy_drafts.labels(label, mode).observe(ev.drafted)
         self.metrics.step(label, drafted=ev.drafted, accepted=ev.accepted, fallback=ev.fallback,
                           verify_s=ev.verify_seconds, draft_s=draft_s, wire_s=wire_s,
-                          context_bytes=view.context_bytes)
+                          context_bytes=view.context_bytes, tree_nodes=ev.tree_nodes)
         if ev.drafted:
             self.speclog.record(ev.drafted, ev.accepted)
         if isinstance(req.trace, RequestSpans):
@@ -180,6 +180,9 @@ class RequestSpans:
         attrs = {"dflash.step": ev.step, "dflash.drafted": ev.drafted,
                  "dflash.block_size": ev.drafted + 1, "dflash.accepted": ev.accepted,
                  "dflash.emitted": len(ev.tokens)}
+        if ev.tree_nodes:   # a tree: drafted = its depth, accepted = the accepted path's length
+            attrs.update({"dflash.tree.nodes": ev.tree_nodes, "dflash.tree.path_length": ev.accepted})
+            attrs["dflash.block_size"] = ev.tree_nodes + 1
         if view is not None:
             attrs["dflash.drafter_version"] = view.label
             attrs["dflash.verify_seconds"] = view.verify_s
@@ -197,7 +200,8 @@ class RequestSpans:
                               "dflash.policy.expected_tokens": d.expected_tokens,
                               "dflash.policy.cost_seconds": d.cost_seconds,
                               "dflash.policy.explored": d.explored,
-                              "dflash.policy.waiting": d.waiting})
+                              "dflash.policy.waiting": d.waiting,
+                              "dflash.policy.tree_budget": d.budget})
         if ev.finish:
             attrs["dflash.finish_reason"] = ev.finish
         if cur is None and ev.fallback:
@@ -219,7 +223,8 @@ class RequestSpans:
                 "dflash.drafts": st.drafts, "dflash.draft_tokens": st.draft_tokens,
                 "dflash.accepted_tokens": st.accepted_tokens,
                 "dflash.accepted_per_position": list(st.accepted_per_position),
-                "dflash.fallback_steps": st.fallback_steps})
+                "dflash.fallback_steps": st.fallback_steps,
+                "dflash.tree_drafts": st.tree_drafts, "dflash.tree_nodes": st.tree_nodes})
         self._decode.end()
         self._decode = None
 

@@ -24,6 +24,16 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   fit, unmeasured candidates are tried in order; a neighbour of the best k is re-measured every
   ``explore_every`` steps so the estimates follow load and acceptance.
 
+  Trees (``verifier_svc/tree.py``, DDTree): when the target and the job allow them, each node
+  budget ``N`` of ``tree_budgets`` is one more candidate, priced like a chain of ``N`` drafts
+  (the verify forward carries ``N + 1`` tokens either way) and valued by the measured tokens a
+  tree step of that budget commits (``AcceptanceEstimator.tree_expected``; until measured, the
+  chain's ``E[min(N, limit)]``, a floor: a best-first tree of ``N`` nodes holds the drafter's
+  top-1 chain as deep as its budget reaches). Each budget is tried until measured, then
+  re-measured when exploration falls on it.
+
+* ``tree``: always a tree of the request's (or the deployment's) node budget.
+
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
   prefill chunk per step, so a longer step holds every waiting request out of the batch for
   longer, and a bigger batch decodes each token more cheaply than speculation on a smaller one.
@@ -38,16 +48,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+from dflash.speculation import MODES
 from verifier_svc.acceptance import (SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts,
                                      session_table)
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
 
-__all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob",
+__all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
            "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
 
-MODES = ("off", "fixed", "adaptive")
+#: Node budgets the adaptive policy tries (``--tree-budgets``): on a CPU a verify of 5-17
+#: tokens costs little more than one token, on a GPU far less than a chain of that many.
+DEFAULT_TREE_BUDGETS = (4, 8, 16)
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One job's block this step: ``k`` drafts asked of the drafter (0: no speculation);
+    ``budget`` > 0: verify a DDTree of at most ``budget`` nodes built from the drafter's top-k
+    over those ``k`` positions instead of the chain."""
+
+    k: int
+    budget: int = 0
+
+    @property
+    def verified(self) -> int:
+        """Tokens after the anchor the target verifies (the cost model's ``k``)."""
+        return self.budget if self.budget and self.k else self.k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +89,7 @@ class Decision:
     cost_seconds: float = 0.0       # estimated step seconds at k
     explored: bool = False
     waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
+    budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +106,9 @@ class StepFeedback:
     committed: list[int]            # tokens each job emitted (bonus included), in job order
     cycle_overhead: float | None = None   # cycle seconds outside verify + draft; None: not a
                                           # per-step cost (a prefill chunk ran, the loop idled)
+    # drafter label -> (node budget, committed tokens) per verified tree (kept out of ``blocks``:
+    # a tree's depth acceptance is not a chain's position acceptance)
+    trees: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 class _Card(Protocol):
@@ -100,6 +132,7 @@ class PolicyJob(Protocol):
     emitted: int                    # tokens emitted so far
     req: _Request
     stats: PositionCounts | None    # the request's acceptance counts (session_table)
+    tree_budget: int                # largest tree it may verify (0: chains only)
 
 
 class SpeculationPolicy:
@@ -107,15 +140,20 @@ class SpeculationPolicy:
     :class:`StepCostModel`, both learnt online.
 
     Args:
-        mode: the deployment default ("off" | "fixed" | "adaptive").
+        mode: the deployment default ("off" | "fixed" | "adaptive" | "tree").
         alpha: EMA weight of a new observation.
         explore_every: adaptive steps between re-measurements of a neighbouring k (0: never).
+        tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
     """
 
-    def __init__(self, mode: str = "fixed", *, alpha: float = 0.05, explore_every: int = 25):
+    def __init__(self, mode: str = "fixed", *, alpha: float = 0.05, explore_every: int = 25,
+                 tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS):
         if mode not in MODES:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
+        if any(n < 1 for n in tree_budgets):
+            raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
         self.mode = mode
+        self.tree_budgets = tuple(sorted(set(tree_budgets)))
         self.alpha = alpha
         self.explore_every = explore_every
         self.acceptance = AcceptanceEstimator(alpha)
@@ -132,6 +170,8 @@ class SpeculationPolicy:
             self.observe_step(fb.batch, fb.k, fb.verify_seconds, fb.draft_seconds)
         for label, label_blocks in fb.blocks.items():
             self.observe_acceptance(label, label_blocks)
+        for label, rows in fb.trees.items():
+            self.acceptance.observe_trees(label, rows)
         self.observe_outcome(fb.committed)
         if fb.cycle_overhead is not None:
             self.observe_overhead(fb.cycle_overhead)
@@ -197,81 +237,120 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ choice
     def choose(self, jobs: Sequence[PolicyJob], waiting: int = 0) -> list[int]:
-        """Drafts per job this step (same order as ``jobs``). ``waiting``: requests whose
+        """Drafts per job this step (same order as ``jobs``); :meth:`choose_shapes` without the
+        tree budgets."""
+        return [sh.k for sh in self.choose_shapes(jobs, waiting)]
+
+    def choose_shapes(self, jobs: Sequence[PolicyJob], waiting: int = 0) -> list[Shape]:
+        """Each job's block this step (same order as ``jobs``). ``waiting``: requests whose
         prompts wait for prefill behind this step."""
         self.acceptance.clear_expectation()
         limits = [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
         modes = [j.mode if j.req.proposer is not None else "off" for j in jobs]
-        ks = [lim if m == "fixed" else 0 for m, lim in zip(modes, limits)]
+        # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
+        budgets = [getattr(j, "tree_budget", 0) for j in jobs]
+        shapes = [Shape(lim) if m == "fixed" else
+                  Shape(lim, budgets[i] if lim else 0) if m == "tree" else Shape(0)
+                  for i, (m, lim) in enumerate(zip(modes, limits))]
         adaptive = [i for i, m in enumerate(modes) if m == "adaptive"]
         if not adaptive:
             self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else "mixed",
                                           k=-1, batch=len(jobs))
-            return ks
+            return shapes
         if waiting:
             self.last_decision = Decision(mode="adaptive", k=0, batch=len(jobs), waiting=waiting)
-            return ks
+            return shapes
         b = bucket(len(jobs))
-        floor = max(ks)                       # fixed sessions' blocks set the batch's shape
+        floor = max(sh.verified for sh in shapes)   # fixed sessions' blocks set the batch's shape
         top = max(limits[i] for i in adaptive)
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
+        # tree arms: only when every adaptive job may verify that budget (one shape per step)
+        tree_cap = min(budgets[i] for i in adaptive)
+        arms = [n for n in self.tree_budgets if n <= tree_cap] if top else []
         top_all = max(limits)
         priors: dict[str, list[float]] = {}   # drafter label -> its E table
         tables: dict[int, list[float]] = {}   # job index -> the request's E table
         accuracy = self.accuracy
         costs = self.costs
 
+        def label(i: int) -> str:
+            proposer = jobs[i].req.proposer
+            assert proposer is not None       # adaptive jobs have a drafter
+            return proposer.card.label
+
         def raw(i: int, k: int) -> float:
             if i not in tables:
-                proposer = jobs[i].req.proposer
-                assert proposer is not None   # adaptive jobs have a drafter
-                label = proposer.card.label
-                if label not in priors:
-                    priors[label] = self.acceptance.expected_table(label, top_all)
+                lb = label(i)
+                if lb not in priors:
+                    priors[lb] = self.acceptance.expected_table(lb, top_all)
                 # tolerant: test doubles of a job (SimpleNamespace) may carry no stats
-                tables[i] = session_table(priors[label], getattr(jobs[i], "stats", None))
+                tables[i] = session_table(priors[lb], getattr(jobs[i], "stats", None))
             return tables[i][k]
 
         def e(i: int, k: int) -> float:
             return 1.0 + accuracy * (raw(i, k) - 1.0)
 
-        fixed_tokens = sum(e(i, ks[i]) for i in range(len(jobs)) if modes[i] == "fixed") + \
+        def e_tree(i: int, n: int) -> float:
+            if not limits[i]:
+                return 1.0
+            measured = self.acceptance.tree_expected(label(i), n)
+            return measured if measured is not None else e(i, min(n, limits[i]))
+
+        fixed_tokens = sum(e(i, shapes[i].k) for i in range(len(jobs)) if modes[i] == "fixed") + \
+            sum(e_tree(i, shapes[i].budget) if shapes[i].budget else e(i, shapes[i].k)
+                for i in range(len(jobs)) if modes[i] == "tree") + \
             sum(1.0 for m in modes if m == "off")
 
-        def gain(k: int) -> float:
+        # an arm: (k, 0) = a chain of k drafts; (0, n) = a tree of n nodes
+        def gain(arm: tuple[int, int]) -> float:
+            k, n = arm
+            if n:
+                return fixed_tokens + sum(e_tree(i, n) for i in adaptive)
             return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
 
+        def size(arm: tuple[int, int]) -> int:
+            return max(arm[0] or arm[1], floor)
+
         model = costs.fit()
+        chain_arms = [(k, 0) for k in cands]
+        # a tree arm is priced by the fit, or by its own measured cell until there is a fit
+        all_arms = chain_arms + [(0, n) for n in arms
+                                 if model is not None or costs.measured(b, max(n, floor))]
         unmeasured = [k for k in cands if not costs.measured(b, max(k, floor))]
         explored = False
         if unmeasured and model is None:
-            best, explored = unmeasured[0], True
+            best, explored = (unmeasured[0], 0), True
         elif not costs.measured(b, floor):
             # The step without (further) speculation is the baseline every other k must beat
             # and the cheapest step to try: measure it in every batch bucket rather than
             # extrapolate it (otherwise a large bucket can run k > 0 without ever trying k = 0).
-            best, explored = 0, True
+            best, explored = (0, 0), True
         else:
-            best = max(cands, key=lambda k: gain(k) / max(costs.estimate(b, max(k, floor), model),
-                                                          1e-9))
-            explored = best in unmeasured
+            best = max(all_arms, key=lambda a: gain(a) / max(costs.estimate(b, size(a), model), 1e-9))
+            explored = best[0] in unmeasured if not best[1] else False
+            untried = [n for _, n in all_arms[len(chain_arms):]
+                       if any(self.acceptance.tree_expected(label(i), n) is None for i in adaptive)]
             self._steps += 1
-            if self.explore_every and self._steps % self.explore_every == 0:
-                # alternately the next longer and the next shorter block; at either end of the
-                # candidates the one neighbour every time (from k = 0 the alternation would make
-                # every other exploration a plain k = 0 step)
-                i = cands.index(best)
+            if untried:
+                best, explored = (0, untried[0]), True   # each budget is measured once, early
+            elif self.explore_every and self._steps % self.explore_every == 0:
+                # alternately the next longer and the next shorter arm; at either end the one
+                # neighbour every time (from k = 0 the alternation would make every other
+                # exploration a plain k = 0 step)
+                i = all_arms.index(best)
                 up = (self._steps // self.explore_every) % 2 == 1 or i == 0
-                nb = cands[min(i + 1, len(cands) - 1)] if up and i + 1 < len(cands) \
-                    else cands[max(i - 1, 0)]
+                nb = all_arms[min(i + 1, len(all_arms) - 1)] if up and i + 1 < len(all_arms) \
+                    else all_arms[max(i - 1, 0)]
                 best, explored = nb, nb != best
-        priced = model is not None or costs.measured(b, max(best, floor))
-        cost = costs.estimate(b, max(best, floor), model) if priced else 0.0
-        self.last_decision = Decision(mode="adaptive", k=best, batch=len(jobs),
-                                      expected_tokens=gain(best), cost_seconds=cost,
-                                      explored=explored)
+        priced = model is not None or costs.measured(b, size(best))
+        cost = costs.estimate(b, size(best), model) if priced else 0.0
+        k_best, n_best = best
+        self.last_decision = Decision(mode="adaptive", k=k_best if not n_best else top,
+                                      batch=len(jobs), expected_tokens=gain(best),
+                                      cost_seconds=cost, explored=explored, budget=n_best)
         for i in adaptive:
-            ks[i] = min(best, limits[i])
-        if best > 0:
-            self.acceptance.expect(adaptive, sum(raw(i, ks[i]) - 1.0 for i in adaptive))
-        return ks
+            shapes[i] = Shape(limits[i], n_best) if n_best and limits[i] else \
+                Shape(0 if n_best else min(k_best, limits[i]))
+        if k_best > 0 and not n_best:
+            self.acceptance.expect(adaptive, sum(raw(i, shapes[i].k) - 1.0 for i in adaptive))
+        return shapes

@@ -12,7 +12,8 @@ from typing import Protocol
 from dflash.proposer import Proposer
 from dflash.sampling import InvalidParam, Sampling
 from dflash.stats import AcceptanceCounter
-from verifier_svc.policy import MODES, Decision
+from dflash.speculation import MAX_TREE_BUDGET, MODES
+from verifier_svc.policy import Decision
 
 MAX_BLOCK_SIZE = 64
 
@@ -56,7 +57,8 @@ class Request:
     ignore_eos: bool = False
     proposer: Proposer | None = None
     block_size: int = 0                 # 0 = the drafter's block size
-    spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive"
+    spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive" | "tree"
+    tree_budget: int = 0                # largest tree in nodes (0 = the engine's tree budget)
     trace: RequestTrace | None = None
 
     @property
@@ -81,6 +83,7 @@ class StepEvent:
     cached_prompt_tokens: int = 0      # prompt tokens reused from the session's KV cache
     batch_size: int = 1                # sessions verified in this step's target forward
     policy: Decision | None = None     # the speculation policy's choice for this step
+    tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)
     step: int = -1                     # decode step index (-1: the prefill event)
 
 
@@ -104,3 +107,6 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
         raise InvalidParam("block_size", f"must be in [0, {MAX_BLOCK_SIZE}]")
     if req.spec_mode and req.spec_mode not in MODES:
         raise InvalidParam("speculation.mode", f"{req.spec_mode!r} not one of {', '.join(MODES)}")
+    if not 0 <= req.tree_budget <= MAX_TREE_BUDGET:
+        raise InvalidParam("speculation.tree_budget",
+                           f"must be in [0, {MAX_TREE_BUDGET}], got {req.tree_budget}")

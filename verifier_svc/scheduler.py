@@ -54,6 +54,7 @@ class Job:
     stats: AcceptanceCounter = dataclasses.field(default_factory=AcceptanceCounter)
     mode: str = "off"                        # speculation mode of this request
     block_limit: int = 1                     # largest block (anchor + drafts) it may verify
+    tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
     emitted: int = 0
     steps: int = 0                           # decode steps so far
 

@@ -7,8 +7,9 @@ import logging
 import os
 import threading
 
-from dflash.server import (add_common_args, add_compute_args, at_least, create_server,
-                           run_until_signal)
+from dflash.server import (add_common_args, add_compute_args, at_least, create_server, in_range,
+                           int_list, one_of, run_until_signal)
+from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -52,11 +53,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_WIRE_DTYPE]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
-    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "adaptive"),
-                   choices=("off", "fixed", "adaptive"),
-                   help="default speculation policy: off, fixed (always the block size) or adaptive "
-                        "(block length per step from measured acceptance and cost; requests may "
-                        "override with speculation.mode) [DFLASH_SPEC_MODE]")
+    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "adaptive"), type=one_of(MODES),
+                   help="default speculation policy: off, fixed (always the block size), adaptive "
+                        "(block length or tree budget per step from measured acceptance and "
+                        "cost) or tree (always a DDTree of --tree-budget nodes); requests may "
+                        "override with speculation.mode [DFLASH_SPEC_MODE]")
+    p.add_argument("--tree-budget", type=in_range(1, MAX_TREE_BUDGET),
+                   default=env("DFLASH_TREE_BUDGET", "16"),
+                   help="nodes of a draft tree in mode tree when the request names none "
+                        "[DFLASH_TREE_BUDGET]")
+    p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", "4,8,16"),
+                   help="tree budgets (nodes) the adaptive policy may choose besides chains; "
+                        f"each <= {MAX_TREE_BUDGET}; empty = chains only [DFLASH_TREE_BUDGETS]")
     p.add_argument("--prefill-chunk", type=int, default=int(env("DFLASH_PREFILL_CHUNK", "256")),
                    help="prompt tokens prefilled between two decode steps of the running batch "
                         "[DFLASH_PREFILL_CHUNK]")
@@ -106,7 +114,8 @@ def main(argv=None) -> None:
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
-                            threads=threads)
+                            threads=threads, tree_budget=a.tree_budget,
+                            tree_budgets=_budgets(a.tree_budgets))
     _warmup(engine)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)
@@ -125,6 +134,11 @@ def main(argv=None) -> None:
     close = target.close   # expert parallel: stop the other ranks
     run_until_signal(rt, a.grace,
                      on_stop=lambda: (stop.set(), stop_log.set(), close(), telemetry.shutdown()))
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    """``--tree-budgets`` (already checked by ``int_list``) as a tuple; "" = chains only."""
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def _load_target(a, rt):

@@ -136,7 +136,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return Request(request_id=m.request_id or uuid.uuid4().hex, session_id=m.session_id,
                        prompt=list(m.prompt_token_ids), sampling=sampling_from_proto(m.sampling),
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
-                       block_size=m.speculation.block_size, spec_mode=m.speculation.mode)
+                       block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
+                       tree_budget=m.speculation.tree_budget)
 
     def _proposer(self, m, context):
         spec = m.speculation

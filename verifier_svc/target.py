@@ -2,12 +2,19 @@
 
 One call, :meth:`TargetModel.forward`, runs new tokens through the model with a KV cache and
 returns the logits and the tapped hidden states (``dflash.taps`` convention).
+
+A block is either a chain (each token follows the one before) or a tree (DDTree: Ringel &
+Romano, arXiv 2604.12989; reference code liranringel/ddtree): the anchor plus draft nodes, each
+with a parent earlier in the block. A tree is verified in the same one forward, with position
+ids by depth and an ancestor-only mask over the block; :meth:`TargetModel.keep` then compacts
+the accepted root-to-node path's K/V in place (``KVPool.compact``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import threading
 from pathlib import Path
@@ -18,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.kv_pool import KVPool, PoolSeq
 from dflash.taps import hidden_state_indices
+from verifier_svc.tree import ancestor_mask
 from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
                                    use_skinny_linear)
 
@@ -98,6 +106,7 @@ class TargetModel:
         self.pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
                            head_dim, dtype=self.dtype, device=self.device)
         self.failure: str | None = None     # a single process never fails apart (cf. ep.py)
+        self.supports_trees = True          # forward(parents=...) and keep() (module docstring)
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
 
@@ -112,23 +121,36 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: PoolSeq, layer_ids: tuple[int, ...] | None,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits_to_keep: int = 0, parents: list[list[int] | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` at positions ``cache.get_seq_length() ..`` and append them to ``cache``.
 
         ``logits_to_keep``: 0 = logits for every position (verification); 1 = only the last
         (prefill: the LM head over a 256-token chunk is 256 x 49152 x 576 multiply-adds for
         SmolLM2, most of a chunk's time on a CPU, for rows nobody reads).
 
+        ``parents``: None (a chain) or ``[tree]`` (one entry per row, as in
+        :meth:`forward_batch`; ``[None]`` is a chain): ``tree[j]`` is the block index of
+        ``tokens[j]``'s parent, ``tree[0] == -1`` (the anchor). Query j then sits at position
+        ``cached + depth(j)`` and sees the cache plus its own ancestors and itself (DDTree's
+        verify forward); its K/V still go to cache slot ``cached + j`` and the cache grows by
+        ``len(tokens)``, so :meth:`keep` (the accepted path) or :meth:`crop` must follow.
+
         Returns:
-            logits: float32 [n or logits_to_keep, vocab].
+            logits: float32 [n or logits_to_keep, vocab]; row j belongs to ``tokens[j]``.
             taps: [n, len(layer_ids) * hidden] in the model dtype, or None when no layer ids.
+
+        Raises:
+            ValueError: ``parents`` malformed (:func:`check_parents`).
         """
+        trees = check_parents(parents, [tokens])
         pool = self.pool
         row = pool.ensure_resident(cache)
         n, q = cache.get_seq_length(), len(tokens)
         pool.reserve(n + q)
         want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], want, logits_to_keep)
+        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], want, logits_to_keep,
+                        trees)
         pool.advance([cache], [q])
         taps = None
         if layer_ids:
@@ -136,19 +158,36 @@ class TargetModel:
         return out.logits[0].float(), taps
 
     def _run(self, ids: torch.Tensor, row0: int, lens: list[int], want: list[int] | bool,
-             logits_to_keep: int = 0):
+             logits_to_keep: int = 0, trees: list[list[int] | None] | None = None):
         """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] with row i's tokens
         at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``), a
         boolean [b, 1, q, max(lens) + q] mask: causal from each row's own length, within the
-        window for sliding-window layers (SDPA reads True = attend)."""
+        window for sliding-window layers (SDPA reads True = attend).
+
+        ``trees[i]`` (validated parents, or None = chain) turns row i's block part of the mask
+        into its ancestor matrix and its position ids into ``lens[i] + depth``; the window then
+        compares position ids, not cache slots. Chains-only steps build exactly the causal
+        mask and nothing more."""
         b, q = ids.shape
         lens_t = torch.tensor(lens, dtype=torch.int64)
         pos = lens_t[:, None] + torch.arange(q)                               # [b, q]
         end = max(lens) + q
         cols = torch.arange(end)
+        col_pos = cols[None, :]                                               # [1 or b, L]
         causal = cols[None, None, :] <= pos[:, :, None]                       # [b, q, L]
+        if trees is not None and any(t is not None for t in trees):
+            col_pos = cols[None, :].repeat(b, 1)
+            for i, tree in enumerate(trees):
+                if tree is None:
+                    continue
+                m, start = len(tree), lens[i]
+                anc, depth = _ancestors(tree)
+                # block entries: ancestor-or-self only; padding queries (j >= m) keep causal
+                causal[i, :m, start:start + m] = anc
+                pos[i, :m] = start + depth
+                col_pos[i, start:start + m] = start + depth
         if self.sliding_window:
-            window = causal & (cols[None, None, :] > pos[:, :, None] - self.sliding_window)
+            window = causal & (col_pos[:, None, :] > pos[:, :, None] - self.sliding_window)
         masks = {"full_attention": causal, "sliding_attention": window if self.sliding_window else None}
         if self._mask_kind == "mixed":
             mask = {k: m[:, None].to(self.device) for k, m in masks.items()}
@@ -159,6 +198,18 @@ class TargetModel:
                           position_ids=pos.to(self.device),
                           cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
                           output_hidden_states=want, logits_to_keep=logits_to_keep)
+
+    @torch.inference_mode()   # the pool's buffers are inference tensors: written in place
+    def keep(self, cache: PoolSeq, start: int, offsets: list[int]) -> None:
+        """After a tree forward whose block began at cache position ``start``: keep the block
+        entries ``start + offsets[m]`` at ``start + m`` (the accepted root-to-node path, in
+        path order) in every layer; the cache length becomes ``start + len(offsets)``. DDTree's
+        commit (KV compaction), in place on the session's pool row (``KVPool.compact``).
+
+        Raises:
+            ValueError: ``start`` / ``offsets`` malformed (``dflash.kv_pool.check_compact``).
+        """
+        self.pool.compact(cache, start, offsets)
 
     def own(self, cache: PoolSeq) -> None:
         """An idle session's K/V leaves the batch pool for tensors of its own length (its next
@@ -196,7 +247,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward_batch(self, blocks: list[list[int]], caches: list[PoolSeq],
-                      layer_ids: list[tuple[int, ...]]
+                      layer_ids: list[tuple[int, ...]],
+                      parents: list[list[int] | None] | None = None
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`forward` for several sessions in one target forward (continuous batching).
 
@@ -206,11 +258,17 @@ class TargetModel:
         only (``_run``'s mask), so no cache is gathered or copied back.
 
         ``layer_ids[i]``: session i's taps (sessions may use different drafters).
+        ``parents``: None (every block a chain) or one entry per session, None (chain) or
+        session i's tree over ``blocks[i]`` (:meth:`forward`); trees and chains share a step.
         Returns per session ``(logits [n_i, vocab] float32, taps [n_i, len(layer_ids[i]) * H]``
-        or None when it taps nothing).
+        or None when it taps nothing); row j of each belongs to block index j.
+
+        Raises:
+            ValueError: ``parents`` malformed (:func:`check_parents`).
         """
+        trees = check_parents(parents, blocks)
         if len(blocks) == 1:
-            return [self.forward(blocks[0], caches[0], layer_ids[0])]
+            return [self.forward(blocks[0], caches[0], layer_ids[0], parents=trees)]
         pool = self.pool
         rows = pool.arrange(caches)              # session i on row rows[i] of 0..b-1
         b = len(blocks)
@@ -222,8 +280,13 @@ class TargetModel:
         ids = torch.zeros((b, q), dtype=torch.int64)
         for r, blk in zip(rows, blocks):
             ids[r, :len(blk)] = torch.tensor(blk)
+        by_row = None
+        if trees is not None:
+            by_row = [None] * b
+            for r, tree in zip(rows, trees):
+                by_row[r] = tree
         want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
-        out = self._run(ids, 0, lens, want)
+        out = self._run(ids, 0, lens, want, trees=by_row)
         pool.advance(caches, [len(blk) for blk in blocks])
         results = []
         for r, blk, ids_i in zip(rows, blocks, layer_ids):
@@ -233,6 +296,50 @@ class TargetModel:
                              dim=-1) if ids_i else None
             results.append((logits, taps))
         return results
+
+
+def check_parents(parents: list[list[int] | None] | None, blocks: list[list[int]]
+                  ) -> list[list[int] | None] | None:
+    """Validate ``parents`` for ``blocks`` (one entry per block: None = chain, else a tree:
+    ``len(blocks[i])`` ints, ``[0] == -1``, ``0 <= [j] < j`` for j >= 1). Returns None when
+    every entry is a chain (the chain forward, unchanged), else ``parents`` as lists of ints.
+
+    Raises:
+        ValueError: naming ``parents`` and the offending row / index.
+    """
+    if parents is None:
+        return None
+    if not isinstance(parents, (list, tuple)) or len(parents) != len(blocks):
+        n = len(parents) if isinstance(parents, (list, tuple)) else type(parents).__name__
+        raise ValueError(f"parents: one entry per block expected ({len(blocks)}), got {n}")
+    out: list[list[int] | None] = []
+    for i, (tree, blk) in enumerate(zip(parents, blocks)):
+        if tree is None:
+            out.append(None)
+            continue
+        if not isinstance(tree, (list, tuple)) or len(tree) != len(blk):
+            n = len(tree) if isinstance(tree, (list, tuple)) else type(tree).__name__
+            raise ValueError(f"parents[{i}]: one parent per block token expected ({len(blk)}), "
+                             f"got {n}")
+        try:
+            tree = [operator.index(p) for p in tree]
+        except TypeError:
+            raise ValueError(f"parents[{i}]: ints expected, got {tree!r}") from None
+        if tree[0] != -1:
+            raise ValueError(f"parents[{i}][0]: the anchor's parent must be -1, got {tree[0]}")
+        for j in range(1, len(tree)):
+            if not 0 <= tree[j] < j:
+                raise ValueError(f"parents[{i}][{j}]: must be an earlier block index in "
+                                 f"[0, {j}), got {tree[j]}")
+        out.append(tree)
+    return out if any(t is not None for t in out) else None
+
+
+def _ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor-or-self bool [m, m] (``verifier_svc.tree.ancestor_mask``), depth int64 [m]: the
+    anchor 0) of a validated tree: a node's depth is how many ancestors it has."""
+    anc = ancestor_mask(parents)
+    return anc, anc.sum(1) - 1
 
 
 class _PoolStep:

@@ -40,10 +40,10 @@ Randomness: each sampled row draws from its own generator exactly as the per-ses
 numbers are drawn on the generator's device and moved to the logits' device. Greedy rows draw
 nothing.
 
-Commit cut per row (as ``decode_step``): the accepted drafts plus the bonus/recovered token, cut
-after the first token in ``stops`` (finish ``"stop"``), then to ``room`` tokens (finish
-``"stop"`` if already set, else ``"length"``); ``accepted`` counts the accepted drafts among the
-committed tokens.
+Commit cut per row (:func:`commit_cut`, shared with tree verification): the accepted drafts
+plus the bonus/recovered token, cut after the first token in ``stops`` (finish ``"stop"``), then
+to ``room`` tokens (finish ``"stop"`` if already set, else ``"length"``); ``accepted`` counts the
+accepted drafts among the committed tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch
 import kernels
 from dflash.sampling import Sampling, probs_from_logits
 
-__all__ = ["RowParams", "Verified", "verify_batch"]
+__all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +147,30 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
 
     results = []
     for i, par in enumerate(params):
-        accepted, new = raw[i]
-        finish = None
-        for j, tok in enumerate(new):
-            if tok in par.stops:
-                new, finish = new[:j + 1], "stop"
-                break
-        if len(new) >= par.room:
-            new, finish = new[:par.room], finish or "length"
-        results.append(Verified(tokens=new, accepted=min(accepted, len(new)),
-                                drafted=drafts[i].shape[0], finish=finish))
+        new, accepted, finish = commit_cut(raw[i][1], raw[i][0], par)
+        results.append(Verified(tokens=new, accepted=accepted, drafted=drafts[i].shape[0],
+                                finish=finish))
     return results
+
+
+def commit_cut(tokens: list[int], accepted: int, params: RowParams
+               ) -> tuple[list[int], int, str | None]:
+    """The commit cut of one row, shared by chains (:func:`verify_batch`) and trees
+    (``verifier_svc.tree.verify_trees``).
+
+    ``tokens``: the accepted drafts then the bonus/recovered token; ``accepted``: how many of
+    them are accepted drafts. Cut after the first token in ``params.stops`` (finish ``"stop"``),
+    then to ``params.room`` tokens (finish ``"stop"`` if already set, else ``"length"``).
+    Returns ``(committed tokens, accepted drafts among them, finish or None)``.
+    """
+    finish = None
+    for j, tok in enumerate(tokens):
+        if tok in params.stops:
+            tokens, finish = tokens[:j + 1], "stop"
+            break
+    if len(tokens) >= params.room:
+        tokens, finish = tokens[:params.room], finish or "length"
+    return tokens, min(accepted, len(tokens)), finish
 
 
 def _check_rows(drafts, logits, draft_probs, params) -> int:

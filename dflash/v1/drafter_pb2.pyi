@@ -48,7 +48,7 @@ class DraftBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., release_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context")
+    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context", "top_k")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class DraftItem(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_start: int
     context: _common_pb2.Tensor
@@ -70,19 +71,24 @@ class DraftItem(_message.Message):
     block_size: int
     sampling: _common_pb2.SamplingParams
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    top_k: int
+    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("session_id", "tokens", "probs", "error")
+    __slots__ = ("session_id", "tokens", "probs", "error", "top_ids", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _common_pb2.Tensor
     error: str
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    top_ids: _common_pb2.Tensor
+    top_logprobs: _common_pb2.Tensor
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., error: _Optional[str] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBatchResult(_message.Message):
     __slots__ = ("batch_id", "results", "draft_seconds")

@@ -35,16 +35,18 @@ class TargetCard(_message.Message):
     def __init__(self, model: _Optional[str] = ..., hidden_size: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., rope_theta: _Optional[float] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("enabled", "drafter_address", "block_size", "mode")
+    __slots__ = ("enabled", "drafter_address", "block_size", "mode", "tree_budget")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     drafter_address: str
     block_size: int
     mode: str
-    def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    tree_budget: int
+    def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation")

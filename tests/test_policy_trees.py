@@ -1,0 +1,116 @@
+"""The speculation policy with trees: mode ``tree`` and the adaptive choice between chains and
+tree budgets (``verifier_svc/policy.py``), on job doubles."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from verifier_svc.acceptance import TREE_MEASURED_STEPS
+from verifier_svc.policy import CANDIDATES, Shape, SpeculationPolicy, StepFeedback
+
+LABEL = "d@1"
+
+
+def job(mode="adaptive", block=16, tree_budget=16, max_tokens=1000, emitted=1):
+    card = types.SimpleNamespace(label=LABEL)
+    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
+                                 tree_budget=tree_budget,
+                                 req=types.SimpleNamespace(max_tokens=max_tokens,
+                                                           proposer=types.SimpleNamespace(card=card)))
+
+
+def policy(chain_rate: float, tree_tokens: dict[int, float], cost_fn, budgets=(4, 8, 16)):
+    """Chains accept each position with ``chain_rate`` (unconditional rate_p = chain_rate^p);
+    a tree of budget n commits ``tree_tokens[n]`` per step; a step verifying k tokens after
+    the anchor costs ``cost_fn(k)`` seconds."""
+    p = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=budgets)
+    for _ in range(200):
+        # blocks of 15 drafts whose acceptance reproduces rate_p = chain_rate ** p on average
+        p.observe_acceptance(LABEL, [(15, a) for a in range(16)
+                                     for _ in range(round(1000 * (chain_rate ** a - chain_rate ** (a + 1))))])
+    for n, t in tree_tokens.items():
+        for _ in range(TREE_MEASURED_STEPS):
+            p.observe(StepFeedback(batch=1, k=n, verify_seconds=cost_fn(n), record_cost=False,
+                                   trees={LABEL: [(n, t)]}, committed=[round(t)]))
+    for batch in (1, 2):
+        for k in sorted(set(CANDIDATES) | set(budgets)):
+            if k <= 16:
+                for _ in range(2):      # confirmed cells (one step is provisional)
+                    p.observe_step(batch, k, cost_fn(k), 0.0)
+    return p
+
+
+def flat(k: int) -> float:      # a CPU-like verify: 17 tokens cost little more than one
+    return 0.05 + 0.001 * k
+
+
+def test_mode_tree_gives_every_job_its_budget_and_depth():
+    p = SpeculationPolicy("tree")
+    jobs = [job("tree", 8, tree_budget=16), job("tree", 8, tree_budget=0),
+            job("tree", 8, tree_budget=16, max_tokens=3), job("off", 8)]
+    assert p.choose_shapes(jobs) == [Shape(7, 16), Shape(7, 0), Shape(1, 16), Shape(0)]
+    assert Shape(7, 16).verified == 16 and Shape(7, 0).verified == 7 and Shape(0, 16).verified == 0
+    assert p.choose(jobs) == [7, 7, 1, 0]
+
+
+def test_adaptive_takes_the_tree_when_it_commits_more_for_the_same_cost():
+    # chain: rate 0.45 per position (E[15] ~ 1.8); trees commit 2.0 / 2.1 / 2.6 tokens
+    p = policy(0.45, {4: 2.0, 8: 2.1, 16: 2.6}, flat)
+    shapes = p.choose_shapes([job(), job()])
+    assert shapes == [Shape(15, 16), Shape(15, 16)]
+    d = p.last_decision
+    assert d.budget == 16 and d.expected_tokens == pytest.approx(2 * 2.6)
+
+
+def test_adaptive_keeps_chains_when_trees_commit_less():
+    p = policy(0.9, {4: 1.5, 8: 1.6, 16: 1.7}, flat)
+    shapes = p.choose_shapes([job()])
+    assert shapes[0].budget == 0 and shapes[0].k > 4
+    assert p.last_decision.budget == 0
+
+
+def test_cost_decides_between_budgets():
+    # verify cost grows with tokens (a big batch): a 4-node tree that commits 2.0 tokens
+    # (2.0 / 0.24 s) beats a 16-node one that commits 2.3 (2.3 / 0.36 s) and every chain
+    growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
+    p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
+    assert p.choose_shapes([job()]) == [Shape(15, 4)]
+
+
+def test_each_budget_is_tried_until_measured():
+    p = policy(0.45, {}, flat)             # no tree step observed yet
+    tried = []
+    for _ in range(3 * TREE_MEASURED_STEPS):
+        sh = p.choose_shapes([job()])[0]
+        tried.append(sh.budget)
+        p.observe(StepFeedback(batch=1, k=sh.verified, verify_seconds=flat(sh.verified),
+                               trees={LABEL: [(sh.budget, 2)]}, committed=[2]))
+    assert tried == [4] * TREE_MEASURED_STEPS + [8] * TREE_MEASURED_STEPS + [16] * TREE_MEASURED_STEPS
+    assert p.last_decision.explored
+
+
+def test_no_trees_for_jobs_that_may_not_verify_them():
+    p = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat)
+    # one adaptive job without trees (target or request): the batch stays on chains
+    shapes = p.choose_shapes([job(), job(tree_budget=0)])
+    assert all(sh.budget == 0 for sh in shapes)
+    # a request capping its tree at 8 nodes: the 16-node arm is not offered
+    assert p.choose_shapes([job(tree_budget=8)]) == [Shape(15, 8)]
+    # no budgets configured: chains only
+    q = SpeculationPolicy("adaptive", tree_budgets=())
+    assert q.tree_budgets == ()
+    with pytest.raises(ValueError, match="tree_budgets"):
+        SpeculationPolicy("adaptive", tree_budgets=(0, 4))
+
+
+def test_tree_steps_do_not_feed_chain_acceptance_or_calibration():
+    p = policy(0.45, {4: 2.1, 8: 2.4, 16: 2.6}, flat)
+    before = p.rates(LABEL)
+    acc = p.accuracy
+    p.choose_shapes([job()])               # a tree step: no calibration expectation
+    p.observe(StepFeedback(batch=1, k=16, verify_seconds=flat(16),
+                           trees={LABEL: [(16, 9)]}, committed=[9]))
+    assert p.rates(LABEL) == before and p.accuracy == acc
+    assert p.acceptance.tree_table()[(LABEL, 16)] > 2.6

@@ -1,0 +1,103 @@
+"""Sampled tree verification is lossless through the real engine: with DDTree trees, sampled
+tokens follow the target's distribution exactly.
+
+The same fake target as ``tests/test_sampling_lossless.py`` (a Markov chain over 4 tokens whose
+next-token logits depend on the position's parity and the previous token, so the K/V kept after
+a tree step matters: keeping the wrong nodes, or keeping them at the wrong positions, shifts
+every later parity). The drafter samples its chain from q as there and also returns, per
+position, its q row's support as top-k ids and log-probabilities, from which the verifier builds
+its trees (``verifier_svc/tree.py``); the walk draws from the target at every node.
+
+Sample size: as in the chain test, 21,000 transitions per setting see a bias moving 2 points of
+probability between the two most likely tokens of every state at alpha 1e-3 with power 0.9
+(``required_samples``, asserted). ``test_the_tree_test_catches_positions_by_slot`` shows the
+test failing on a real mistake (tree nodes given their slot's position instead of their depth's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.proposer import Proposal
+from dflash.sampling import Sampling
+from test_sampling_lossless import (ALPHA, BIAS, N_TRANSITIONS, PROMPT, SETTINGS,
+                                    TOKENS_PER_REQUEST, FixedQDrafter, MarkovTarget, draft_probs,
+                                    exact_transition_probs, goodness_of_fit, required_samples,
+                                    transition_counts)
+from verifier_svc.engine import Request, VerifierEngine
+
+BUDGET = 8
+
+
+class TopKQDrafter(FixedQDrafter):
+    """:class:`FixedQDrafter` plus, per draft position, the support of the q row it drew from
+    (ids by descending q, log q), as a DFlash drafter's top-k."""
+
+    def propose(self, requests):
+        out = []
+        for r, res in zip(requests, super().propose(requests)):
+            if not r.top_k or not res.tokens.numel():
+                out.append(res)
+                continue
+            q = res.probs                                               # [k, V]
+            cols = min(r.top_k, int((q > 0).sum(-1).min()))
+            vals, ids = q.sort(dim=-1, descending=True, stable=True)
+            out.append(Proposal(tokens=res.tokens, probs=q, top_ids=ids[:, :cols].contiguous(),
+                                top_logprobs=vals[:, :cols].log().float().contiguous()))
+        return out
+
+
+@functools.cache
+def run(setting: int, positions_by_slot: bool = False) -> tuple[np.ndarray, dict]:
+    sampling = SETTINGS[setting]
+    target = MarkovTarget()
+    if positions_by_slot:   # the mistake: node j at position start + j whatever its depth
+        plain = target.forward
+        target.forward = lambda tokens, cache, layer_ids, logits_to_keep=0, parents=None: plain(
+            tokens, cache, layer_ids, logits_to_keep)
+    engine = VerifierEngine(target, spec_mode="tree", tree_budget=BUDGET)
+    drafter = TopKQDrafter(draft_probs(sampling))
+    seqs, info = [], {"tree_steps": 0, "nodes": 0, "accepted": 0, "deep": 0}
+    for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
+        req = Request(request_id=f"t{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
+                      sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                        seed=7000 + 100 * setting + i), proposer=drafter)
+        out = []
+        for ev in engine.generate(req):
+            out += ev.tokens
+            if ev.tree_nodes:
+                info["tree_steps"] += 1
+                info["nodes"] += ev.tree_nodes
+                info["accepted"] += ev.accepted
+                info["deep"] += ev.accepted >= 2
+        assert len(out) == TOKENS_PER_REQUEST
+        seqs.append(PROMPT + out)
+    engine.close()
+    return transition_counts(seqs), info
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)),
+                         ids=[f"T{s.temperature}-top_p{s.top_p}" for s in SETTINGS])
+def test_sampled_trees_match_target_distribution(setting):
+    p = exact_transition_probs(SETTINGS[setting])
+    need, df_need = required_samples(p)
+    assert N_TRANSITIONS >= need, f"{N_TRANSITIONS} transitions cannot see a {BIAS:.0%} bias"
+    counts, info = run(setting)
+    assert counts.sum() >= N_TRANSITIONS
+    # trees were verified, with more than one node, and paths were accepted deep into them
+    assert info["tree_steps"] > 1000 and info["nodes"] > 2 * info["tree_steps"]
+    assert info["deep"] > 0.1 * info["tree_steps"]
+    stat, df, pval = goodness_of_fit(counts, p)
+    assert df == df_need
+    assert pval > ALPHA, f"sampled trees are biased: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_the_tree_test_catches_positions_by_slot():
+    p = exact_transition_probs(SETTINGS[1])
+    counts, _ = run(1, positions_by_slot=True)
+    _, _, pval = goodness_of_fit(counts, p)
+    assert pval < ALPHA
