@@ -45,8 +45,6 @@ def mode_list(text: str) -> str:
     """argparse ``type`` of ``--spec-modes``: a non-empty comma-separated list of distinct
     ``dflash.speculation.MODES``, a tree mode optionally with its node budget (``tree:8``);
     returns it normalised."""
-    import argparse
-
     from dflash.server import choice_list
     from dflash.speculation import MAX_TREE_BUDGET, MODES
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 V = "drafter_version"
 NO_DRAFTER = "none"
@@ -183,6 +183,78 @@ class PolicyGauges:
         g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
         g.add_metric([], float(e.scheduler.batch_size))
         yield g
+
+
+class AdmissionMetrics:
+    """The verifier's admission control (``verifier_svc.scheduler.Admission``):
+
+    * ``dflash_verifier_waiting_requests``: requests admitted and not in the batch yet (vLLM's
+      ``num_requests_waiting``), and ``dflash_verifier_waiting_prompt_tokens``, their prompt
+      tokens not prefilled yet, read at scrape time from ``engine().scheduler``;
+    * ``dflash_verifier_queue_wait_seconds``: admission to first prefill chunk, per request
+      (``observe_queue_wait``, a ``Scheduler.queue_wait_listeners`` entry);
+    * ``dflash_verifier_rejected_requests_total{reason}``: requests refused with
+      RESOURCE_EXHAUSTED (``max_waiting``, ``max_waiting_tokens``).
+    """
+
+    def __init__(self, registry: CollectorRegistry, engine: Callable[[], object]):
+        self.engine = engine
+        self.queue_wait = Histogram("dflash_verifier_queue_wait_seconds",
+                                    "Seconds from admission to the first prefill chunk.",
+                                    buckets=SECONDS, registry=registry)
+        registry.register(self)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        e = self.engine()
+        scheduler = getattr(e, "scheduler", None)
+        if scheduler is None:
+            return
+        g = GaugeMetricFamily("dflash_verifier_waiting_requests",
+                              "Requests admitted and waiting for a batch slot or their prefill.")
+        g.add_metric([], float(scheduler.waiting))
+        yield g
+        g = GaugeMetricFamily("dflash_verifier_waiting_prompt_tokens",
+                              "Prompt tokens of waiting requests not prefilled yet.")
+        g.add_metric([], float(scheduler.waiting_tokens))
+        yield g
+        c = CounterMetricFamily("dflash_verifier_rejected_requests",
+                                "Requests refused by admission control (RESOURCE_EXHAUSTED).",
+                                labels=["reason"])
+        for reason, n in sorted(scheduler.refused.items()):
+            c.add_metric([reason], float(n))
+        yield c
+
+
+class BreakerGauges:
+    """``dflash_spec_decode_drafter_circuit_open{drafter_version, address}``: 1 while that
+    drafter's circuit breaker keeps it out of the step path, else 0; and
+    ``dflash_spec_decode_drafter_circuit_trips_total``: times it opened. Read at scrape time
+    from ``proposers()`` (objects with ``card.label``, ``address`` and ``breaker``)."""
+
+    def __init__(self, registry: CollectorRegistry, proposers: Callable[[], list]):
+        self.proposers = proposers
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = GaugeMetricFamily("dflash_spec_decode_drafter_circuit_open",
+                              "1 while the drafter is out of the step path (circuit breaker open).",
+                              labels=[V, "address"])
+        c = CounterMetricFamily("dflash_spec_decode_drafter_circuit_trips",
+                                "Times the drafter's circuit breaker opened.", labels=[V, "address"])
+        for p in self.proposers():
+            g.add_metric([p.card.label, p.address], 1.0 if p.breaker.is_open else 0.0)
+            c.add_metric([p.card.label, p.address], float(p.breaker.trips))
+        yield g
+        yield c
 
 
 class GatewayMetrics:

@@ -4,6 +4,11 @@
 and per service, NOT_SERVING until :meth:`ServiceRuntime.set_serving`) and server reflection.
 ``run_until_signal`` flips health to NOT_SERVING on SIGTERM/SIGINT, then stops with a grace
 period so in-flight streams drain.
+
+The control plane never starves: every open response stream holds a worker thread of the
+synchronous server, so the streams are bounded (``max_streams``, :class:`StreamLimit`: one past
+the bound is refused at once with RESOURCE_EXHAUSTED) and the pool has ``CONTROL_WORKERS``
+more workers than that, always free for health, Describe, session and admin RPCs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger("dflash.server")
 
+CONTROL_WORKERS = 32          # workers no stream can take: unary RPCs always find one free
+STREAM_RETRY_MS = 200         # retry hint of a stream refused by StreamLimit
+RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a RESOURCE_EXHAUSTED refusal
+# Never limited: a health Watch or a reflection session is the control plane itself.
+UNLIMITED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
 
 @dataclasses.dataclass
 class ServiceRuntime:
@@ -32,9 +43,31 @@ class ServiceRuntime:
     services: tuple[str, ...]
     port: int
     servicer: object = None
+    streams: "StreamLimit | None" = None
+    _wanted: bool = False          # the service's own readiness (set_serving)
+    _upstream: bool = True         # what it depends on is healthy (set_upstream)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
+        """The service's own readiness (loaded, not draining). Health reports SERVING only while
+        this and :meth:`set_upstream` both say so."""
+        with self._lock:
+            self._wanted = serving
+            self._publish_locked()
+
+    def set_upstream(self, healthy: bool) -> None:
+        """Whether the service this one forwards to is healthy (the gateway's verifier)."""
+        with self._lock:
+            self._upstream = healthy
+            self._publish_locked()
+
+    @property
+    def serving(self) -> bool:
+        """What health reports now."""
+        return self._wanted and self._upstream
+
+    def _publish_locked(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self._wanted and self._upstream
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("",) + self.services:
             self.health.set(name, status)
@@ -44,20 +77,91 @@ class ServiceRuntime:
         self.server.stop(grace_s).wait()
 
 
+class StreamLimit(grpc.ServerInterceptor):
+    """At most ``limit`` response-streaming RPCs open at once (health and reflection exempt).
+
+    One past the limit is refused at once with RESOURCE_EXHAUSTED (trailing metadata
+    ``retry-after-ms``), instead of queueing for a worker behind the open streams where it
+    would wait without a deadline and delay every unary RPC queued behind it. A slot is held
+    from the handler's first step until the RPC terminates (``context.add_callback``: a
+    cancelled stream gives it back even if its handler never resumes).
+
+    Raises ValueError when ``limit`` < 1.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"max_streams: must be >= 1, got {limit}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open = 0
+        self.refused = 0
+
+    @property
+    def open(self) -> int:
+        """Streams holding a slot now."""
+        return self._open
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if (handler is None or not handler.response_streaming
+                or handler_call_details.method.startswith(UNLIMITED_PREFIXES)):
+            return handler
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._limited(handler.stream_stream), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            self._limited(handler.unary_stream), handler.request_deserializer,
+            handler.response_serializer)
+
+    def _limited(self, behavior):
+        def run(request, context):
+            if not self._acquire():
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(STREAM_RETRY_MS)),))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"server busy: {self.limit} streams open; retry after "
+                              f"{STREAM_RETRY_MS} ms")
+            released = threading.Event()
+
+            def release():
+                if not released.is_set():
+                    released.set()
+                    with self._lock:
+                        self._open -= 1
+
+            if not context.add_callback(release):   # the RPC already ended
+                release()
+            yield from behavior(request, context)
+        return run
+
+    def _acquire(self) -> bool:
+        with self._lock:
+            if self._open >= self.limit:
+                self.refused += 1
+                return False
+            self._open += 1
+            return True
+
+
 def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
-                  max_workers: int = 160, interceptors=(), max_message_mb: int = 256) -> ServiceRuntime:
+                  max_streams: int = 512, interceptors=(),
+                  max_message_mb: int = 256) -> ServiceRuntime:
     """Build and bind (not start) a server. ``bind`` like "127.0.0.1:0" (port 0 = any free).
 
-    ``max_workers``: concurrent RPCs; a streaming Generate holds a thread for its whole
-    generation, so this bounds concurrent requests (the verifier batches up to --max-batch).
+    ``max_streams``: response-streaming RPCs open at once (:class:`StreamLimit`; a streaming
+    Generate holds a worker thread for its whole generation); the pool has
+    ``max_streams + CONTROL_WORKERS`` workers, so unary RPCs (health, Describe, sessions,
+    admin) are served whatever the number of open streams.
 
-    Raises RuntimeError when the address cannot be bound.
+    Raises RuntimeError when the address cannot be bound, ValueError when ``max_streams`` < 1.
     """
     opts = [("grpc.max_send_message_length", max_message_mb << 20),
             ("grpc.max_receive_message_length", max_message_mb << 20),
             ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=list(interceptors), options=opts)
+    limit = StreamLimit(max_streams)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + CONTROL_WORKERS),
+                         interceptors=[limit] + list(interceptors), options=opts)
     add_servicers(server)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -66,7 +170,8 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     port = server.add_insecure_port(bind)
     if port == 0:
         raise RuntimeError(f"cannot bind {bind}")
-    rt = ServiceRuntime(server=server, health=hs, services=service_names, port=port)
+    rt = ServiceRuntime(server=server, health=hs, services=service_names, port=port,
+                        streams=limit)
     rt.set_serving(False)
     return rt
 
@@ -90,6 +195,14 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
         return n
     return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type`` for a float flag that must be > 0 (refused naming the flag)."""
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return x
 
 
 def in_range(low: int, high: int):

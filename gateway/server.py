@@ -9,14 +9,17 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.server import add_common_args, channel_options, create_server, run_until_signal
+from dflash.server import (add_common_args, at_least, channel_options, create_server, in_range,
+                           run_until_signal)
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
 from gateway.registry import DrafterEntry, DrafterRegistry, load_config, parse_spec
 from gateway.observe import ObservedGatewayServicer
+from gateway.inputs import DecodeGuard, InputLimits
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
@@ -54,12 +57,15 @@ def register_drafter(registry: DrafterRegistry, verifier, spec: str, *, name: st
 
 
 def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
-          session_ttl_s: float = 600.0, telemetry: Telemetry | None = None):
-    channel = grpc.insecure_channel(verifier_address, options=channel_options())
-    channel = grpc.intercept_channel(channel, InjectTraceContext())  # W3C traceparent to the verifier
+          session_ttl_s: float = 600.0, telemetry: Telemetry | None = None,
+          limits: InputLimits | None = None, vocab_size: int | None = None,
+          max_request_mb: int = 8):
+    raw = grpc.insecure_channel(verifier_address, options=channel_options() + FAST_RECONNECT)
+    channel = grpc.intercept_channel(raw, InjectTraceContext())  # W3C traceparent to the verifier
     verifier = verifier_pb2_grpc.VerifierStub(channel)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
-                                       session_ttl_s=session_ttl_s, telemetry=telemetry)
+                                       session_ttl_s=session_ttl_s, telemetry=telemetry,
+                                       limits=limits, vocab_size=vocab_size)
     admin = GatewayAdminServicer(servicer.registry, lambda address, **kw: register_drafter(
         servicer.registry, verifier, address, timeout_s=5.0, **kw))
 
@@ -67,9 +73,58 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         gateway_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server)
 
-    rt = create_server(bind, add, (SERVICE, ADMIN_SERVICE))
+    # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
+    rt = create_server(bind, add, (SERVICE, ADMIN_SERVICE), interceptors=[DecodeGuard()],
+                       max_message_mb=max_request_mb)
     rt.servicer = servicer
+    rt.verifier_watch = VerifierHealthWatch(rt, raw)
     return rt
+
+
+# The verifier's channel retries a lost connection at least every 200 ms (gRPC's default
+# back-off grows to minutes), so a restarted verifier is used again within the watch's 0.5 s.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 200)]
+
+
+class VerifierHealthWatch:
+    """Honest health: the gateway reports SERVING only while its verifier does.
+
+    A background thread checks the verifier's ``grpc.health.v1`` (overall status) every
+    ``interval_s`` over the channel requests use, each check bounded by ``timeout_s``, and sets
+    ``rt.set_upstream``: NOT_SERVING while the verifier is unreachable, slow to answer or not
+    SERVING, SERVING again on the first good answer. No request waits for it. The thread ends
+    when the gateway's server stops (``wait_for_termination``).
+    """
+
+    def __init__(self, rt, channel: grpc.Channel, *, interval_s: float = 0.1,
+                 timeout_s: float = 0.5):
+        self.rt, self.interval_s, self.timeout_s = rt, interval_s, timeout_s
+        self._stub = health_pb2_grpc.HealthStub(channel)
+        self.healthy: bool | None = None      # None until the first check
+        self.checks = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="verifier-health")
+        self._thread.start()
+
+    def check(self) -> bool:
+        try:
+            r = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def _run(self) -> None:
+        while True:
+            ok = self.check()
+            self.checks += 1
+            if ok != self.healthy:
+                if self.healthy is not None or not ok:
+                    log.warning("verifier %s: gateway %s", "SERVING" if ok else "not SERVING",
+                                "SERVING again" if ok else "NOT_SERVING")
+                self.healthy = ok
+                self.rt.set_upstream(ok)
+            if not self.rt.server.wait_for_termination(self.interval_s):   # False: it stopped
+                return
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,8 +145,38 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="host:port to listen on [DFLASH_GATEWAY_BIND]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    # Input bounds, checked before tokenisation (gateway.inputs.InputLimits).
+    d = InputLimits()
+    for flag, var, default, what in [
+            ("--max-request-mb", "DFLASH_MAX_REQUEST_MB", 8, "largest request message, MiB "
+             "(refused by gRPC with RESOURCE_EXHAUSTED)"),
+            ("--max-prompt-chars", "DFLASH_MAX_PROMPT_CHARS", d.max_prompt_chars,
+             "characters of a prompt, or of all chat contents together"),
+            ("--max-chat-messages", "DFLASH_MAX_CHAT_MESSAGES", d.max_chat_messages,
+             "messages in a chat"),
+            ("--max-stop-strings", "DFLASH_MAX_STOP_STRINGS", d.max_stop_strings,
+             "stop strings in a request"),
+            ("--max-stop-chars", "DFLASH_MAX_STOP_CHARS", d.max_stop_chars,
+             "characters of one stop string"),
+            ("--max-stop-token-ids", "DFLASH_MAX_STOP_TOKEN_IDS", d.max_stop_token_ids,
+             "stop token ids in a request"),
+            ("--max-session-id-chars", "DFLASH_MAX_SESSION_ID_CHARS", d.max_session_id_chars,
+             "characters of a session_id (A-Z a-z 0-9 . _ : -; the verifier allows 1024)"),
+            ("--max-name-chars", "DFLASH_MAX_NAME_CHARS", d.max_name_chars,
+             "characters of a drafter name")]:
+        p.add_argument(flag, type=in_range(1, 1024) if flag == "--max-session-id-chars"
+                       else at_least(1), default=env(var, str(default)),
+                       help=f"{what}; default {default} [{var}]")
     add_common_args(p)
     return p.parse_args(argv)
+
+
+def input_limits(a: argparse.Namespace) -> InputLimits:
+    """The InputLimits the parsed flags ask for."""
+    return InputLimits(max_prompt_chars=a.max_prompt_chars, max_chat_messages=a.max_chat_messages,
+                       max_stop_strings=a.max_stop_strings, max_stop_chars=a.max_stop_chars,
+                       max_stop_token_ids=a.max_stop_token_ids,
+                       max_session_id_chars=a.max_session_id_chars, max_name_chars=a.max_name_chars)
 
 
 def main(argv=None) -> None:
@@ -109,7 +194,8 @@ def main(argv=None) -> None:
         card = verifier_pb2_grpc.VerifierStub(ch).Describe(verifier_pb2.DescribeTargetRequest(), timeout=10)
     telemetry = Telemetry.from_env("gateway")
     rt = build(tok, a.verifier, a.bind, max_positions=card.max_position_embeddings,
-               session_ttl_s=a.session_ttl, telemetry=telemetry)
+               session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
+               vocab_size=card.vocab_size, max_request_mb=a.max_request_mb)
     rt.server.start()
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port)

@@ -38,8 +38,11 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al. 2023.
 
-    Draft ``d_k ~ q_k`` is accepted when ``u_k * q_k(d_k) <= p_k(d_k)`` (probability
-    ``min(1, p/q)``). At the first rejection the recovered token is sampled from
+    Draft ``d_k ~ q_k`` is accepted when ``u_k * q_k(d_k) <= p_k(d_k)``, ``p_k(d_k) > 0`` and
+    ``q_k(d_k) > 0``: probability ``min(1, p/q)`` for ``u`` uniform on (0, 1], in a form exact in
+    float32 (unlike ``u <= p / q``). The positivity terms keep out a token the target gives 0
+    where the product holds as ``0 <= 0``: a q that is 0 on its own draft (a drafter bug), or
+    ``u == 0``. At the first rejection the recovered token is sampled from
     ``max(p_k - q_k, 0)`` (normalisation is implicit); if all K are accepted the bonus token is
     sampled from ``p_K``. Sampling uses the exponential race ``argmax(w / E)`` with
     ``E ~ Exp(1)``, which draws index i with probability ``w_i / sum(w)``; the random numbers are
@@ -49,7 +52,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
         draft_tokens: int64 [batch, K].
         draft_probs: float32 [batch, K, vocab], q (after temperature/top-k/top-p).
         target_probs: float32 [batch, K + 1, vocab], p (same processing as q).
-        uniforms: float32 [batch, K] in [0, 1).
+        uniforms: float32 [batch, K] in (0, 1] (a 0 is harmless: the positivity terms hold).
         exp_noise: float32 [batch, K + 1, vocab], i.i.d. Exp(1) samples (> 0).
     Returns:
         accepted: int64 [batch].
@@ -58,10 +61,11 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     b, k = draft_tokens.shape
     q_d = draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)   # [b, K]
     p_d = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)
-    ok = (uniforms * q_d <= p_d).to(torch.int64).cumprod(dim=1)         # [b, K]
-    accepted = ok.sum(dim=1)                                            # [b]
+    ok = (uniforms * q_d <= p_d) & (p_d > 0) & (q_d > 0)                # [b, K]
+    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)             # [b]
     residual = (target_probs[:, :k] - draft_probs).clamp_min(0.0)        # [b, K, V]
-    # Rows where the residual is all zero cannot be reached (p == q accepts surely); use p there.
+    # An all-zero residual (p <= q everywhere) is reached only by a draft q gives 0 (p == q) or
+    # an unnormalised p; recover from p there, so the token stays in the target's support.
     empty = residual.sum(dim=2, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:, :k], residual)
     recover_from = torch.cat([residual, target_probs[:, k:]], dim=1)    # [b, K+1, V]

@@ -32,14 +32,16 @@ def _rejection_partial_kernel(
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
 
-    # Accepted length: first k with u_k * q_k(d_k) > p_k(d_k), else K.
+    # Accepted length: first k failing u_k * q_k(d_k) <= p_k(d_k) & p_k(d_k) > 0 & q_k(d_k) > 0,
+    # else K (the reference's rule: "0 <= 0" must not accept a token the target gives 0).
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
     d = tl.load(draft_ptr + b * stride_db + ks, mask=kmask, other=0).to(tl.int64)
     q_d = tl.load(q_ptr + b * stride_qb + ks * stride_qk + d, mask=kmask, other=0.0)
     p_d = tl.load(p_ptr + b * stride_pb + ks * stride_pk + d, mask=kmask, other=0.0)
     u = tl.load(u_ptr + b * stride_ub + ks, mask=kmask, other=0.0)
-    accepted = reduce_min(tl.where(kmask & (u * q_d <= p_d), K, ks), 0)
+    ok = (u * q_d <= p_d) & (p_d > 0.0) & (q_d > 0.0)
+    accepted = reduce_min(tl.where(kmask & ok, K, ks), 0)
     tl.store(accepted_ptr + b, accepted.to(tl.int64), mask=split == 0)
 
     # Scan the row at position `accepted` (row K has no q: the bonus row).
@@ -120,7 +122,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
         draft_tokens: integer [batch, K].
         draft_probs: float32 [batch, K, vocab], q.
         target_probs: float32 [batch, K + 1, vocab], p.
-        uniforms: float32 [batch, K].
+        uniforms: float32 [batch, K] in (0, 1].
         exp_noise: float32 [batch, K + 1, vocab], Exp(1) samples (> 0).
         block_v, chunk: vocab split sizes (see :func:`kernels.triton_common.vocab_split`).
     Returns:

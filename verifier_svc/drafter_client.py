@@ -5,6 +5,12 @@ this verifier. Requests carry a ``batch_id``; a reader thread resolves the waiti
 the reply with that id arrives. Every failure (unreachable, stream broken, deadline exceeded,
 an error string) becomes a ``DraftError`` for that step, never an exception into the decode
 loop; a broken stream is reopened on a later call after a short back-off.
+
+A :class:`CircuitBreaker` per drafter takes one that keeps failing out of the step path: after
+``failures`` consecutive deadline misses or failed calls it opens, every call fails at once with
+``DraftError("circuit_open")`` (its sessions run without speculation, no step waits for it),
+and a background prober sends one tiny draft every ``probe_interval_s`` until one is answered
+within the deadline; then it closes and the sessions' context is resent.
 """
 
 from __future__ import annotations
@@ -31,6 +37,59 @@ from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("dflash.verifier.drafter_client")
 MAX_WIRE_STATS = 4096
+PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter (released)
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakerConfig:
+    """``failures``: consecutive deadline misses / failed calls that open the breaker (0 =
+    never opens); ``probe_interval_s``: seconds between probes while open. Raises ValueError
+    on a negative count or a non-positive interval."""
+
+    failures: int = 3
+    probe_interval_s: float = 1.0
+
+    def __post_init__(self):
+        if self.failures < 0:
+            raise ValueError(f"breaker failures: must be >= 0, got {self.failures}")
+        if not self.probe_interval_s > 0:
+            raise ValueError(f"breaker probe_interval_s: must be > 0, got {self.probe_interval_s}")
+
+
+class CircuitBreaker:
+    """Consecutive-failure count of one drafter (thread-safe).
+
+    ``failure`` returns True when that failure opened it; ``success`` resets the count (a
+    reply within the deadline); ``close`` ends an open period (a probe was answered in time).
+    ``trips`` counts openings; ``opened_at`` is the ``time.monotonic()`` of the last one.
+    """
+
+    def __init__(self, failures: int):
+        self.limit = failures
+        self._lock = threading.Lock()
+        self.consecutive = 0
+        self.is_open = False
+        self.trips = 0
+        self.opened_at = 0.0
+
+    def success(self) -> None:
+        with self._lock:
+            self.consecutive = 0
+
+    def failure(self) -> bool:
+        with self._lock:
+            self.consecutive += 1
+            if self.is_open or not self.limit or self.consecutive < self.limit:
+                return False
+            self.is_open, self.opened_at = True, time.monotonic()
+            self.trips += 1
+            return True
+
+    def close(self) -> float:
+        """Close it; returns the seconds it was open."""
+        with self._lock:
+            self.is_open, self.consecutive = False, 0
+            return time.monotonic() - self.opened_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +124,14 @@ class RemoteProposer:
         timeout_s: deadline for one draft step; past it the step runs without speculation.
         reconnect_backoff_s: after a broken stream, calls fail fast for this long.
         wire_dtype: dtype of context features on the wire (float32 keeps tests bit-exact).
+        breaker: when the drafter is taken out of the step path (:class:`BreakerConfig`).
     """
 
     MAX_IN_FLIGHT = 4   # unanswered send_context batches before the next one waits
 
     def __init__(self, address: str, card: DrafterCard, *, timeout_s: float = 2.0,
-                 reconnect_backoff_s: float = 0.5, wire_dtype=None):
+                 reconnect_backoff_s: float = 0.5, wire_dtype=None,
+                 breaker: BreakerConfig = BreakerConfig()):
         self.address = address
         self.card = card
         self.timeout_s = timeout_s
@@ -89,6 +150,9 @@ class RemoteProposer:
         self.last_wire_bytes = 0
         self.wire_stats: dict[str, WireStat] = {}   # session id -> last call (take_wire_stat)
         self._in_flight: collections.deque[Future] = collections.deque()   # send_context's
+        self.breaker_config = breaker
+        self.breaker = CircuitBreaker(breaker.failures)
+        self._closed = threading.Event()
 
     # ------------------------------------------------------------------ stream management
     def _open_locked(self) -> queue.Queue | None:
@@ -139,6 +203,15 @@ class RemoteProposer:
             for fut in pending.values():
                 fut.set_exception(DraftError("unavailable", "drafter stream closed"))
 
+    def _reachable(self) -> bool:
+        """Describe answers (outside the lock: reopening the stream describes it again under
+        the lock, and a dead drafter must not hold that lock for a whole timeout)."""
+        try:
+            self._stub.Describe(drafter_pb2.DescribeDrafterRequest(), timeout=self.timeout_s)
+            return True
+        except grpc.RpcError:
+            return False
+
     # ------------------------------------------------------------------ Proposer
     def _items(self, requests: list[ProposalRequest]) -> list:
         items = []
@@ -170,24 +243,74 @@ class RemoteProposer:
         return bid, fut
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
+        if self.breaker.is_open:
+            return [DraftError("circuit_open", f"drafter {self.address} out of the step path")] \
+                * len(requests)
         items = self._items(requests)
         t_send = time.perf_counter()
         sent = self._send(items)
         if sent is None:
-            return [DraftError("unavailable", "drafter stream reconnect back-off")] * len(requests)
+            return self._failed(DraftError("unavailable", "drafter stream reconnect back-off"),
+                                len(requests))
         bid, fut = sent
         try:
             resp = fut.result(timeout=self.timeout_s)
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(bid, None)
-            return [DraftError("timeout", f"no draft within {self.timeout_s}s")] * len(requests)
+            return self._failed(DraftError("timeout", f"no draft within {self.timeout_s}s"),
+                                len(requests))
         except DraftError as e:
-            return [e] * len(requests)
+            return self._failed(e, len(requests))
         if len(resp.results) != len(requests):
-            return [DraftError("malformed_block", "result count mismatch")] * len(requests)
+            return self._failed(DraftError("malformed_block", "result count mismatch"),
+                                len(requests))
+        self.breaker.success()   # answered in time; per-session errors are not its health
         self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
         return [self._convert(r) for r in resp.results]
+
+    # ------------------------------------------------------------------ circuit breaker
+    def _failed(self, e: DraftError, n: int) -> list[DraftError]:
+        """Count a failed call (deadline missed, stream down, bad reply); open the breaker
+        and start the prober when that makes ``failures`` in a row."""
+        if self.breaker.failure():
+            log.warning("drafter %s: %d failed calls in a row (last: %s); circuit open, its "
+                        "sessions run without speculation", self.address,
+                        self.breaker.consecutive, e.reason)
+            threading.Thread(target=self._probe_until_healthy, daemon=True,
+                             name=f"drafter-prober-{self.address}").start()
+        return [e] * n
+
+    def _probe_until_healthy(self) -> None:
+        """While open: every ``probe_interval_s`` one tiny draft (a one-row zero context, one
+        draft position) on the stream; the first answered within the deadline closes the
+        breaker. Any answer counts, an error one included: it shows the drafter replies in
+        time, and it queues behind every batch still on the stream."""
+        width = len(self.card.target_layer_ids) * self.card.hidden_size
+        while not self._closed.wait(self.breaker_config.probe_interval_s):
+            import torch
+
+            ctx = torch.zeros(1, width, dtype=torch.float32)
+            if self.wire_dtype is not None:
+                ctx = ctx.to(self.wire_dtype)
+            item = drafter_pb2.DraftItem(session_id=PROBE_SESSION, context_start=0,
+                                         context=wire.to_proto(ctx), anchor_token=0, block_size=2)
+            if self._queue is None and not self._reachable():
+                continue
+            sent = self._send([item])
+            ok = False
+            if sent is not None:
+                try:
+                    sent[1].result(timeout=self.timeout_s)
+                    ok = True
+                except (FutureTimeout, DraftError):
+                    with self._lock:
+                        self._pending.pop(sent[0], None)
+                self.release([PROBE_SESSION])
+            if ok:
+                log.warning("drafter %s answered a probe in time after %.2fs open; circuit "
+                            "closed, speculation resumes", self.address, self.breaker.close())
+                return
 
     def send_context(self, requests: list[ProposalRequest],
                      on_failed: Callable[[list[str]], None]) -> None:
@@ -202,16 +325,22 @@ class RemoteProposer:
         of such a session also fails (``context_gap``) instead of drafting from a stale
         context.
         """
-        while len(self._in_flight) >= self.MAX_IN_FLIGHT:   # a slow drafter: bound its backlog
-            try:
+        ids = [r.session_id for r in requests]
+        while len(self._in_flight) >= self.MAX_IN_FLIGHT and not self.breaker.is_open:
+            try:   # a slow drafter: bound its backlog
                 self._in_flight.popleft().result(timeout=self.timeout_s)
+            except FutureTimeout:
+                self._failed(DraftError("timeout", "context backlog"), 0)
             except Exception:
                 pass   # its callback reports the failure
+        if self.breaker.is_open:   # resent in full once the drafter is back
+            on_failed(ids)
+            return
         items = self._items(requests)
-        ids = [r.session_id for r in requests]
         t_send = time.perf_counter()
         sent = self._send(items)
         if sent is None:
+            self._failed(DraftError("unavailable", "drafter stream reconnect back-off"), 0)
             on_failed(ids)
             return
 
@@ -276,6 +405,7 @@ class RemoteProposer:
             q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             q, self._queue = self._queue, None
         if q is not None:

@@ -213,6 +213,9 @@ class DrafterSync:
         """Why ``res`` is not ``k`` usable drafts with up to ``top_k`` alternatives each (None:
         it is).
 
+        Probabilities (reason "malformed_probs"): when sent, ``[k, vocab_size]`` floating,
+        finite, non-negative and positive on each drafted token.
+
         Top-k (reason "malformed_topk"): a result with neither ``top_ids`` nor
         ``top_logprobs`` is a chain drafter that predates top-k and is fine whatever
         ``top_k`` is. Otherwise both must be there, asked for (top_k > 0), int64 and float32
@@ -228,14 +231,22 @@ class DrafterSync:
             return "malformed_block"
         if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
             return "out_of_vocab"
-        if res.probs is not None:
-            p = res.probs
-            if p.shape != (k, self.vocab_size) or not torch.isfinite(p).all() or (p < 0).any():
-                return "malformed_probs"
+        if res.probs is not None and not self._probs_ok(res.probs, toks):
+            return "malformed_probs"
         if res.top_ids is not None or res.top_logprobs is not None:
             if not self._top_k_ok(res.top_ids, res.top_logprobs, k, top_k):
                 return "malformed_topk"
         return None
+
+    def _probs_ok(self, q: torch.Tensor, toks: torch.Tensor) -> bool:
+        """q ``[k, vocab_size]`` floating, finite, non-negative, and positive on each row's own
+        draft ``toks[j]``: a drafter cannot have drawn a token it gives 0, and rejection
+        sampling would otherwise test it against ``u * 0 <= p``."""
+        if q.shape != (toks.numel(), self.vocab_size) or not q.dtype.is_floating_point:
+            return False
+        if not (torch.isfinite(q).all() and (q >= 0).all()):
+            return False
+        return bool((q.gather(1, toks.to(torch.int64)[:, None]) > 0).all())
 
     def _top_k_ok(self, ids: torch.Tensor | None, lp: torch.Tensor | None, k: int,
                   top_k: int) -> bool:

@@ -32,7 +32,7 @@ from verifier_svc.drafter_sync import DraftItem, DraftOutcome, DrafterSync
 from verifier_svc.policy import DEFAULT_TREE_BUDGETS, Decision, Shape, SpeculationPolicy, StepFeedback
 from verifier_svc.request import (MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer,
                                   StepEvent, validate)
-from verifier_svc.scheduler import Job, Scheduler, StepPlan
+from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
 from verifier_svc.sessions import CacheHandle, Session, SessionStore
 from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
 from verifier_svc.verification import RowParams, Verified, verify_batch
@@ -81,6 +81,8 @@ class VerifierEngine:
         tree_budget: nodes of a tree in mode "tree" when the request names none (``--tree-budget``).
         tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
             chains only). Trees need a target with ``supports_trees``.
+        admission: bounds on waiting requests (``verifier_svc.scheduler.Admission``; default
+            its defaults).
         prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
         max_batch: sessions verified per step.
         context_flush: ``verifier_svc.drafter_sync.DrafterSync``. Raises ValueError below 1.
@@ -93,7 +95,8 @@ class VerifierEngine:
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
                  spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
-                 tree_budget: int = 16, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS):
+                 tree_budget: int = 16, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
+                 admission: Admission | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -106,7 +109,7 @@ class VerifierEngine:
         self.trees = target.supports_trees
         self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else ())
         self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch,
-                                   max_unread=max_unread)
+                                   max_unread=max_unread, admission=admission)
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,
                                       ttl_s=session_ttl_s)
         self.totals = AcceptanceCounter()

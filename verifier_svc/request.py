@@ -16,6 +16,7 @@ from dflash.speculation import MAX_TREE_BUDGET, MODES
 from verifier_svc.policy import Decision
 
 MAX_BLOCK_SIZE = 64
+MAX_SESSION_ID_CHARS = 1024     # the gateway's own bound (--max-session-id-chars) is tighter
 
 
 class PreconditionError(RuntimeError):
@@ -103,6 +104,12 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
     if len(req.prompt) + req.max_tokens > window:
         raise InvalidParam("max_tokens", f"prompt ({len(req.prompt)}) + max_tokens "
                            f"({req.max_tokens}) exceeds the context window of {window} tokens")
+    bad = next((t for t in req.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParam("stop_token_ids", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if len(req.session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidParam("session_id", f"{len(req.session_id)} characters, more than "
+                           f"{MAX_SESSION_ID_CHARS}")
     if req.block_size < 0 or req.block_size > MAX_BLOCK_SIZE:
         raise InvalidParam("block_size", f"must be in [0, {MAX_BLOCK_SIZE}]")
     if req.spec_mode and req.spec_mode not in MODES:

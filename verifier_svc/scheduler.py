@@ -13,6 +13,11 @@ The loop never waits for readers: events go to each request's queue and a slow c
 slows itself. A reader that leaves more than ``max_unread`` events unread is cancelled with
 :class:`~verifier_svc.request.SlowConsumer`, so a stalled client holds no batch slot (its
 session's K/V stays resident until its reader unwinds, when the session is freed).
+
+Admission (:class:`Admission`): the running set is bounded by ``max_batch``; past it requests
+wait, at most ``max_waiting`` of them (and, when set, ``max_waiting_tokens`` prompt tokens not
+yet prefilled). A request past those bounds is refused at once with :class:`Overloaded` (the
+servicer's RESOURCE_EXHAUSTED, with a retry hint) instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
@@ -33,6 +39,40 @@ from verifier_svc.request import Request, SlowConsumer, StepEvent
 from verifier_svc.sessions import Session
 
 log = logging.getLogger("dflash.verifier.scheduler")
+
+MIN_RETRY_MS = 100        # retry hints are never shorter: a refused client should back off
+MAX_RETRY_MS = 30_000
+
+
+class Overloaded(RuntimeError):
+    """Admission refused a request. ``retry_after_ms``: when a retry may be admitted (the
+    recent mean queue wait, clamped to [MIN_RETRY_MS, MAX_RETRY_MS])."""
+
+    def __init__(self, message: str, retry_after_ms: int):
+        super().__init__(f"{message}; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Bounds on the requests waiting for a batch slot (``--max-waiting``,
+    ``--max-waiting-tokens``).
+
+    ``max_waiting``: requests admitted but not in the batch, beyond the batch's free slots
+    (a request that gets a slot at once never counts); >= 0. ``max_waiting_tokens``: prompt
+    tokens not yet prefilled over all waiting requests, 0 = unbounded; a request is admitted
+    when nothing waits, whatever its length (the context window bounds it).
+    Raises ValueError on a negative bound.
+    """
+
+    max_waiting: int = 256
+    max_waiting_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if self.max_waiting_tokens < 0:
+            raise ValueError(f"max_waiting_tokens: must be >= 0, got {self.max_waiting_tokens}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,6 +97,11 @@ class Job:
     tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
     emitted: int = 0
     steps: int = 0                           # decode steps so far
+    submitted: float = 0.0                   # time.monotonic() at admission
+
+
+def _unprefilled(job: Job) -> int:
+    return len(job.req.prompt) - job.prefilled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +136,24 @@ class Scheduler:
         prefill_chunk: prompt tokens prefilled per iteration, over all waiting requests.
         max_batch: sessions per decode step (the rest wait their turn, oldest first).
         max_unread: events a reader may leave unread before its request is cancelled.
+        admission: bounds on waiting requests (may be replaced before requests arrive).
+
+    ``queue_wait_listeners`` are called with each request's queue wait in seconds (admission
+    to its first prefill chunk; on the scheduler thread); ``refused`` counts refusals by reason.
     """
 
+    QUEUE_WAIT_EMA = 0.2      # weight of the newest queue wait in the retry hint
+
     def __init__(self, runner: StepRunner, *, prefill_chunk: int = 256, max_batch: int = 64,
-                 max_unread: int = 4096):
+                 max_unread: int = 4096, admission: Admission | None = None):
         self.runner = runner
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.max_unread = max_unread
+        self.admission = admission or Admission()
+        self.queue_wait_listeners: list[Callable[[float], None]] = []
+        self.refused: dict[str, int] = {"max_waiting": 0, "max_waiting_tokens": 0}
+        self._queue_wait_ema = 0.0
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
         self._waiting: list[Job] = []        # prefilling, oldest first
@@ -112,6 +167,50 @@ class Scheduler:
     def batch_size(self) -> int:
         return len(self._running)
 
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not in the batch yet (vLLM's ``num_requests_waiting``)."""
+        with self._cv:
+            return len(self._incoming) + len(self._waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the waiting requests not prefilled yet."""
+        with self._cv:
+            return sum(map(_unprefilled, self._incoming + list(self._waiting)))
+
+    def check_admission(self, prompt_tokens: int) -> None:
+        """Raise :class:`Overloaded` if a request of ``prompt_tokens`` would be refused now
+        (``submit`` decides; this lets a caller refuse before touching a session)."""
+        with self._cv:
+            refusal = self._admit_locked(prompt_tokens)
+        if refusal is not None:
+            raise refusal
+
+    def _admit_locked(self, prompt_tokens: int) -> Overloaded | None:
+        """Why a request of ``prompt_tokens`` cannot wait now (None: admitted). The loop thread
+        shrinks ``_waiting`` and grows ``_running`` outside the lock, so a count read here is at
+        worst one iteration old: a refusal near the bound is conservative, never an excess."""
+        a = self.admission
+        waiting = list(self._incoming) + list(self._waiting)
+        free = max(0, self.max_batch - len(self._running))
+        if len(waiting) - free >= a.max_waiting:
+            return self._overloaded("max_waiting",
+                                    f"{len(waiting)} requests waiting (max_waiting {a.max_waiting}, "
+                                    f"max_batch {self.max_batch})")
+        if a.max_waiting_tokens and waiting:
+            tokens = sum(map(_unprefilled, waiting))
+            if tokens + prompt_tokens > a.max_waiting_tokens:
+                return self._overloaded(
+                    "max_waiting_tokens", f"{tokens} prompt tokens waiting for prefill "
+                    f"(max_waiting_tokens {a.max_waiting_tokens})")
+        return None
+
+    def _overloaded(self, reason: str, detail: str) -> Overloaded:
+        self.refused[reason] += 1
+        ms = int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, 1e3 * self._queue_wait_ema)))
+        return Overloaded(f"verifier overloaded: {detail}", ms)
+
     def _start_locked(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop = False
@@ -120,10 +219,17 @@ class Scheduler:
             self._thread.start()
 
     def submit(self, job: Job) -> None:
+        """Queue ``job`` for its prefill; a refusal (:class:`Overloaded`, or the loop stopped)
+        is the job's only event."""
         with self._cv:
             if self._stop:
                 self._fail(job, RuntimeError("verifier engine stopped"))
                 return
+            refusal = self._admit_locked(len(job.req.prompt))
+            if refusal is not None:
+                self._fail(job, refusal)
+                return
+            job.submitted = time.monotonic()
             self._start_locked()
             self._incoming.append(job)
             self._cv.notify()
@@ -197,6 +303,7 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.max_batch:
             job = self._waiting[0]
             if not job.started:
+                self._queue_wait(time.monotonic() - job.submitted)
                 self.runner.start_job(job)
                 job.started = True
             before = job.prefilled
@@ -215,6 +322,14 @@ class Scheduler:
                 raise RuntimeError(f"decode_step returned {len(events)} events for {len(jobs)} jobs")
             kept = [job for job, ev in zip(jobs, events) if self._emit(job, ev) and not ev.finish]
             self._running = kept
+
+    def _queue_wait(self, seconds: float) -> None:
+        self._queue_wait_ema += self.QUEUE_WAIT_EMA * (seconds - self._queue_wait_ema)
+        for listener in self.queue_wait_listeners:
+            try:
+                listener(seconds)
+            except Exception:  # observers never fail a request
+                log.exception("queue wait listener failed")
 
     def _keep(self, job: Job) -> bool:
         if job.closed:

@@ -7,34 +7,63 @@ import logging
 import os
 import threading
 
+from dflash.metrics import AdmissionMetrics, BreakerGauges
 from dflash.server import (add_common_args, add_compute_args, at_least, create_server, in_range,
-                           int_list, one_of, run_until_signal)
+                           int_list, one_of, positive_float, run_until_signal)
 from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
+from verifier_svc.scheduler import Admission
 from verifier_svc.servicer import DrafterPool
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 log = logging.getLogger("dflash.verifier")
+# Streams beyond the batch and the waiting queue: ones unwinding or being refused by admission
+# (which gives the better retry hint) instead of by the stream limit.
+STREAM_SLACK = 32
+
+
+def max_streams(max_batch: int, max_waiting: int, flag: int = 0) -> int:
+    """``--max-streams``, 0 = every admissible request (``max_batch + max_waiting``) plus
+    ``STREAM_SLACK``."""
+    return flag or max_batch + max_waiting + STREAM_SLACK
 
 
 def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
-          telemetry: Telemetry | None = None):
-    """An unstarted server for ``engine`` (None while loading) bound to ``bind``."""
-    pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype) if engine else None
-    observer = VerifierObserver(telemetry or Telemetry(service="verifier"))
+          telemetry: Telemetry | None = None, streams: int = 0,
+          breaker: BreakerConfig = BreakerConfig()):
+    """An unstarted server for ``engine`` (None while loading) bound to ``bind``.
+
+    ``streams``: Generate streams open at once (``dflash.server.StreamLimit``), 0 = the
+    engine's batch and waiting bounds plus ``STREAM_SLACK`` (or 512 while loading).
+    """
+    telemetry = telemetry or Telemetry(service="verifier")
+    pool = (DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype, breaker=breaker)
+            if engine else None)
+    observer = VerifierObserver(telemetry)
     servicer = ObservedVerifierServicer(engine, pool, observer)
+    if not streams and engine is not None:
+        s = engine.scheduler
+        streams = max_streams(s.max_batch, s.admission.max_waiting)
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                       (SERVICE,))
+                       (SERVICE,), max_streams=streams or 512)
     rt.servicer = servicer
+    servicer.admission_metrics = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
+    BreakerGauges(telemetry.registry, lambda: servicer.pool.proposers() if servicer.pool else [])
+    if engine is not None:
+        engine.scheduler.queue_wait_listeners.append(servicer.admission_metrics.observe_queue_wait)
     return rt
 
 
-def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None) -> None:
+def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None,
+           breaker: BreakerConfig = BreakerConfig()) -> None:
     rt.servicer.engine = engine
-    rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype)
+    rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype,
+                                   breaker=breaker)
     rt.servicer.observer.bind(engine)
+    engine.scheduler.queue_wait_listeners.append(rt.servicer.admission_metrics.observe_queue_wait)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +99,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_PREFILL_CHUNK]")
     p.add_argument("--max-batch", type=int, default=int(env("DFLASH_MAX_BATCH", "64")),
                    help="sessions verified together in one target forward [DFLASH_MAX_BATCH]")
+    p.add_argument("--max-waiting", type=at_least(0), default=env("DFLASH_MAX_WAITING", "256"),
+                   help="requests that may wait for a batch slot; past it a request is refused "
+                        "at once with RESOURCE_EXHAUSTED and a retry hint (trailing metadata "
+                        "retry-after-ms) [DFLASH_MAX_WAITING]")
+    p.add_argument("--max-waiting-tokens", type=at_least(0),
+                   default=env("DFLASH_MAX_WAITING_TOKENS", "0"),
+                   help="prompt tokens not yet prefilled that may wait over all waiting "
+                        "requests, 0 = unbounded; past it RESOURCE_EXHAUSTED "
+                        "[DFLASH_MAX_WAITING_TOKENS]")
+    p.add_argument("--max-streams", type=at_least(0), default=env("DFLASH_MAX_STREAMS", "0"),
+                   help="Generate streams open at once (each holds a server thread; more are "
+                        "refused with RESOURCE_EXHAUSTED, and health, Describe and session RPCs "
+                        f"keep their own threads), 0 = max-batch + max-waiting + {STREAM_SLACK} "
+                        "[DFLASH_MAX_STREAMS]")
+    p.add_argument("--breaker-failures", type=at_least(0),
+                   default=env("DFLASH_BREAKER_FAILURES", "3"),
+                   help="consecutive missed draft deadlines or failed draft calls that take a "
+                        "drafter out of the step path (its sessions run without speculation "
+                        "until a background probe is answered in time), 0 = never "
+                        "[DFLASH_BREAKER_FAILURES]")
+    p.add_argument("--breaker-probe-interval", type=positive_float,
+                   default=env("DFLASH_BREAKER_PROBE_INTERVAL_S", "1.0"),
+                   help="seconds between probes of a drafter out of the step path "
+                        "[DFLASH_BREAKER_PROBE_INTERVAL_S]")
     p.add_argument("--context-flush", type=at_least(1), default=env("DFLASH_CONTEXT_FLUSH", "8"),
                    help="on steps without speculation, send a session's new context features to "
                         "its drafter once this many rows are unsent (1 = every step); a draft "
@@ -105,7 +158,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
     telemetry = Telemetry.from_env("verifier")
-    rt = build(None, a.bind, telemetry=telemetry)
+    rt = build(None, a.bind, telemetry=telemetry,
+               streams=max_streams(a.max_batch, a.max_waiting, a.max_streams))
     rt.server.start()
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port)
@@ -115,10 +169,13 @@ def main(argv=None) -> None:
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
                             threads=threads, tree_budget=a.tree_budget,
-                            tree_budgets=_budgets(a.tree_budgets))
+                            tree_budgets=_budgets(a.tree_budgets),
+                            admission=Admission(max_waiting=a.max_waiting,
+                                                max_waiting_tokens=a.max_waiting_tokens))
     _warmup(engine)
+    breaker = BreakerConfig(a.breaker_failures, a.breaker_probe_interval)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
-           wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None)
+           wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker)
     stop = threading.Event()
 
     def sweeper():

@@ -10,11 +10,13 @@ import grpc
 
 from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
 from dflash.sampling import InvalidParam
+from dflash.server import RETRY_AFTER_KEY
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_svc.drafter_client import RemoteProposer, describe
+from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.cards import check_drafter_card
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer
+from verifier_svc.scheduler import Overloaded
 from verifier_svc.target import TargetUnavailable
 
 log = logging.getLogger("dflash.verifier")
@@ -27,10 +29,12 @@ class DrafterPool:
     ``grpc.RpcError`` when it cannot be reached.
     """
 
-    def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None):
+    def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None,
+                 breaker: BreakerConfig = BreakerConfig()):
         self.engine = engine
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
+        self.breaker = breaker
         self._proposers: dict[str, RemoteProposer] = {}
         self._lock = threading.Lock()
 
@@ -44,8 +48,14 @@ class DrafterPool:
             log.warning("drafter %s at %s: %s", card.label, address, w)
         with self._lock:
             p = self._proposers.setdefault(address, RemoteProposer(
-                address, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype))
+                address, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype,
+                breaker=self.breaker))
         return p
+
+    def proposers(self) -> list[RemoteProposer]:
+        """The drafters in use (for the circuit-breaker gauges)."""
+        with self._lock:
+            return list(self._proposers.values())
 
     def close(self) -> None:
         with self._lock:
@@ -103,6 +113,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self._ready(context)
         try:
             req = self._request(request)
+            # before the session is touched: a refused turn keeps its session's cache
+            engine.scheduler.check_admission(len(req.prompt))
             req.proposer = self._proposer(request, context)
             req.trace = trace
             events = engine.generate(req, cancelled=lambda: not context.is_active())
@@ -113,6 +125,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except TargetUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Overloaded as e:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         prompt_tokens, cached = first.prompt_tokens, first.cached_prompt_tokens
         try:
             for ev in _chain(first, events):

@@ -12,9 +12,11 @@ reference elsewhere; see :mod:`kernels.reference`):
   ``dflash_generate`` greedy acceptance, ``kernels.greedy_accept``);
 * sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al.
   2023 (``kernels.rejection_sample``): draft ``d_j`` accepted when ``u_j * q_j(d_j) <=
-  p_j(d_j)``, the recovered token drawn from ``max(p - q, 0)`` at the first rejection, else the
-  bonus token from ``p_K``. ``p = probs_from_logits(logits, sampling)``; ``q`` is the drafter's
-  probabilities, or the one-hot of the drafts when the drafter sent none.
+  p_j(d_j)`` with ``p_j(d_j) > 0`` and ``q_j(d_j) > 0``, the recovered token drawn from
+  ``max(p - q, 0)`` at the first rejection, else the bonus token from ``p_K``. ``p =
+  probs_from_logits(logits, sampling)``; ``q`` is the drafter's probabilities (checked finite,
+  non-negative and positive on each draft by ``DrafterSync.malformed``), or the one-hot of the
+  drafts when the drafter sent none.
 
 Shapes and dtypes (row ``i`` with ``k_i`` drafts, vocabulary ``V``, same for every row):
 
@@ -36,9 +38,10 @@ express.
 
 Randomness: each sampled row draws from its own generator exactly as the per-session loop did
 (``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise shaped like
-``p`` ``[1, k + 1, V]``, rows in order, so seeded requests keep their outputs bit for bit. The
-numbers are drawn on the generator's device and moved to the logits' device. Greedy rows draw
-nothing.
+``p`` ``[1, k + 1, V]``, rows in order, so seeded requests keep their outputs bit for bit. A
+uniform of exactly 0 becomes 1 (:func:`_uniforms_open_closed`): ``u`` lies in (0, 1] and no
+other draw changes. The numbers are drawn on the generator's device and moved to the logits'
+device. Greedy rows draw nothing.
 
 Commit cut per row (:func:`commit_cut`, shared with tree verification): the accepted drafts
 plus the bonus/recovered token, cut after the first token in ``stops`` (finish ``"stop"``), then
@@ -117,7 +120,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         if par.sampling.greedy:
             continue
         k, gen = drafts[i].shape[0], par.generator
-        u = torch.rand((1, k), generator=gen, device=gen.device)
+        u = _uniforms_open_closed(torch.rand((1, k), generator=gen, device=gen.device))
         e = torch.empty((1, k + 1, vocab), dtype=torch.float32,
                         device=gen.device).exponential_(generator=gen)
         noise[i] = (u, e)
@@ -171,6 +174,18 @@ def commit_cut(tokens: list[int], accepted: int, params: RowParams
     if len(tokens) >= params.room:
         tokens, finish = tokens[:params.room], finish or "length"
     return tokens, min(accepted, len(tokens)), finish
+
+
+def _uniforms_open_closed(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms from ``torch.rand`` (any shape, float32, in [0, 1)) moved to (0, 1], in place.
+
+    ``torch.rand`` draws float32 from the grid ``{0, 2^-24, ..., 1 - 2^-24}`` on the CPU; a 0
+    (once in 2^24 draws) would make ``u * q(d) <= p(d)`` hold for ``p(d) = 0``. Mapping 0 to 1
+    gives the grid ``{2^-24, ..., 1}``, the same law as ``1 - u`` (on CUDA, where torch turns
+    curand's (0, 1] draws of 1 into 0, it puts them back), while every other draw, and so every
+    seeded output, is unchanged (``1 - u`` would change them all); it draws nothing.
+    """
+    return u.masked_fill_(u == 0, 1.0)
 
 
 def _check_rows(drafts, logits, draft_probs, params) -> int:
