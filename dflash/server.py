@@ -21,9 +21,14 @@ import signal
 import threading
 from concurrent import futures
 
+import typing
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+if typing.TYPE_CHECKING:
+    from dflash.tls import ClientTLS, ServerTLS
 
 log = logging.getLogger("dflash.server")
 
@@ -44,6 +49,7 @@ class ServiceRuntime:
     port: int
     servicer: object = None
     streams: "StreamLimit | None" = None
+    tls: "ServerTLS | None" = None  # reloading credentials (SIGHUP: run_until_signal)
     _wanted: bool = False          # the service's own readiness (set_serving)
     _upstream: bool = True         # what it depends on is healthy (set_upstream)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -146,13 +152,16 @@ class StreamLimit(grpc.ServerInterceptor):
 
 def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
                   max_streams: int = 512, interceptors=(),
-                  max_message_mb: int = 256) -> ServiceRuntime:
+                  max_message_mb: int = 256, tls: "ServerTLS | None" = None) -> ServiceRuntime:
     """Build and bind (not start) a server. ``bind`` like "127.0.0.1:0" (port 0 = any free).
 
     ``max_streams``: response-streaming RPCs open at once (:class:`StreamLimit`; a streaming
     Generate holds a worker thread for its whole generation); the pool has
     ``max_streams + CONTROL_WORKERS`` workers, so unary RPCs (health, Describe, sessions,
     admin) are served whatever the number of open streams.
+
+    ``tls``: listen with TLS (mTLS when it has a CA; :class:`dflash.tls.ServerTLS`, whose files
+    are re-read at the next handshake after they change); None = plaintext.
 
     Raises RuntimeError when the address cannot be bound, ValueError when ``max_streams`` < 1.
     """
@@ -167,23 +176,109 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(
         service_names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(bind)
+    port = (server.add_secure_port(bind, tls.credentials()) if tls
+            else server.add_insecure_port(bind))
     if port == 0:
         raise RuntimeError(f"cannot bind {bind}")
     rt = ServiceRuntime(server=server, health=hs, services=service_names, port=port,
-                        streams=limit)
+                        streams=limit, tls=tls)
     rt.set_serving(False)
     return rt
 
 
+def tie_server(main: grpc.Server, other: grpc.Server) -> None:
+    """Start ``other`` with ``main`` and stop it when ``main`` stops, so every caller of
+    ``main`` (``run_until_signal``, the test stacks) manages both (the gateway's admin plane,
+    a health-only listener)."""
+    start = main.start
+
+    def start_both():
+        start()
+        other.start()
+        threading.Thread(target=lambda: (main.wait_for_termination(), other.stop(0)),
+                         daemon=True, name="tied-server-stop").start()
+
+    main.start = start_both
+
+
+def add_health_listener(rt: ServiceRuntime, bind: str) -> int | None:
+    """``--health-bind``: a plaintext listener serving only ``grpc.health.v1`` (the same
+    status as the service's port), for probes that cannot present a client certificate
+    (kubelet's gRPC probes) when the service port requires mTLS. Started and stopped with
+    ``rt.server``. Returns its port (None when ``bind`` is empty).
+
+    Raises RuntimeError when ``bind`` cannot be bound."""
+    if not bind:
+        return None
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(rt.health, server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"--health-bind: cannot bind {bind}")
+    tie_server(rt.server, server)
+    return port
+
+
 def add_common_args(p) -> None:
-    """The flags every service has: ``--grace`` (drain seconds on SIGTERM, env DFLASH_GRACE_S)
-    and ``--metrics-port`` (Prometheus /metrics, 0 = off, env DFLASH_METRICS_PORT)."""
+    """The flags every service has: ``--grace`` (drain seconds on SIGTERM, env DFLASH_GRACE_S),
+    ``--metrics-port`` (Prometheus /metrics, 0 = off, env DFLASH_METRICS_PORT) and the server's
+    TLS files ``--tls-cert``/``--tls-key``/``--tls-ca`` (env DFLASH_TLS_CERT/_KEY/_CA;
+    :func:`server_tls_from_args`)."""
     env = os.environ.get
     p.add_argument("--grace", type=float, default=float(env("DFLASH_GRACE_S", "10")),
                    help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
     p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
                    help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
+    p.add_argument("--health-bind", default=env("DFLASH_HEALTH_BIND", ""),
+                   help="host:port of a plaintext listener serving only grpc.health.v1, for "
+                        "probes when the service port requires mTLS; empty = none "
+                        "[DFLASH_HEALTH_BIND]")
+    p.add_argument("--metrics-host", default=None,
+                   help="/metrics bind host, default 127.0.0.1 (DFLASH_METRICS_ADDR, its older "
+                        "name, is read too); 0.0.0.0 exposes it [DFLASH_METRICS_HOST]")
+    p.add_argument("--tls-cert", default=env("DFLASH_TLS_CERT") or None,
+                   help="PEM certificate chain: with --tls-key, listen with TLS; re-read when "
+                        "the file changes or on SIGHUP [DFLASH_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("DFLASH_TLS_KEY") or None,
+                   help="PEM private key of --tls-cert [DFLASH_TLS_KEY]")
+    p.add_argument("--tls-ca", default=env("DFLASH_TLS_CA") or None,
+                   help="PEM CA bundle: require client certificates signed by it (mTLS) "
+                        "[DFLASH_TLS_CA]")
+
+
+def add_upstream_tls_args(p, upstream: str) -> None:
+    """The client-side TLS flags of a service that calls ``upstream`` (the gateway: the
+    verifier; the verifier: its drafters): ``--upstream-tls-ca`` (verify it; env
+    DFLASH_UPSTREAM_TLS_CA) and ``--upstream-tls-cert``/``--upstream-tls-key`` (this service's
+    client certificate for mTLS; env DFLASH_UPSTREAM_TLS_CERT/_KEY)."""
+    env = os.environ.get
+    p.add_argument("--upstream-tls-ca", default=env("DFLASH_UPSTREAM_TLS_CA") or None,
+                   help=f"PEM CA bundle: connect to the {upstream} with TLS and verify its "
+                        "certificate against it [DFLASH_UPSTREAM_TLS_CA]")
+    p.add_argument("--upstream-tls-cert", default=env("DFLASH_UPSTREAM_TLS_CERT") or None,
+                   help=f"PEM client certificate chain presented to the {upstream} (mTLS) "
+                        "[DFLASH_UPSTREAM_TLS_CERT]")
+    p.add_argument("--upstream-tls-key", default=env("DFLASH_UPSTREAM_TLS_KEY") or None,
+                   help="PEM private key of --upstream-tls-cert [DFLASH_UPSTREAM_TLS_KEY]")
+
+
+def server_tls_from_args(a: argparse.Namespace) -> "ServerTLS | None":
+    """The server credentials ``--tls-*`` ask for (None: plaintext). Raises
+    ``dflash.tls.TLSConfigError`` naming the flag (a cert without its key, a file missing or
+    invalid, an expired certificate)."""
+    from dflash.tls import ServerTLS, TLSFiles
+
+    files = TLSFiles(a.tls_cert, a.tls_key, a.tls_ca)
+    return ServerTLS(files) if files.enabled else None
+
+
+def upstream_tls_from_args(a: argparse.Namespace) -> "ClientTLS | None":
+    """The client TLS ``--upstream-tls-*`` ask for (None: plaintext). Raises
+    ``dflash.tls.TLSConfigError`` naming the flag."""
+    from dflash.tls import ClientTLS, TLSFiles
+
+    return ClientTLS.from_files(TLSFiles(a.upstream_tls_cert, a.upstream_tls_key,
+                                         a.upstream_tls_ca, prefix="--upstream-tls"))
 
 
 def at_least(low: int):
@@ -283,15 +378,22 @@ def add_compute_args(p, thread: str) -> None:
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:
-    """Block until SIGTERM/SIGINT; then NOT_SERVING, drain for ``grace_s`` seconds, stop."""
+    """Block until SIGTERM/SIGINT; then NOT_SERVING, drain for ``grace_s`` seconds, stop.
+    SIGHUP re-reads the TLS files at the next handshake (``rt.tls``)."""
     done = threading.Event()
 
     def handler(signum, _frame):
         log.info("signal %s: NOT_SERVING, draining for %.1fs", signum, grace_s)
         done.set()
 
+    def reload(_signum, _frame):
+        if rt.tls is not None:
+            log.info("SIGHUP: TLS files re-read at the next handshake")
+            rt.tls.request_reload()
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGHUP, reload)
     done.wait()
     rt.stop(grace_s)
     if on_stop:
@@ -304,12 +406,16 @@ def channel_options(max_message_mb: int = 256) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_mb << 20)]
 
 
-def wait_healthy(address: str, timeout_s: float, service: str = "") -> bool:
-    """Poll ``grpc.health.v1`` at ``address`` until SERVING or the timeout; returns success."""
+def wait_healthy(address: str, timeout_s: float, service: str = "",
+                 tls: "ClientTLS | None" = None) -> bool:
+    """Poll ``grpc.health.v1`` at ``address`` (over TLS when ``tls``) until SERVING or the
+    timeout; returns success."""
     import time
 
+    from dflash.tls import channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:

@@ -2,7 +2,8 @@
 
 Each service's ``build()`` takes a ``Telemetry`` (default: tracing off, a fresh registry), so
 several services in one process (the in-process test stacks) never share metric objects;
-``main()`` uses :meth:`Telemetry.from_env` and :func:`serve_metrics` for ``--metrics-port``.
+``main()`` uses :meth:`Telemetry.from_env` and :func:`serve_metrics` for ``--metrics-port``
+(bound to loopback unless ``DFLASH_METRICS_HOST`` says otherwise).
 """
 
 from __future__ import annotations
@@ -56,12 +57,25 @@ class Telemetry:
             self.tracer_provider.shutdown()
 
 
+METRICS_HOST = "127.0.0.1"    # loopback like the gRPC binds: exposing /metrics is explicit
+
+
+def metrics_host(env: Mapping[str, str] = os.environ) -> str:
+    """The /metrics bind host: ``DFLASH_METRICS_HOST`` (``DFLASH_METRICS_ADDR``, its older
+    name, when unset), default loopback; 0.0.0.0 (what Prometheus in another container
+    needs) must be asked for."""
+    return (env.get("DFLASH_METRICS_HOST") or env.get("DFLASH_METRICS_ADDR")
+            or METRICS_HOST).strip()
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str | None = None):
-    """Serve ``registry`` as Prometheus text on ``http://addr:port/metrics`` (port 0 = any free).
+    """Serve ``registry`` as Prometheus text on ``http://addr:port/metrics`` (port 0 = any free;
+    ``addr`` None = :func:`metrics_host`).
 
     Returns the HTTP server (``server.server_port`` is the bound port; ``shutdown()`` stops it).
+    Raises OSError when the address cannot be bound.
     """
-    addr = addr or os.environ.get("DFLASH_METRICS_ADDR", "0.0.0.0")
+    addr = addr or metrics_host()
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     log.info("Prometheus /metrics on %s:%d", addr, server.server_port)
     return server

@@ -7,7 +7,8 @@ import logging
 import os
 
 from dflash.server import (add_common_args, add_compute_args, at_least, create_server, one_of,
-                           run_until_signal)
+                           add_health_listener, run_until_signal, server_tls_from_args)
+from dflash.tls import TLSConfigError
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import CONTEXT_SCHED
@@ -16,11 +17,12 @@ from drafter_svc.observe import ObservedDrafterServicer
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
-def build(engine, bind: str, *, telemetry: Telemetry | None = None):
-    """An unstarted server for ``engine`` bound to ``bind`` (tests use "127.0.0.1:0")."""
+def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
+    """An unstarted server for ``engine`` bound to ``bind`` (tests use "127.0.0.1:0"); TLS when
+    ``tls`` (``dflash.tls.ServerTLS``)."""
     servicer = ObservedDrafterServicer(engine, telemetry)
     rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                       (SERVICE,))
+                       (SERVICE,), tls=tls)
     rt.servicer = servicer
     return rt
 
@@ -63,12 +65,17 @@ def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    try:
+        tls = server_tls_from_args(a)
+    except TLSConfigError as e:
+        raise SystemExit(f"python -m drafter_svc: error: {e}")
     threads = reserve(a.threads)   # loading runs single-threaded; the compute thread claims these
     telemetry = Telemetry.from_env("drafter")
-    rt = build(None, a.bind, telemetry=telemetry)  # health answers NOT_SERVING while weights load
+    rt = build(None, a.bind, telemetry=telemetry, tls=tls)  # health answers NOT_SERVING while weights load
+    add_health_listener(rt, a.health_bind)
     rt.server.start()
     if a.metrics_port:
-        serve_metrics(telemetry.registry, a.metrics_port)
+        serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,

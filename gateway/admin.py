@@ -6,7 +6,7 @@ import grpc
 
 from dflash.sampling import InvalidParam
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
-from gateway.registry import DrafterEntry, DrafterRegistry
+from gateway.registry import DrafterEntry, DrafterRegistry, NotAllowed
 
 
 def entry_to_proto(e: DrafterEntry, is_default: bool) -> gateway_pb2.DrafterEntry:
@@ -21,7 +21,10 @@ def list_proto(registry: DrafterRegistry) -> gateway_pb2.ListDraftersResponse:
 
 class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
     """Args: the registry and a ``register(address, name, version, weight, default)`` callable
-    that checks the drafter with the verifier (raises grpc.RpcError) and registers it."""
+    that checks the drafter with the verifier (raises grpc.RpcError, or NotAllowed for an
+    address outside ``--drafter-allow``: PERMISSION_DENIED naming ``address``) and registers it.
+
+    Served only on the gateway's admin server (``--admin-bind``), never on the client port."""
 
     def __init__(self, registry: DrafterRegistry, register):
         self.registry = registry
@@ -39,6 +42,8 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
             e = self.register(request.address, name=request.name or None,
                               version=request.version or None, weight=request.weight,
                               default=request.make_default)
+        except NotAllowed as err:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except grpc.RpcError as err:
             context.abort(err.code(), err.details())
         return entry_to_proto(e, self._is_default(e.label))

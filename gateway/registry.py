@@ -12,11 +12,13 @@ A session sticks to the drafter of its first request while that drafter stays re
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import random
 import threading
 from pathlib import Path
 
+from dflash.errors import FieldError
 from dflash.sampling import InvalidParam
 
 
@@ -38,6 +40,80 @@ def parse_spec(spec: str) -> tuple[str | None, str]:
         label, addr = spec.split("=", 1)
         return label.strip(), addr.strip()
     return None, spec.strip()
+
+
+class NotAllowed(FieldError):
+    """A drafter address outside ``--drafter-allow``; maps to PERMISSION_DENIED."""
+
+
+def split_host_port(address: str) -> tuple[str, int | None]:
+    """``"host:port"``, ``"[v6]:port"``, ``"host"`` or a bare IPv6 -> (host, port or None).
+
+    Raises ValueError for a port that is not an integer in [1, 65535]."""
+    address = address.strip()
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+    elif address.count(":") == 1:
+        host, port = address.split(":")
+    else:                                   # a name, an IPv4 or a bare IPv6 address
+        host, port = address, None
+    if port is not None:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"port {port!r} is not in [1, 65535]")
+        return host.lower(), int(port)
+    return host.lower(), None
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterAllowlist:
+    """Where drafters may be (``--drafter-allow``): a comma-separated list of ``host:port``
+    (exact), ``host`` (a DNS name or IP, any port), or a CIDR network (``10.0.0.0/8``, any
+    port). Names are compared as written, never resolved: an address given as a name matches
+    only a name entry, so DNS cannot move an allowed name's traffic into a CIDR entry."""
+
+    hosts: frozenset[tuple[str, int | None]]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "DrafterAllowlist":
+        """Raises ValueError naming --drafter-allow and the entry that is malformed."""
+        hosts, networks = set(), []
+        for item in (x.strip() for x in text.split(",")):
+            if not item:
+                continue
+            try:
+                if "/" in item:
+                    networks.append(ipaddress.ip_network(item, strict=False))
+                else:
+                    host, port = split_host_port(item)
+                    if not host:
+                        raise ValueError("empty host")
+                    hosts.add((host, port))
+            except ValueError as e:
+                raise ValueError(f"--drafter-allow: {item!r}: {e}") from None
+        if not hosts and not networks:
+            raise ValueError("--drafter-allow: no entry given")
+        return cls(frozenset(hosts), tuple(networks))
+
+    def allows(self, address: str) -> bool:
+        try:
+            host, port = split_host_port(address)
+        except ValueError:
+            return False
+        if (host, port) in self.hosts or (host, None) in self.hosts:
+            return True
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.networks)
+
+    def check(self, address: str) -> None:
+        """Raises NotAllowed("address") unless ``address`` is allowed."""
+        if not self.allows(address):
+            raise NotAllowed("address", f"{address[:64]!r} is not in the drafter allowlist "
+                                        "(--drafter-allow)")
 
 
 def load_config(path: str | Path) -> list[dict]:

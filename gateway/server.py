@@ -11,13 +11,17 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.server import (add_common_args, at_least, channel_options, create_server, in_range,
-                           run_until_signal)
+from dflash.server import (add_common_args, add_upstream_tls_args, at_least, channel_options,
+                           add_health_listener, create_server, in_range, run_until_signal,
+                           server_tls_from_args, tie_server, upstream_tls_from_args)
+from dflash.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
-from gateway.registry import DrafterEntry, DrafterRegistry, load_config, parse_spec
+from gateway.auth import (AdminAuth, ClientAuth, check_admin_bind, check_secret, load_api_keys,
+                          read_secret)
+from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, load_config, parse_spec
 from gateway.observe import ObservedGatewayServicer
 from gateway.inputs import DecodeGuard, InputLimits
 
@@ -28,14 +32,19 @@ log = logging.getLogger("dflash.gateway")
 
 def register_drafter(registry: DrafterRegistry, verifier, spec: str, *, name: str | None = None,
                      version: str | None = None, weight: float = 0.0, default: bool = False,
-                     timeout_s: float = 60.0) -> DrafterEntry:
+                     timeout_s: float = 60.0, allow: DrafterAllowlist | None = None) -> DrafterEntry:
     """Check ``spec`` ("[name@version=]host:port") with the verifier and register it.
 
     The verifier's CheckDrafter calls the drafter's Describe and applies the same checks it
-    applies before speculating. Raises grpc.RpcError: FAILED_PRECONDITION (does not fit the
-    target, the message names the field) or UNAVAILABLE (not reachable within ``timeout_s``).
+    applies before speculating; the verifier then accepts this address in Generate requests.
+    Raises gateway.registry.NotAllowed("address") when ``allow`` is given and the address is
+    not in it (checked first: nothing contacts a refused address), grpc.RpcError:
+    FAILED_PRECONDITION (does not fit the target, the message names the field) or UNAVAILABLE
+    (not reachable within ``timeout_s``).
     """
     label, address = parse_spec(spec)
+    if allow is not None:
+        allow.check(address)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -59,26 +68,69 @@ def register_drafter(registry: DrafterRegistry, verifier, spec: str, *, name: st
 def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           session_ttl_s: float = 600.0, telemetry: Telemetry | None = None,
           limits: InputLimits | None = None, vocab_size: int | None = None,
-          max_request_mb: int = 8):
-    raw = grpc.insecure_channel(verifier_address, options=channel_options() + FAST_RECONNECT)
+          max_request_mb: int = 8, tls: "ServerTLS | None" = None,
+          upstream_tls: "ClientTLS | None" = None, admin_bind: str = "127.0.0.1:0",
+          admin_token: str | None = None, drafter_allow: DrafterAllowlist | None = None,
+          api_keys: ClientAuth | None = None):
+    """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
+    ``verifier_address`` (over TLS when ``upstream_tls``).
+
+    ``GatewayAdmin`` is served apart, on ``admin_bind`` (``rt.admin``, started and stopped with
+    the gateway's server; the client port answers UNIMPLEMENTED for it): with ``admin_token``
+    every admin RPC needs ``authorization: Bearer <token>``; without one ``admin_bind`` must be
+    loopback. ``drafter_allow`` restricts the addresses drafters may be registered at;
+    ``api_keys`` requires client API keys on the client port (``gateway.auth``).
+
+    Raises ValueError naming --admin-bind for a non-loopback admin bind without a token,
+    RuntimeError when an address cannot be bound.
+    """
+    check_admin_bind(admin_bind, admin_token)
+    raw = tls_channel(verifier_address, upstream_tls, options=channel_options() + FAST_RECONNECT)
     channel = grpc.intercept_channel(raw, InjectTraceContext())  # W3C traceparent to the verifier
     verifier = verifier_pb2_grpc.VerifierStub(channel)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
                                        session_ttl_s=session_ttl_s, telemetry=telemetry,
                                        limits=limits, vocab_size=vocab_size)
+    if api_keys is not None:
+        servicer.identity = api_keys.identity    # the key's name owns the sessions
     admin = GatewayAdminServicer(servicer.registry, lambda address, **kw: register_drafter(
-        servicer.registry, verifier, address, timeout_s=5.0, **kw))
+        servicer.registry, verifier, address, timeout_s=5.0, allow=drafter_allow, **kw))
 
     def add(server):
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+
+    def add_admin(server):
         gateway_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server)
 
+    # ClientAuth first: an unauthenticated request is refused before anything else reads it.
+    auth = [api_keys] if api_keys is not None else []
     # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
-    rt = create_server(bind, add, (SERVICE, ADMIN_SERVICE), interceptors=[DecodeGuard()],
-                       max_message_mb=max_request_mb)
+    rt = create_server(bind, add, (SERVICE,), interceptors=auth + [DecodeGuard()],
+                       max_message_mb=max_request_mb, tls=tls)
+    rt.admin = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
+                             interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
+    rt.admin.servicer = admin
+    rt.admin.set_serving(True)
+    tie_server(rt.server, rt.admin.server)
     rt.servicer = servicer
-    rt.verifier_watch = VerifierHealthWatch(rt, raw)
+    rt.drafter_allow = drafter_allow
+    rt.verifier_watch = VerifierHealthWatch(
+        rt, raw, on_serving=lambda: reregister_drafters(servicer.registry, verifier))
     return rt
+
+
+def reregister_drafters(registry: DrafterRegistry, verifier) -> int:
+    """CheckDrafter every registered address again (a restarted verifier forgot them and
+    would refuse their Generate requests); returns how many the verifier accepted. A drafter
+    it refuses now stays registered here: its requests fall back to no speculation."""
+    ok = 0
+    for e, _ in registry.entries():
+        try:
+            verifier.CheckDrafter(verifier_pb2.CheckDrafterRequest(address=e.address), timeout=5)
+            ok += 1
+        except grpc.RpcError as err:
+            log.warning("re-registering drafter %s at %s: %s", e.label, e.address, err.details())
+    return ok
 
 
 # The verifier's channel retries a lost connection at least every 200 ms (gRPC's default
@@ -94,12 +146,14 @@ class VerifierHealthWatch:
     ``interval_s`` over the channel requests use, each check bounded by ``timeout_s``, and sets
     ``rt.set_upstream``: NOT_SERVING while the verifier is unreachable, slow to answer or not
     SERVING, SERVING again on the first good answer. No request waits for it. The thread ends
-    when the gateway's server stops (``wait_for_termination``).
+    when the gateway's server stops (``wait_for_termination``). ``on_serving`` runs (on the
+    thread) each time the verifier is SERVING again after it was not.
     """
 
     def __init__(self, rt, channel: grpc.Channel, *, interval_s: float = 0.1,
-                 timeout_s: float = 0.5):
+                 timeout_s: float = 0.5, on_serving=None):
         self.rt, self.interval_s, self.timeout_s = rt, interval_s, timeout_s
+        self.on_serving = on_serving
         self._stub = health_pb2_grpc.HealthStub(channel)
         self.healthy: bool | None = None      # None until the first check
         self.checks = 0
@@ -121,6 +175,8 @@ class VerifierHealthWatch:
                 if self.healthy is not None or not ok:
                     log.warning("verifier %s: gateway %s", "SERVING" if ok else "not SERVING",
                                 "SERVING again" if ok else "NOT_SERVING")
+                if ok and self.healthy is False and self.on_serving is not None:
+                    self.on_serving()    # before SERVING: a restarted verifier knows the drafters
                 self.healthy = ok
                 self.rt.set_upstream(ok)
             if not self.rt.server.wait_for_termination(self.interval_s):   # False: it stopped
@@ -145,6 +201,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="host:port to listen on [DFLASH_GATEWAY_BIND]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    # Who may call what (gateway.auth): the admin plane apart, drafter addresses, client keys.
+    p.add_argument("--admin-bind", default=env("DFLASH_ADMIN_BIND", "127.0.0.1:50060"),
+                   help="host:port of the GatewayAdmin service (never on --bind); without a "
+                        "token it must be loopback [DFLASH_ADMIN_BIND]")
+    p.add_argument("--admin-token-file", default=env("DFLASH_ADMIN_TOKEN_FILE") or None,
+                   help="file holding the admin token: every admin RPC then needs "
+                        "'authorization: Bearer <token>' (or give the token itself in "
+                        "DFLASH_ADMIN_TOKEN) [DFLASH_ADMIN_TOKEN_FILE]")
+    p.add_argument("--drafter-allow", type=_allowlist, default=env("DFLASH_DRAFTER_ALLOW") or None,
+                   help="comma-separated addresses drafters may be registered at: host:port, "
+                        "host (any port) or CIDR; default any [DFLASH_DRAFTER_ALLOW]")
+    p.add_argument("--api-keys-file", default=env("DFLASH_API_KEYS_FILE") or None,
+                   help="client API keys, one a line: 'key [name [max_concurrency "
+                        "[rate_per_s]]]'; clients then need 'authorization: Bearer <key>' "
+                        "[DFLASH_API_KEYS_FILE]")
     # Input bounds, checked before tokenisation (gateway.inputs.InputLimits).
     d = InputLimits()
     for flag, var, default, what in [
@@ -168,7 +239,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                        else at_least(1), default=env(var, str(default)),
                        help=f"{what}; default {default} [{var}]")
     add_common_args(p)
+    add_upstream_tls_args(p, "verifier")
     return p.parse_args(argv)
+
+
+def _allowlist(text: str) -> DrafterAllowlist:
+    """argparse ``type`` of --drafter-allow (an error keeps its message)."""
+    try:
+        return DrafterAllowlist.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--drafter-allow: "))
+
+
+def admin_token(a: argparse.Namespace, env=os.environ) -> str | None:
+    """The admin token: --admin-token-file, else DFLASH_ADMIN_TOKEN, else None.
+
+    Raises ValueError naming the flag or variable (unreadable, shorter than 16 characters)."""
+    if a.admin_token_file:
+        return read_secret(a.admin_token_file, "--admin-token-file")
+    token = env.get("DFLASH_ADMIN_TOKEN", "").strip()
+    if token:
+        check_secret(token, "DFLASH_ADMIN_TOKEN")
+        return token
+    return None
 
 
 def input_limits(a: argparse.Namespace) -> InputLimits:
@@ -187,25 +280,45 @@ def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    try:
+        tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
+    except TLSConfigError as e:
+        raise SystemExit(f"python -m gateway: error: {e}")
+    try:
+        token = admin_token(a)
+        check_admin_bind(a.admin_bind, token)
+        keys = ClientAuth(load_api_keys(a.api_keys_file)) if a.api_keys_file else None
+    except ValueError as e:
+        raise SystemExit(f"python -m gateway: error: {e}")
     tok = AutoTokenizer.from_pretrained(a.target)
-    if not wait_healthy(a.verifier, 600):
+    if not wait_healthy(a.verifier, 600, tls=upstream_tls):
         raise SystemExit(f"verifier at {a.verifier} did not become healthy")
-    with grpc.insecure_channel(a.verifier) as ch:
+    with tls_channel(a.verifier, upstream_tls) as ch:
         card = verifier_pb2_grpc.VerifierStub(ch).Describe(verifier_pb2.DescribeTargetRequest(), timeout=10)
     telemetry = Telemetry.from_env("gateway")
     rt = build(tok, a.verifier, a.bind, max_positions=card.max_position_embeddings,
                session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
-               vocab_size=card.vocab_size, max_request_mb=a.max_request_mb)
+               vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
+               upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
+               drafter_allow=a.drafter_allow, api_keys=keys)
+    add_health_listener(rt, a.health_bind)
     rt.server.start()
+    log.info("admin plane (GatewayAdmin) on %s:%d, %s", a.admin_bind.rpartition(":")[0],
+             rt.admin.port, "token required" if token else
+             "loopback only, no token (set --admin-token-file to require one)")
+    if keys is None:
+        log.warning("no --api-keys-file: any client reaching port %d may generate", rt.port)
     if a.metrics_port:
-        serve_metrics(telemetry.registry, a.metrics_port)
+        serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     for i, spec in enumerate(a.drafter):
-        register_drafter(rt.servicer.registry, rt.servicer.verifier, spec, default=(i == 0))
+        register_drafter(rt.servicer.registry, rt.servicer.verifier, spec, default=(i == 0),
+                         allow=rt.drafter_allow)
     if a.drafters_config:
         for d in load_config(a.drafters_config):
             register_drafter(rt.servicer.registry, rt.servicer.verifier, d["address"],
                              name=d.get("name"), version=d.get("version"),
-                             weight=float(d.get("weight", 0.0)), default=bool(d.get("default")))
+                             weight=float(d.get("weight", 0.0)), default=bool(d.get("default")),
+                             allow=rt.drafter_allow)
     stop = threading.Event()
 
     def sweeper():

@@ -44,13 +44,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     input limits, and the vocabulary size stop token ids must fall in (default: the
     tokenizer's, ``len(tokenizer)``).
 
-    Sessions belong to the client that created them (:func:`client_identity`); another client
-    continuing or closing one gets PERMISSION_DENIED and the session is left as it was.
+    Sessions belong to the client that created them (``identity(context)``: by default
+    :func:`client_identity`; with API keys, ``gateway.auth.ClientAuth.identity``, the key's
+    name); another client continuing or closing one gets PERMISSION_DENIED and the session is
+    left as it was.
     """
 
     def __init__(self, tokenizer, verifier, registry: DrafterRegistry, *, max_positions: int,
                  session_ttl_s: float = 600.0, limits: InputLimits | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, identity=client_identity):
+        self.identity = identity
         self.tok = tokenizer
         self.verifier = verifier
         self.registry = registry
@@ -214,7 +217,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if not request.session_id:
                 raise InvalidParam("session_id", "must not be empty")
             check_session_id(request.session_id, self.limits.max_session_id_chars)
-            self._check_owner(request.session_id, client_identity(context))
+            self._check_owner(request.session_id, self.identity(context))
         except NotOwner as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except InvalidParam as e:
@@ -229,7 +232,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def Generate(self, request, context):
         t0 = time.perf_counter()
         try:
-            owner = client_identity(context)
+            owner = self.identity(context)
             sampling = self._check(request)
             self._check_owner(request.session_id, owner)
             label = self._drafter(request)

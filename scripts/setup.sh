@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv and install dflash-serve with its test dependencies. Idempotent (a no-op install
-# takes a few seconds). torch is pinned to 2.13.0 and installed first: on this machine kind that
-# is a CPU build already on disk; an unpinned torch would pull a multi-GB CUDA build.
+# Create .venv and install dflash-serve with every extra the tests and `dflash demo` use, at the
+# exact versions of constraints.txt (pyproject.toml holds ranges only). Idempotent (a no-op
+# install takes a few seconds). torch is installed first, at its constrained version: on this
+# machine kind that is a CPU build already on disk; an unpinned torch would pull a multi-GB CUDA
+# build. Extras: bench (demo, bench), train, setup (setup-target), kernels, dev (the tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,7 +11,14 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -E "^WARNING: Location|is ignored" || true
-.venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -E "^WARNING: Location|is ignored" || true
-.venv/bin/python -m pip install -q -e ".[dev,kernels]" 2>&1 | grep -v -E "^WARNING: Location|is ignored" || true
+# pip, minus this machine's "Location ... is ignored" noise; a failed install fails the script
+# (the filter's own status is ignored: grep exits 1 when it prints nothing).
+pip_install() {
+  .venv/bin/python -m pip install -q "$@" 2>&1 | { grep -v -E "^WARNING: Location|is ignored" || true; }
+  return "${PIPESTATUS[0]}"
+}
+pip_install --upgrade pip
+pip_install -c constraints.txt torch
+pip_install -c constraints.txt -e ".[dev,bench,train,setup,kernels,client]"
 .venv/bin/python -c "import torch, transformers, grpc; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+.venv/bin/python -m pip check >/dev/null || { .venv/bin/python -m pip check >&2; exit 1; }

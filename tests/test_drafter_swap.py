@@ -17,7 +17,7 @@ THREADS, PER_THREAD, MAX_NEW = 4, 12, 17
 
 
 def admin_stub(stack):
-    ch = grpc.insecure_channel(stack.gateway_addr)
+    ch = grpc.insecure_channel(f"127.0.0.1:{stack.gateway.admin.port}")   # the admin plane
     stack._channels.append(ch)
     return gateway_pb2_grpc.GatewayAdminStub(ch)
 

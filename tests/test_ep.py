@@ -123,6 +123,8 @@ def moe_drafter_addr(moe_target, tmp_path_factory):
 
 @pytest.mark.slow
 def test_ep2_verifier_greedy_identical_to_one_rank(ep_verifier, moe_drafter_addr, moe_hf):
+    # registered as the gateway does: the verifier speculates only with checked drafters
+    ep_verifier.stub.CheckDrafter(verifier_pb2.CheckDrafterRequest(address=moe_drafter_addr))
     spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=moe_drafter_addr)
     drafts = 0
     for prompt in PROMPTS:

@@ -32,6 +32,7 @@ from dflash import wire
 from dflash.convert import card_from_proto, sampling_to_proto
 from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
 from dflash.server import channel_options
+from dflash.tls import ClientTLS, channel as tls_channel
 from dflash.tracing import inject_context
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -108,9 +109,10 @@ class WireStats(Protocol):
     def take_wire_stat(self, session_id: str) -> WireStat | None: ...
 
 
-def describe(address: str, timeout_s: float = 5.0) -> DrafterCard:
-    """Fetch the drafter card at ``address``. Raises grpc.RpcError when unreachable."""
-    with grpc.insecure_channel(address) as ch:
+def describe(address: str, timeout_s: float = 5.0, tls: ClientTLS | None = None) -> DrafterCard:
+    """Fetch the drafter card at ``address`` (over TLS when ``tls``). Raises grpc.RpcError when
+    unreachable (UNAVAILABLE also when the TLS handshake fails: wrong CA, name, expired)."""
+    with tls_channel(address, tls) as ch:
         return card_from_proto(drafter_pb2_grpc.DrafterStub(ch).Describe(
             drafter_pb2.DescribeDrafterRequest(), timeout=timeout_s))
 
@@ -125,20 +127,21 @@ class RemoteProposer:
         reconnect_backoff_s: after a broken stream, calls fail fast for this long.
         wire_dtype: dtype of context features on the wire (float32 keeps tests bit-exact).
         breaker: when the drafter is taken out of the step path (:class:`BreakerConfig`).
+        tls: connect with TLS (mTLS when it carries a client certificate); None = plaintext.
     """
 
     MAX_IN_FLIGHT = 4   # unanswered send_context batches before the next one waits
 
     def __init__(self, address: str, card: DrafterCard, *, timeout_s: float = 2.0,
                  reconnect_backoff_s: float = 0.5, wire_dtype=None,
-                 breaker: BreakerConfig = BreakerConfig()):
+                 breaker: BreakerConfig = BreakerConfig(), tls: ClientTLS | None = None):
         self.address = address
         self.card = card
         self.timeout_s = timeout_s
         self.backoff_s = reconnect_backoff_s
         self.wire_dtype = wire_dtype
         # Reconnect quickly after a drafter restart (gRPC's default back-off grows to minutes).
-        self._channel = grpc.insecure_channel(address, options=channel_options() + [
+        self._channel = tls_channel(address, tls, options=channel_options() + [
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)

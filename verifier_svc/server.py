@@ -8,8 +8,11 @@ import os
 import threading
 
 from dflash.metrics import AdmissionMetrics, BreakerGauges
-from dflash.server import (add_common_args, add_compute_args, at_least, create_server, in_range,
-                           int_list, one_of, positive_float, run_until_signal)
+from dflash.server import (add_common_args, add_compute_args, add_upstream_tls_args, at_least,
+                           create_server, in_range, int_list, one_of, positive_float,
+                           add_health_listener, run_until_signal, server_tls_from_args,
+                           upstream_tls_from_args)
+from dflash.tls import TLSConfigError
 from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
@@ -33,22 +36,24 @@ def max_streams(max_batch: int, max_waiting: int, flag: int = 0) -> int:
 
 def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
           telemetry: Telemetry | None = None, streams: int = 0,
-          breaker: BreakerConfig = BreakerConfig()):
-    """An unstarted server for ``engine`` (None while loading) bound to ``bind``.
+          breaker: BreakerConfig = BreakerConfig(), tls=None, upstream_tls=None):
+    """An unstarted server for ``engine`` (None while loading) bound to ``bind``; TLS when
+    ``tls`` (``dflash.tls.ServerTLS``), to drafters over TLS when ``upstream_tls``
+    (``dflash.tls.ClientTLS``).
 
     ``streams``: Generate streams open at once (``dflash.server.StreamLimit``), 0 = the
     engine's batch and waiting bounds plus ``STREAM_SLACK`` (or 512 while loading).
     """
     telemetry = telemetry or Telemetry(service="verifier")
-    pool = (DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype, breaker=breaker)
-            if engine else None)
+    pool = (DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype, breaker=breaker,
+                        tls=upstream_tls) if engine else None)
     observer = VerifierObserver(telemetry)
     servicer = ObservedVerifierServicer(engine, pool, observer)
     if not streams and engine is not None:
         s = engine.scheduler
         streams = max_streams(s.max_batch, s.admission.max_waiting)
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                       (SERVICE,), max_streams=streams or 512)
+                       (SERVICE,), max_streams=streams or 512, tls=tls)
     rt.servicer = servicer
     servicer.admission_metrics = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
     BreakerGauges(telemetry.registry, lambda: servicer.pool.proposers() if servicer.pool else [])
@@ -58,10 +63,10 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
 
 
 def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None,
-           breaker: BreakerConfig = BreakerConfig()) -> None:
+           breaker: BreakerConfig = BreakerConfig(), upstream_tls=None) -> None:
     rt.servicer.engine = engine
     rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype,
-                                   breaker=breaker)
+                                   breaker=breaker, tls=upstream_tls)
     rt.servicer.observer.bind(engine)
     engine.scheduler.queue_wait_listeners.append(rt.servicer.admission_metrics.observe_queue_wait)
 
@@ -113,6 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "refused with RESOURCE_EXHAUSTED, and health, Describe and session RPCs "
                         f"keep their own threads), 0 = max-batch + max-waiting + {STREAM_SLACK} "
                         "[DFLASH_MAX_STREAMS]")
+    p.add_argument("--allow-unregistered-drafters", action="store_true",
+                   default=env("DFLASH_ALLOW_UNREGISTERED_DRAFTERS", "") not in ("", "0", "false"),
+                   help="speculate with any drafter address a request names; by default only "
+                        "addresses that passed CheckDrafter (the gateway registers its drafters "
+                        "so) receive a session's hidden states [DFLASH_ALLOW_UNREGISTERED_DRAFTERS]")
     p.add_argument("--breaker-failures", type=at_least(0),
                    default=env("DFLASH_BREAKER_FAILURES", "3"),
                    help="consecutive missed draft deadlines or failed draft calls that take a "
@@ -145,6 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="collective timeout between expert-parallel ranks, seconds "
                         "[DFLASH_EP_TIMEOUT_S]")
     add_common_args(p)
+    add_upstream_tls_args(p, "drafters")
     return p.parse_args(argv)
 
 
@@ -156,13 +167,18 @@ def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    try:
+        tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
+    except TLSConfigError as e:
+        raise SystemExit(f"python -m verifier_svc: error: {e}")
     threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
     telemetry = Telemetry.from_env("verifier")
     rt = build(None, a.bind, telemetry=telemetry,
-               streams=max_streams(a.max_batch, a.max_waiting, a.max_streams))
+               streams=max_streams(a.max_batch, a.max_waiting, a.max_streams), tls=tls)
+    add_health_listener(rt, a.health_bind)
     rt.server.start()
     if a.metrics_port:
-        serve_metrics(telemetry.registry, a.metrics_port)
+        serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
     target = _load_target(a, rt)
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
@@ -175,7 +191,9 @@ def main(argv=None) -> None:
     _warmup(engine)
     breaker = BreakerConfig(a.breaker_failures, a.breaker_probe_interval)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
-           wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker)
+           wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker,
+           upstream_tls=upstream_tls)
+    rt.servicer.require_registered = not a.allow_unregistered_drafters
     stop = threading.Event()
 
     def sweeper():

@@ -30,8 +30,9 @@ class DrafterPool:
     """
 
     def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None,
-                 breaker: BreakerConfig = BreakerConfig()):
+                 breaker: BreakerConfig = BreakerConfig(), tls=None):
         self.engine = engine
+        self.tls = tls   # dflash.tls.ClientTLS to drafters, None = plaintext
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.breaker = breaker
@@ -43,13 +44,13 @@ class DrafterPool:
             p = self._proposers.get(address)
         if p is not None:
             return p
-        card = describe(address)
+        card = describe(address, tls=self.tls)
         for w in check_drafter_card(card, self.engine.target):
             log.warning("drafter %s at %s: %s", card.label, address, w)
         with self._lock:
             p = self._proposers.setdefault(address, RemoteProposer(
                 address, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype,
-                breaker=self.breaker))
+                breaker=self.breaker, tls=self.tls))
         return p
 
     def proposers(self) -> list[RemoteProposer]:
@@ -65,10 +66,24 @@ class DrafterPool:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine | None, pool: DrafterPool | None, metrics=None):
+    """``require_registered``: speculate only with drafter addresses that passed CheckDrafter
+    here (the gateway checks every drafter it registers); a Generate naming another address
+    is refused with FAILED_PRECONDITION ``speculation.drafter_address``, so no context
+    feature goes to an address nobody registered. Attribute, settable after construction."""
+
+    def __init__(self, engine: VerifierEngine | None, pool: DrafterPool | None, metrics=None,
+                 *, require_registered: bool = False):
         self.engine = engine
         self.pool = pool
         self.metrics = metrics
+        self.require_registered = require_registered
+        self._registered: set[str] = set()    # addresses whose CheckDrafter succeeded
+        self._registered_lock = threading.Lock()
+
+    def registered_drafters(self) -> set[str]:
+        """Drafter addresses that passed CheckDrafter (a copy)."""
+        with self._registered_lock:
+            return set(self._registered)
 
     def _ready(self, context) -> VerifierEngine:
         if self.engine is None:
@@ -90,7 +105,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self._ready(context)
         try:
             if request.WhichOneof("drafter") == "address":
-                card = describe(request.address)
+                card = describe(request.address, tls=self.pool.tls if self.pool else None)
             elif request.WhichOneof("drafter") == "card":
                 card = card_from_proto(request.card)
             else:
@@ -99,7 +114,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except PreconditionError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except grpc.RpcError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"address: drafter unreachable ({e.code()})")
+            # The details say why (a refused TLS handshake: wrong CA, host name, expired).
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"address: drafter unreachable ({e.code()}: {e.details()})")
+        if request.WhichOneof("drafter") == "address":
+            with self._registered_lock:
+                self._registered.add(request.address)
         return verifier_pb2.CheckDrafterResponse(card=card_to_proto(card))
 
     def CloseSession(self, request, context):
@@ -160,6 +180,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return None
         if not spec.drafter_address:
             raise InvalidParam("speculation.drafter_address", "required when speculation is enabled")
+        if self.require_registered:
+            with self._registered_lock:
+                known = spec.drafter_address in self._registered
+            if not known:   # refused before any connection to it: nothing is sent there
+                raise PreconditionError("speculation.drafter_address",
+                                        f"{spec.drafter_address[:64]!r} is not a registered "
+                                        "drafter (register it through the gateway's admin plane)")
         try:
             return self.pool.get(spec.drafter_address)
         except grpc.RpcError as e:

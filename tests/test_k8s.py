@@ -1,0 +1,415 @@
+"""The Kubernetes manifests (deploy/k8s/), checked without a cluster.
+
+1. the committed renders (deploy/k8s/rendered/, scripts/render_k8s.py) are current, and the
+   renderer merges as kustomize does;
+2. every rendered object validates against the Kubernetes OpenAPI schemas (kubernetes-validate,
+   strict: unknown fields refused) of the oldest and newest release we claim;
+3. every command, flag and DFLASH_* variable in a container exists in the service it runs
+   (``parse_args`` run with the container's environment, as tests/test_compose.py does for
+   compose), and ports, probes, Services, Prometheus annotations, mounted secrets, GPU requests,
+   the PodDisruptionBudget and the expert-parallel ranks agree with what the code reads.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import importlib.util
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu", "gpu-ep")
+# grpc probes are GA from 1.27; the pod-index label (EP ranks) from 1.28; the newest schemas in
+# the pinned kubernetes-validate wheel
+K8S_VERSIONS = ("1.28.0", "1.37.0")
+# module run by a container -> (its parse_args, its gRPC service name or None)
+MODULES = {"gateway": "gateway.server", "verifier_svc": "verifier_svc.server",
+           "drafter_svc": "drafter_svc.server", "verifier_svc.ep_worker": "verifier_svc.ep_worker"}
+# Variables the manifests use before the code reads them: each one is a change the lead merges
+# (docs/kubernetes.md). Once a name exists in the code the test fails until it leaves this set.
+PENDING: set[str] = set()
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location("render_k8s", ROOT / "scripts" / "render_k8s.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+render_k8s = _load_renderer()
+
+
+def rendered(overlay: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / "rendered" / f"{overlay}.yaml").read_text()) if d]
+
+
+def by_kind(docs, kind) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workloads(docs) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def pod_spec(w: dict) -> dict:
+    return w["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict[str, str]:
+    """Literal env values (downward-API values as a placeholder '0': the pod index)."""
+    return {e["name"]: e.get("value", "0") for e in container.get("env", [])}
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+class RecordingEnviron(dict):
+    """os.environ stand-in that records every name the code looks up."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _module_file(mod: str) -> Path | None:
+    base = ROOT / mod.replace(".", "/")
+    for f in (base.with_suffix(".py"), base / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
+
+
+def env_names_in_source(module: str) -> set[str]:
+    """DFLASH_* string constants in ``module``'s package files and the repository modules they
+    import, transitively (DFLASH_LOG_LEVEL in main(), DFLASH_METRICS_HOST in dflash/telemetry.py)."""
+    names, seen = set(), set()
+    todo = list((ROOT / module.split(".")[0]).glob("*.py"))
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"DFLASH_[A-Z0-9_]+", node.value):
+                names.add(node.value)
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            todo += [m for m in map(_module_file, mods) if m is not None]
+    return names
+
+
+def invocation(container: dict) -> tuple[str, list[str]]:
+    """(module, argv) of the container's ``python -m MODULE ARGS``, the shell's exec line
+    included (``$VAR`` expanded from the container's env and the script's exports)."""
+    cmd = container["command"]
+    if cmd[:2] == ["python", "-m"]:
+        return cmd[2], cmd[3:] + container.get("args", [])
+    assert cmd[:2] == ["sh", "-c"], cmd
+    script = cmd[2].replace("\\\n", " ")
+    env = env_of(container)
+    for line in script.splitlines():
+        m = re.match(r"\s*export (\w+)=(.*)", line)
+        if m:
+            env[m.group(1)] = "1"  # a rank number: any valid integer will do for parse_args
+        if line.strip().startswith("exec python -m "):
+            words = shlex.split(re.sub(r"\$(\w+)|\$\{(\w+)\}",
+                                       lambda v: env[v.group(1) or v.group(2)], line))
+            return words[3], words[4:]
+    raise AssertionError(f"no `exec python -m` line in {script!r}")
+
+
+def parse(monkeypatch, module: str, argv: list[str], env: dict[str, str]):
+    """``parse_args(argv)`` of the module's server with exactly ``env`` as the environment.
+    Returns (namespace, names read from the environment)."""
+    mod = importlib.import_module(MODULES[module])
+    rec = RecordingEnviron(env)
+    with monkeypatch.context() as m:
+        m.setattr(os, "environ", rec)
+        ns = mod.parse_args(argv)
+    return ns, rec.read
+
+
+def service_containers(docs):
+    """(workload, container, module, argv) of every container that runs a dflash service."""
+    for w in workloads(docs).values():
+        for c in pod_spec(w)["containers"]:
+            module, argv = invocation(c)
+            if module in MODULES:
+                yield w, c, module, argv
+
+
+# --- 1. the renders --------------------------------------------------------------------------
+
+def test_committed_renders_are_current(capsys):
+    assert render_k8s.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_merge_follows_strategic_merge():
+    base = {"spec": {"containers": [{"name": "a", "image": "x:cpu",
+                                     "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
+                                     "volumeMounts": [{"name": "v", "mountPath": "/m"}],
+                                     "args": ["--x"]}]}}
+    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "3"},
+                                                           {"name": "C", "value": "4"}],
+                                      "volumeMounts": [{"name": "w", "mountPath": "/m"}],
+                                      "args": ["--y"]}]}}
+    out = render_k8s.merge(base, patch)
+    (c,) = out["spec"]["containers"]
+    assert c["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "3"}, {"name": "C", "value": "4"}]
+    assert c["volumeMounts"] == [{"name": "w", "mountPath": "/m"}]  # merged by mountPath
+    assert c["args"] == ["--y"] and c["image"] == "x:cpu"            # scalars' lists replaced
+    assert base["spec"]["containers"][0]["env"][1]["value"] == "2"  # inputs untouched
+
+
+def test_renderer_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "r.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: s}\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [r.yaml]\nnamePrefix: x-\n")
+    with pytest.raises(ValueError, match="namePrefix"):
+        render_k8s.build(tmp_path)
+    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: other}\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [r.yaml]\npatches: [{path: p.yaml}]\n")
+    with pytest.raises(ValueError, match="matches no resource"):
+        render_k8s.build(tmp_path)
+    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: s}\n$patch: delete\n")
+    assert render_k8s.build(tmp_path) == []
+
+
+def test_overlays_differ_where_they_should():
+    cpu, gpu, ep = (workloads(rendered(o)) for o in OVERLAYS)
+    image = lambda ws, n: pod_spec(ws[n])["containers"][0]["image"]  # noqa: E731
+    assert image(cpu, "verifier") == "dflash-serve/verifier:cpu"
+    assert image(gpu, "verifier") == "dflash-serve/verifier:cuda"
+    assert image(gpu, "drafter-v2") == "dflash-serve/drafter:cuda"
+    assert image(gpu, "gateway") == "dflash-serve/gateway:cpu"  # the gateway needs no GPU
+    assert "verifier" not in ep and {"verifier-ep-leader", "verifier-ep-worker"} <= set(ep)
+
+
+# --- 2. schemas ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendered_objects_validate_against_kubernetes_schemas(overlay, version):
+    for doc in rendered(overlay):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_schema_validation_refuses_a_broken_manifest():
+    dep = copy.deepcopy(workloads(rendered("cpu"))["verifier"])
+    pod_spec(dep)["containers"][0]["readinessProbe"]["grpc"]["port"] = "health"  # grpc wants a number
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+    dep = copy.deepcopy(workloads(rendered("cpu"))["verifier"])
+    pod_spec(dep)["containers"][0]["envFrom"] = {"name": "x"}  # a list in the schema
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+
+
+# --- 3. the manifests against the code --------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_flag_and_variable_exists_in_the_service(overlay, monkeypatch):
+    missing = set()
+    for w, c, module, argv in service_containers(rendered(overlay)):
+        env = env_of(c)
+        _, read = parse(monkeypatch, module, argv, env)  # an unknown flag or bad value exits
+        known = read | env_names_in_source(module)
+        for name in env:
+            if name.startswith("DFLASH_") and name not in known:
+                missing.add(name)
+                assert name in PENDING, f"{w['metadata']['name']}/{c['name']}: {module} reads no {name}"
+    landed = PENDING - missing
+    # PENDING names the variables this overlay uses; one the code now reads must leave the set
+    used = {n for _, c, _, _ in service_containers(rendered(overlay)) for n in env_of(c)}
+    assert not (landed & used), f"{sorted(landed & used)} exist now: remove them from PENDING"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ports_probes_and_scrape_annotations_match_the_service(overlay, monkeypatch):
+    docs = rendered(overlay)
+    for w, c, module, argv in service_containers(docs):
+        name = f"{w['metadata']['name']}/{c['name']}"
+        ns, _ = parse(monkeypatch, module, argv, env_of(c))
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        if module == "verifier_svc.ep_worker":
+            assert ports == {"collectives": ns.master_port}, name
+            assert not any(k in c for k in ("readinessProbe", "livenessProbe")), name
+            continue
+        service = importlib.import_module(MODULES[module]).SERVICE
+        bind_host, bind_port = host_port(ns.bind)
+        assert bind_host == "0.0.0.0" and ports["grpc"] == bind_port, name
+        assert ports["metrics"] == ns.metrics_port, name
+        ann = w["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == ns.metrics_port
+        assert env_of(c)["DFLASH_METRICS_HOST"] == "0.0.0.0", f"{name}: scraped on the pod IP"
+        _, health_port = host_port(env_of(c)["DFLASH_HEALTH_BIND"])
+        assert ports["health"] == health_port, name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            p = c[probe]
+            if "grpc" in p:
+                assert p["grpc"] == {"port": health_port, "service": service}, f"{name} {probe}"
+            else:  # the gateway's liveness: listening (its health follows the verifier's)
+                assert module == "gateway" and probe == "livenessProbe", f"{name} {probe}"
+                assert p["tcpSocket"]["port"] == "health"
+        assert c["readinessProbe"].get("grpc"), f"{name}: readiness is grpc.health.v1"
+
+
+def _pods_selected(docs, selector: dict) -> list[tuple[dict, dict]]:
+    return [(w, c) for w in workloads(docs).values() for c in pod_spec(w)["containers"]
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_and_addresses_reach_the_right_pods(overlay, monkeypatch):
+    docs = rendered(overlay)
+    services = by_kind(docs, "Service")
+    for s in services.values():
+        pods = _pods_selected(docs, s["spec"]["selector"])
+        assert pods, f"Service {s['metadata']['name']} selects no pod"
+        for p in s["spec"]["ports"]:
+            for _, c in pods:
+                names = {cp["name"]: cp["containerPort"] for cp in c.get("ports", [])}
+                assert p["targetPort"] in names or p["targetPort"] in names.values(), (s["metadata"], p)
+
+    def serves(addr: str, module: str) -> None:
+        host, port = host_port(addr)
+        svc = services[host]
+        (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == port]
+        for w, c in _pods_selected(docs, svc["spec"]["selector"]):
+            mod, argv = invocation(c)
+            assert mod == module, f"{addr} reaches {mod}"
+            ns, _ = parse(monkeypatch, mod, argv, env_of(c))
+            assert host_port(ns.bind)[1] == {cp["name"]: cp["containerPort"] for cp in c["ports"]}[sp["targetPort"]]
+
+    (gw,) = [c for _, c, m, _ in service_containers(docs) if m == "gateway"]
+    ns, _ = parse(monkeypatch, "gateway", [], env_of(gw))
+    serves(ns.verifier, "verifier_svc")
+    drafters = env_of(gw)["DFLASH_DRAFTERS"].split(",")
+    for addr in drafters:
+        serves(addr, "drafter_svc")
+    # the allowlist admits exactly the drafters the gateway starts with
+    assert sorted(env_of(gw)["DFLASH_DRAFTER_ALLOW"].split(",")) == sorted(drafters)
+    # every drafter version is its own Deployment, so each rolls on its own
+    versions = {}
+    for w, c, m, argv in service_containers(docs):
+        if m == "drafter_svc":
+            ns, _ = parse(monkeypatch, m, argv, env_of(c))
+            assert w["kind"] == "Deployment" and ns.version not in versions.values()
+            versions[w["metadata"]["name"]] = ns.version
+    assert versions == {"drafter-v1": "1", "drafter-v2": "2"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_secrets_are_mounted_files_and_admin_stays_off_the_network(overlay, monkeypatch):
+    docs = rendered(overlay)
+    for w in workloads(docs).values():
+        spec = pod_spec(w)
+        name = w["metadata"]["name"]
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+        assert spec.get("automountServiceAccountToken") is False and not spec.get("hostNetwork")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            for var, value in env_of(c).items():
+                if not (var.endswith(("_FILE", "_CERT", "_KEY", "_CA"))):
+                    continue
+                path = Path(value)
+                mount = mounts.get(str(path.parent))
+                assert mount and mount.get("readOnly"), f"{name}: {var}={value} is not on a read-only mount"
+                secret = volumes[mount["name"]].get("secret")
+                assert secret, f"{name}: {var} comes from a Secret"
+                items = secret.get("items")
+                assert items is None or path.name in {i["path"] for i in items}, f"{name}: {var}"
+                assert (secret["defaultMode"] & 0o007) == 0, f"{name}: {var} readable by others"
+    for w, c, module, argv in service_containers(docs):
+        if module == "gateway":
+            ns, _ = parse(monkeypatch, module, argv, env_of(c))
+            admin_host, admin_port = host_port(ns.admin_bind)
+            assert admin_host == "127.0.0.1", "GatewayAdmin must stay on the pod's loopback"
+            assert ns.api_keys_file and ns.admin_token_file and ns.tls_cert and ns.tls_key
+            exposed = {p["port"] for s in by_kind(docs, "Service").values() for p in s["spec"]["ports"]}
+            assert admin_port not in exposed and ns.metrics_port not in exposed
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_requests_and_disruption_budget(overlay):
+    docs = rendered(overlay)
+    for w in workloads(docs).values():
+        for c in pod_spec(w)["containers"]:
+            res = c["resources"]
+            gpus = res.get("limits", {}).get("nvidia.com/gpu")
+            model_pod = "drafter" in w["metadata"]["name"] or "verifier" in w["metadata"]["name"]
+            if overlay.startswith("gpu") and model_pod:
+                assert gpus == 1 == res["requests"]["nvidia.com/gpu"], w["metadata"]["name"]
+                assert c["image"].endswith(":cuda")
+                assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(w)["tolerations"])
+            else:
+                assert gpus is None, w["metadata"]["name"]
+            assert res["requests"]["memory"] and res["limits"]["memory"]
+    (pdb,) = by_kind(docs, "PodDisruptionBudget").values()
+    selected = [w for w in workloads(docs).values()
+                if pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert [w["metadata"]["name"] for w in selected] == ["gateway"]
+    assert pdb["spec"]["minAvailable"] < selected[0]["spec"]["replicas"], "the budget would block every drain"
+
+
+def test_expert_parallel_ranks_agree(monkeypatch):
+    docs = rendered("gpu-ep")
+    ws = workloads(docs)
+    leader, worker = ws["verifier-ep-leader"], ws["verifier-ep-worker"]
+    (lc,), (wc,) = pod_spec(leader)["containers"], pod_spec(worker)["containers"]
+    le, we = env_of(lc), env_of(wc)
+    ns, _ = parse(monkeypatch, *invocation(lc), le)
+    wns, _ = parse(monkeypatch, *invocation(wc), we)
+    world = leader["spec"]["replicas"] + worker["spec"]["replicas"]
+    assert leader["spec"]["replicas"] == 1
+    assert ns.ep_size == world == int(le["WORLD_SIZE"]) == int(we["WORLD_SIZE"]) == wns.world_size
+    assert le["MASTER_ADDR"] == we["MASTER_ADDR"] == f"{leader['metadata']['name']}-0.{leader['spec']['serviceName']}"
+    assert le["MASTER_PORT"] == we["MASTER_PORT"] == str(wns.master_port)
+    assert wns.target == ns.target == le["DFLASH_TARGET"] and wns.dtype == ns.dtype
+    headless = by_kind(docs, "Service")[leader["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    assert worker["spec"]["serviceName"] == leader["spec"]["serviceName"]
+    for sts in (leader, worker):
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert headless["spec"]["selector"].items() <= labels.items()
+        env = {e["name"]: e for e in pod_spec(sts)["containers"][0]["env"]}
+        assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+    # ranks: leader pod 0 -> RANK 0, worker pod i -> RANK i + 1
+    assert 'export RANK="$POD_INDEX"' in lc["command"][2]
+    assert "export RANK=$((POD_INDEX + 1))" in wc["command"][2]
+    # the verifier Service reaches rank 0 only (the workers serve no gRPC)
+    sel = by_kind(docs, "Service")["verifier"]["spec"]["selector"]
+    assert [w["metadata"]["name"] for w, _ in _pods_selected(docs, sel)] == ["verifier-ep-leader"]
