@@ -28,7 +28,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 import yaml
+
+from helpers import RecordingEnviron, host_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -127,31 +130,6 @@ def mount_for(svc: dict, path: str) -> tuple[str, tuple[str, str, bool]]:
 
 def container_ports(svc: dict) -> set[int]:
     return {int(p.rsplit(":", 1)[-1].split("/")[0]) for p in svc.get("ports", [])}
-
-
-def host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
-class RecordingEnviron(dict):
-    """os.environ stand-in that records every name the code looks up."""
-
-    def __init__(self, values):
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
 
 
 def run_parse_args(monkeypatch, module: str, argv: list[str], env: dict[str, str]):

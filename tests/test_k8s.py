@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import RecordingEnviron, host_port
+
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,31 +71,6 @@ def pod_spec(w: dict) -> dict:
 def env_of(container: dict) -> dict[str, str]:
     """Literal env values (downward-API values as a placeholder '0': the pod index)."""
     return {e["name"]: e.get("value", "0") for e in container.get("env", [])}
-
-
-def host_port(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host, int(port)
-
-
-class RecordingEnviron(dict):
-    """os.environ stand-in that records every name the code looks up."""
-
-    def __init__(self, values):
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
 
 
 def _module_file(mod: str) -> Path | None:

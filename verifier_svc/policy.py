@@ -56,8 +56,8 @@ from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
 __all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
            "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
 
-#: Node budgets the adaptive policy tries (``--tree-budgets``): on a CPU a verify of 5-17
-#: tokens costs little more than one token, on a GPU far less than a chain of that many.
+#: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
+#: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
 DEFAULT_TREE_BUDGETS = (4, 8, 16)
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from dflash.checkpoint import target_fingerprint, torch_dtype
 from dflash.kv_pool import KVPool, PoolSeq
 from dflash.taps import hidden_state_indices
-from verifier_svc.tree import ancestor_mask
+from verifier_svc.tree import ancestor_mask, check_tree
 from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
                                    use_skinny_linear)
 
@@ -325,12 +325,7 @@ def check_parents(parents: list[list[int] | None] | None, blocks: list[list[int]
             tree = [operator.index(p) for p in tree]
         except TypeError:
             raise ValueError(f"parents[{i}]: ints expected, got {tree!r}") from None
-        if tree[0] != -1:
-            raise ValueError(f"parents[{i}][0]: the anchor's parent must be -1, got {tree[0]}")
-        for j in range(1, len(tree)):
-            if not 0 <= tree[j] < j:
-                raise ValueError(f"parents[{i}][{j}]: must be an earlier block index in "
-                                 f"[0, {j}), got {tree[j]}")
+        check_tree(tree, len(blk) - 1, f"parents[{i}]")
         out.append(tree)
     return out if any(t is not None for t in out) else None
 

@@ -69,7 +69,7 @@ class DraftTree:
 
     def __post_init__(self):
         n = len(self.tokens)
-        _check_parents(self.parents, n, "parents")
+        check_tree(self.parents, n, "parents")
         if len(self.depths) != n + 1 or self.depths[0] != 0:
             raise ValueError(f"depths: expected {n + 1} entries starting with 0, got "
                              f"{self.depths[:4]}... ({len(self.depths)})")
@@ -176,7 +176,7 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
             ``0 <= parents[j] < j``).
     """
     n = len(parents) - 1
-    _check_parents(parents, n, "parents")
+    check_tree(parents, n, "parents")
     size = n + 1
     flat: list[int] = []
     ancestors: list[list[int]] = []     # per block index: itself and its ancestors
@@ -282,7 +282,9 @@ def _walk(tree: DraftTree, logits: torch.Tensor, par: RowParams) -> TreeVerified
                         path=path[:accepted], nodes=len(tree.tokens))
 
 
-def _check_parents(parents: list[int], n: int, name: str) -> None:
+def check_tree(parents: list[int], n: int, name: str) -> None:
+    """Raise ValueError naming ``name`` unless ``parents`` is a tree over a block of ``n``
+    nodes plus the root: ``n + 1`` entries, ``parents[0] == -1``, ``0 <= parents[j] < j``."""
     if len(parents) != n + 1 or parents[0] != -1:
         raise ValueError(f"{name}: expected {n + 1} entries starting with -1, got "
                          f"{list(parents[:4])}... ({len(parents)})")
