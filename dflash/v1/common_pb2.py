@@ -24,19 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x66lash/v1/common.proto\x12\tdflash.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xff\x01\n\x0f\x41\x63\x63\x65ptanceStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12\x16\n\x0e\x66\x61llback_steps\x18\x06 \x01(\x03\x12\x15\n\rdraft_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\x12\x13\n\x0btree_drafts\x18\t \x01(\x03\x12\x12\n\ntree_nodes\x18\n \x01(\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x66lash/v1/common.proto\x12\tdflash.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.dflash.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xff\x01\n\x0f\x41\x63\x63\x65ptanceStats\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12\x16\n\x0e\x66\x61llback_steps\x18\x06 \x01(\x03\x12\x15\n\rdraft_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\x12\x13\n\x0btree_drafts\x18\t \x01(\x03\x12\x12\n\ntree_nodes\x18\n \x01(\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=446
-  _globals['_FINISHREASON']._serialized_end=570
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=785
+  _globals['_FINISHREASON']._serialized_end=909
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
-  _globals['_SAMPLINGPARAMS']._serialized_start=91
-  _globals['_SAMPLINGPARAMS']._serialized_end=186
-  _globals['_ACCEPTANCESTATS']._serialized_start=189
-  _globals['_ACCEPTANCESTATS']._serialized_end=444
+  _globals['_SAMPLINGPARAMS']._serialized_start=92
+  _globals['_SAMPLINGPARAMS']._serialized_end=435
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=378
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=426
+  _globals['_TOKENLOGPROB']._serialized_start=437
+  _globals['_TOKENLOGPROB']._serialized_end=525
+  _globals['_ACCEPTANCESTATS']._serialized_start=528
+  _globals['_ACCEPTANCESTATS']._serialized_end=783
 # @@protoc_insertion_point(module_scope)

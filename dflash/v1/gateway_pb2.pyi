@@ -22,7 +22,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "drafter", "session_id", "block_size", "speculation_mode", "tree_budget")
+    __slots__ = ("prompt", "chat", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "drafter", "session_id", "block_size", "speculation_mode", "tree_budget", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_MODE_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     sampling: _common_pb2.SamplingParams
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     block_size: int
     speculation_mode: str
     tree_budget: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., drafter: _Optional[str] = ..., session_id: _Optional[str] = ..., block_size: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., drafter: _Optional[str] = ..., session_id: _Optional[str] = ..., block_size: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., tree_budget: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -60,7 +62,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "acceptance", "drafter", "ttft_seconds")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "acceptance", "drafter", "ttft_seconds", "logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,8 @@ class GenerateResponse(_message.Message):
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -75,7 +79,9 @@ class GenerateResponse(_message.Message):
     acceptance: _common_pb2.AcceptanceStats
     drafter: str
     ttft_seconds: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., acceptance: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., drafter: _Optional[str] = ..., ttft_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., acceptance: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., drafter: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GatewayCloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
