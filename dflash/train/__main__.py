@@ -35,7 +35,10 @@ def _mix(text: str) -> dict[str, int]:
 
 def _gen_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mix", type=_mix, default="magpie=8,passage=2,code=6,template=2",
-                    help="batches to have per prompt source (code, template, passage, magpie)")
+                    help="batches to have per prompt source (code, template, passage, magpie, chat2)")
+    ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="target dtype while answering: float32 = as served on a CPU (writes the "
+                    "feature cache too); bfloat16 = faster on CPUs with AMX, ids only")
     ap.add_argument("--batch-size", type=int, default=128, help="prompts answered per batch")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt draw (another "
@@ -100,7 +103,7 @@ def _datagen(args, target_dir: str) -> None:
     cfg = GenConfig(data_dir=args.data_dir, cache_dir=args.feature_cache, target_dir=target_dir,
                     layer_ids=tuple(default_target_layer_ids(30, 5)), mix=args.mix,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, topk=args.topk,
-                    seed=args.prompt_seed, budget_min=args.gen_budget_min)
+                    seed=args.prompt_seed, budget_min=args.gen_budget_min, dtype=args.gen_dtype)
     print(f"[datagen] totals {generate(cfg)}", flush=True)
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 
-def load_target(target_dir: str):
-    """``(model, tokenizer)`` of the target directory (``use_safetensors``, no remote code)."""
+def load_target(target_dir: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of the target directory (``use_safetensors``, no remote code);
+    float32 unless ``dtype`` says otherwise (bf16 generation: :mod:`dflash.train.datagen`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype,
                                                  use_safetensors=True).eval()
     return model, tok
