@@ -22,7 +22,7 @@ def test_a2a_bytes_per_step():
 def test_bench_ep_sizes_side_by_side(tmp_path):
     from dflash.cli import main
     from dflash.testing import make_tiny_drafter, make_tiny_moe_target
-    from test_processes import free_ports
+    from helpers import free_ports
 
     target = make_tiny_moe_target(tmp_path / "moe")
     drafter = make_tiny_drafter(tmp_path / "drafter", target, block_size=4)

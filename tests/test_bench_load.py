@@ -73,7 +73,7 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
     import subprocess
     import sys
 
-    from test_processes import free_ports
+    from helpers import free_ports
 
     gw, ver, dr = free_ports(3)
     out = subprocess.run(
@@ -104,7 +104,7 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     import subprocess
     import sys
 
-    from test_processes import free_ports
+    from helpers import free_ports
 
     gw, ver, dr = free_ports(3)
     out = subprocess.run(
@@ -163,7 +163,7 @@ def test_bench_flag_lists_are_normalised():
 
 def test_bench_without_a_gateway_says_so():
     """A forgotten `dflash up` printed a traceback per client thread and ended in IndexError."""
-    from test_processes import free_ports
+    from helpers import free_ports
 
     from dflash.bench import require_gateway
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from doubles import ReferenceDrafter, chains
-from test_lossless import PROMPTS, reference
+from helpers import PROMPTS, reference
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.engine import Request, VerifierEngine
 

@@ -12,7 +12,7 @@ from dflash.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_v
 from dflash.proposer import ProposalRequest
 from dflash.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
-from test_lossless import PROMPTS, assert_same_tokens, reference, spec
+from helpers import PROMPTS, assert_same_tokens, reference, spec
 
 
 def test_build_ranks_by_count_then_id():

@@ -11,7 +11,7 @@ import pytest
 
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 from doubles import ReferenceDrafter
-from test_lossless import reference
+from helpers import reference
 
 THREADS, PER_THREAD, MAX_NEW = 4, 12, 17
 

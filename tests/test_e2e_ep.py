@@ -18,7 +18,7 @@ def _run(target, drafter, ep_size, run_dir):
     from dflash.client import GatewayClient, build_request
     from dflash.humaneval import format_prompt, load_problems
     from dflash.launcher import DrafterSpec, LocalStack, StackConfig
-    from test_processes import free_ports
+    from helpers import free_ports
 
     gw, ver, dr = free_ports(3)
     cfg = StackConfig(target=str(target), drafters=[DrafterSpec(path=str(drafter), port=dr)],

@@ -19,8 +19,8 @@ from dflash.proposer import Proposal
 from dflash.server import wait_healthy
 from dflash.v1 import verifier_pb2
 from doubles import ReferenceDrafter
-from test_lossless import PROMPTS, reference
-from test_processes import free_ports
+from helpers import PROMPTS, reference
+from helpers import free_ports
 
 B = 8
 N_STREAMS = 8

@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import generate_ids
-from dflash.v1 import verifier_pb2
 from doubles import ReferenceDrafter
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference, spec
 from drafter_svc.engine import DrafterEngine
-
-PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12],
-           [200, 201, 7, 7, 7, 31, 90, 114, 115, 116, 117, 118, 5, 6, 240, 241, 30, 33]]
-MAX_NEW = 40
-
-
-def reference(hf_target, prompt, n=MAX_NEW, ignore_eos=False):
-    """The target's own greedy ``generate()`` continuation (the ground truth)."""
-    kw = {"eos_token_id": hf_target.config.vocab_size + 1} if ignore_eos else {}  # an id never produced
-    out = hf_target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
-
-
-def assert_same_tokens(hf_target, prompt, got, want):
-    """Token equality; on a mismatch, report the target's top-2 logit gap at that position."""
-    if got == want:
-        return
-    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    with torch.no_grad():
-        logits = hf_target(torch.tensor([prompt + want[:i]])).logits[0, -1]
-    top = logits.topk(2)
-    pytest.fail(f"diverged at generated token {i}: got {got[i:i + 3]}, want {want[i:i + 3]}; "
-                f"target top-2 {top.indices.tolist()} logit gap {float(top.values[0] - top.values[1]):.3e}")
-
-
-def spec(addr, block_size=0):
-    return verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr, block_size=block_size)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16])

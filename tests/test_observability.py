@@ -25,7 +25,7 @@ from dflash.telemetry import Telemetry, serve_metrics
 from dflash.tracing import JsonLinesSpanExporter, StepTracing, provider_from_env
 from dflash.v1 import verifier_pb2
 from doubles import ReferenceDrafter
-from test_lossless import PROMPTS, reference
+from helpers import PROMPTS, reference
 
 B = 4
 STEPS = 3

@@ -14,7 +14,7 @@ from dflash.checkpoint import load_target_head
 from dflash.hf_peer import load_peer_drafter
 from dflash.taps import tap_features
 from drafter_svc.engine import DrafterEngine
-from test_lossless import PROMPTS
+from helpers import PROMPTS
 from verifier_svc.engine import Request, VerifierEngine
 
 

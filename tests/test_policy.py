@@ -11,7 +11,7 @@ from conftest import Stack, generate_ids
 from dflash.sampling import InvalidParam
 from dflash.v1 import verifier_pb2
 from doubles import ReferenceDrafter, chains
-from test_lossless import PROMPTS, assert_same_tokens, reference
+from helpers import PROMPTS, reference
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
 

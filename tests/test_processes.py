@@ -5,32 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from dflash.server import wait_healthy
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def health(addr, service=""):
-    with grpc.insecure_channel(addr) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=2).status
+from helpers import free_ports, health
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 from conftest import generate_ids
 from dflash.v1 import gateway_pb2, verifier_pb2
 from doubles import ReferenceDrafter
-from test_lossless import reference
+from helpers import reference
 
 B = 8
 PROMPT = [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12]

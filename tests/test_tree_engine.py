@@ -11,7 +11,7 @@ from conftest import generate_ids
 from dflash.v1 import common_pb2, verifier_pb2
 from doubles import ReferenceDrafter
 from drafter_svc.engine import DrafterEngine
-from test_lossless import MAX_NEW, PROMPTS, assert_same_tokens, reference
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
 
 
 def spec(addr, mode="tree", budget=0, block_size=0):
