@@ -3,10 +3,8 @@
 Why: libgomp keeps a thread team per thread that ever ran a parallel region, and once the
 process holds more OpenMP threads than CPUs it throttles the busy-wait of every team (to about a
 thousand spins; libgomp ``do_spin``), so each of the hundreds of parallel regions in a forward
-pays a sleep and a wake-up. A verifier that loads its model on the main thread and decodes on its
-scheduler thread has two teams: measured on this 2-core machine, SmolLM2, a 16-token verify took
-233-262 ms on the scheduler thread against 128-156 ms on the main thread, and a 30-layer
-16-row product 96-100 ms against 46 ms once the main thread had run nothing multi-threaded.
+pays a sleep and a wake-up (a verifier that loaded on the main thread and decoded on its
+scheduler thread ran its forwards ~1.7x slower: ``docs/perf-history.md``, "One OpenMP team").
 
 How: :func:`reserve` (the main thread, at start, before any torch work) sets torch's thread
 count to 1, so loading and every other thread run single-threaded and create no team;
