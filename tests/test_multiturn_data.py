@@ -56,23 +56,25 @@ def test_follow_ups_are_deterministic_mixed_and_never_eval():
 
 
 def test_second_turns_continue_the_magpie_shard(tiny, tmp_path):
-    """chat2 batch k continues shard_magpie_s<seed>_<k>: finished conversations only, each
-    prompt starts with the conversation's ids and ends with the assistant header; seeded."""
+    """chat2 batch k continues shard_magpie_s<seed>_<k>: every conversation (one cut at the cap
+    ends its turn there), each prompt starts with the conversation's ids and ends with the
+    assistant header; seeded."""
     from dflash.train.datagen import second_turns
 
     model, tok, _ = tiny
     store = TokenStore(tmp_path / "data", fingerprint="sha256:test")
     firsts = [_first_turn(tok, f"question {i}", f"answer number {i}") for i in range(5)]
     cut = _chat(tok, [{"role": "user", "content": "cut off"}]) + [5, 6, 7]        # no end of turn
+    firsts_closed = firsts + [cut + [tok.eos_token_id]]
     seqs = [featcache.as_numpy_seq(f, 3) for f in firsts + [cut]]
     assert second_turns(model, tok, store, seed=0, k=0) == []                    # nothing to continue
     store.add("shard_magpie_s0_0000.npz", seqs, source="magpie", vocab_size=model.config.vocab_size)
     got = second_turns(model, tok, store, seed=0, k=0)
     assert got == second_turns(model, tok, store, seed=0, k=0)
-    assert len(got) == 5 and [len(p) for p in got] == sorted(len(p) for p in got)
+    assert len(got) == 6 and [len(p) for p in got] == sorted(len(p) for p in got)
     _, asst_head, _ = multiturn.turn_separators(tok)
     for p in got:
-        first = next(f for f in firsts if p[:len(f)] == f)
+        first = next(f for f in firsts_closed if p[:len(f)] == f)
         assert len(p) > len(first) + len(asst_head) and p[-len(asst_head):] == asst_head
     assert second_turns(model, tok, store, seed=0, k=1) == []
 

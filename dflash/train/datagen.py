@@ -293,8 +293,8 @@ def generate(cfg: GenConfig) -> dict:
 
 def second_turns(model, tok, store: TokenStore, *, seed: int, k: int, max_user_tokens: int = 80
                  ) -> list[list[int]]:
-    """Prompts of ``chat2`` batch ``k``: the conversations of ``shard_magpie_s<seed>_<k>`` whose
-    answer ended its turn, each with a second user turn (:mod:`dflash.train.multiturn`: half
+    """Prompts of ``chat2`` batch ``k``: the conversations of ``shard_magpie_s<seed>_<k>`` (an
+    answer cut at the token cap ends its turn there), each with a second user turn (:mod:`dflash.train.multiturn`: half
     copying follow-ups, half written by the target), sorted by length. ``[]`` when that magpie
     shard is not in the store."""
     from dflash.train import multiturn
@@ -304,7 +304,8 @@ def second_turns(model, tok, store: TokenStore, *, seed: int, k: int, max_user_t
         return []
     user_head, asst_head, _ = multiturn.turn_separators(tok)
     eos = tok.eos_token_id
-    firsts = [[int(t) for t in s.ids] for s in store.read(entry) if int(s.ids[-1]) == eos]
+    # most first answers hit the token cap (about 4 in 5 at 128): they end their turn there
+    firsts = [[int(t) for t in s.ids] + ([] if int(s.ids[-1]) == eos else [eos]) for s in store.read(entry)]
     plan = multiturn.follow_up_plan(len(firsts), seed * 100003 + k)
     own = [i for i, f in enumerate(plan) if f is None]
     if own:
