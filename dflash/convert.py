@@ -36,19 +36,30 @@ def card_from_proto(m: drafter_pb2.DrafterCard) -> DrafterCard:
 
 
 def sampling_to_proto(s: Sampling) -> common_pb2.SamplingParams:
-    m = common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    m = common_pb2.SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 1.0 else 0.0,
+        min_p=s.min_p, logit_bias=dict(s.logit_bias), logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs)
     if s.seed is not None:
         m.seed = s.seed
     return m
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams) -> Sampling:
-    """Validate; raises InvalidParam naming the field. ``top_p`` 0 means disabled (1.0)."""
+    """Validate; raises InvalidParam naming the field. ``top_p`` 0 means disabled (1.0), and
+    ``repetition_penalty`` 0 means off (1.0)."""
     top_p = m.top_p if m.top_p != 0 else 1.0
     if m.top_p < 0:
         raise InvalidParam("top_p", f"must be in (0, 1], got {m.top_p}")
     return Sampling(temperature=float(m.temperature), top_k=int(m.top_k), top_p=float(top_p),
-                    seed=m.seed if m.HasField("seed") else None)
+                    seed=m.seed if m.HasField("seed") else None,
+                    presence_penalty=float(m.presence_penalty),
+                    frequency_penalty=float(m.frequency_penalty),
+                    repetition_penalty=float(m.repetition_penalty), min_p=float(m.min_p),
+                    logit_bias=[(int(k), float(v)) for k, v in m.logit_bias.items()],
+                    logprobs=bool(m.logprobs), top_logprobs=int(m.top_logprobs))
 
 
 def stats_to_proto(s: AcceptanceCounter) -> common_pb2.AcceptanceStats:

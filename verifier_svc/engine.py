@@ -11,6 +11,12 @@ drafter call per drafter, one target forward over every session's block on the p
 batch KV pool (``dflash/kv_pool.py``). With speculation off, or when the drafter fails, the
 same step runs with ``k = 0`` (plain autoregressive decoding): the baseline every benchmark
 compares against, and the fallback that keeps a drafter failure from ever failing a request.
+
+A request's penalties and logit bias (``dflash.logits_processors``) are applied to the target's
+logits of every verified row, each with the state its own path implies, before verification
+(and to the first token after prefill); the state advances as tokens commit. Requests without
+them skip this entirely. Log-probabilities, when asked, come from the raw logits of the rows that
+emitted the committed tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from dflash.logits_processors import LogitsProcessor, token_logprobs
 from dflash.proposer import MAX_TOP_K
 from dflash.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
 from dflash.speculation import MAX_TREE_BUDGET
@@ -198,7 +205,11 @@ class VerifierEngine:
         taps_usable = self.sync.bind(s.id, s.drafter, req.proposer)
         reuse = _common_prefix(s.tokens, req.prompt) if taps_usable else 0
         job.reuse = job.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
-        job.gen = req.sampling.generator()
+        # on the target's device: its noise is drawn where the logits are (a CPU generator
+        # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
+        job.gen = req.sampling.generator(getattr(t, "device", "cpu"))
+        job.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
+                         if req.sampling.penalised else None)
         job.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
         job.mode = req.spec_mode or self.spec_mode
         job.block_limit = 1
@@ -231,15 +242,21 @@ class VerifierEngine:
         if end < len(req.prompt):
             return None
         s.tokens = list(req.prompt)
-        first = self._sample(logits[-1:], req.sampling, job.gen)
+        raw = logits[-1:]                                       # [1, V]
+        first = self._sample(job.processor.apply(raw) if job.processor else raw,
+                             req.sampling, job.gen)
         s.tokens.append(first)
+        if job.processor:
+            job.processor.commit([first])
         job.emitted = 1
         finish = "stop" if first in job.stops else ("length" if req.max_tokens == 1 else None)
         if req.proposer is not None and job.block_limit > 1:
             d.proposer = req.proposer
         return StepEvent(tokens=[first], finish=finish, verify_seconds=job.prefill_seconds,
                          stats=job.stats, prompt_tokens=len(req.prompt),
-                         cached_prompt_tokens=job.reuse)
+                         cached_prompt_tokens=job.reuse,
+                         logprobs=token_logprobs(raw, [0], [first], req.sampling.top_logprobs)
+                         if req.sampling.logprobs else None)
 
     # ------------------------------------------------------------------ one decode step
     def decode_step(self, plan: StepPlan) -> list[StepEvent]:
@@ -268,11 +285,12 @@ class VerifierEngine:
                                    if any(trees) else None)
         verify_s = time.perf_counter() - tv
 
-        verified = self._verify(jobs, drafts, trees, [lg for lg, _ in outs])
+        verified = self._verify(jobs, drafts, trees, [
+            _processed(j, lg, d, tr) for j, (lg, _), d, tr in zip(jobs, outs, drafts, trees)])
         decision = self.policy.last_decision
         with t.lock:
-            events = [self._commit(j, n, v, taps, d, draft_s, verify_s, len(jobs), decision)
-                      for j, n, v, (_, taps), d in zip(jobs, lens, verified, outs, drafts)]
+            events = [self._commit(j, n, v, lg, taps, d, draft_s, verify_s, len(jobs), decision)
+                      for j, n, v, (lg, taps), d in zip(jobs, lens, verified, outs, drafts)]
         self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s, shapes, verified)
         return events
 
@@ -282,7 +300,7 @@ class VerifierEngine:
         return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=cached,
                          anchor=s.tokens[-1], k=sh.k,
                          room=j.block_limit > 1 and req.max_tokens - j.emitted > 1,
-                         sampling=req.sampling, trace_context=ctx,
+                         sampling=req.sampling.for_drafter(), trace_context=ctx,
                          top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0)
 
     @staticmethod
@@ -294,7 +312,7 @@ class VerifierEngine:
         tree = [i for i, tr in enumerate(trees) if tr is not None]
         out: list[Verified | None] = [None] * len(jobs)
         for i, v in zip(chain, verify_batch(
-                [torch.tensor(drafts[i].tokens, dtype=torch.int64) for i in chain],
+                [torch.tensor(drafts[i].tokens, dtype=torch.int64, device="cpu") for i in chain],
                 [logits[i] for i in chain], [drafts[i].probs for i in chain],
                 [params[i] for i in chain])):
             out[i] = v
@@ -304,13 +322,16 @@ class VerifierEngine:
                 out[i] = v
         return out  # type: ignore[return-value]  (every index filled above)
 
-    def _commit(self, j: Job, n: int, v: Verified, taps: torch.Tensor | None, d: DraftOutcome,
-                draft_s: float, verify_s: float, batch: int, decision: Decision | None) -> StepEvent:
+    def _commit(self, j: Job, n: int, v: Verified, logits: torch.Tensor, taps: torch.Tensor | None,
+                d: DraftOutcome, draft_s: float, verify_s: float, batch: int,
+                decision: Decision | None) -> StepEvent:
         """Keep what row ``j`` committed: crop its KV cache to it (a tree keeps its accepted
-        path's entries first), keep its taps and count it."""
+        path's entries first), keep its taps, advance its penalty state, count it, and take the
+        committed tokens' log-probabilities from the raw ``logits`` [block, V] if asked."""
         s = j.session
         new = v.tokens
         nodes = 0
+        kept = list(range(len(new)))               # the block rows that emitted the tokens
         if isinstance(v, TreeVerified):
             kept = [0] + v.path                    # the anchor and the accepted nodes
             self.target.keep(s.cache, n, kept)
@@ -321,6 +342,11 @@ class VerifierEngine:
         if s.drafter.tap_ids:
             s.drafter.taps.append(taps[:len(new)])
         s.tokens.extend(new)
+        if j.processor:
+            j.processor.commit(new)
+        sampling = j.req.sampling
+        logprobs = (token_logprobs(logits, kept[:len(new)], new, sampling.top_logprobs)
+                    if sampling.logprobs else None)
         j.emitted += len(new)
         j.stats.record(v.drafted, v.accepted)
         self.totals.record(v.drafted, v.accepted)
@@ -334,7 +360,7 @@ class VerifierEngine:
         ev = StepEvent(tokens=new, accepted=v.accepted, drafted=v.drafted, finish=v.finish,
                        draft_seconds=draft_s if d.called else 0.0, verify_seconds=verify_s,
                        fallback=d.fallback, stats=j.stats, batch_size=batch, policy=decision,
-                       step=j.steps, tree_nodes=nodes)
+                       step=j.steps, tree_nodes=nodes, logprobs=logprobs)
         j.steps += 1
         return ev
 
@@ -380,6 +406,18 @@ class VerifierEngine:
         if sampling.greedy:
             return int(logits[-1].argmax())
         return int(sample_from(probs_from_logits(logits[-1], sampling), gen))
+
+
+def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | None
+               ) -> torch.Tensor:
+    """The logits ``[block, V]`` the job verifies: its penalties and bias applied to each row
+    with that row's own state (``dflash.logits_processors``), or the raw logits when it has
+    none."""
+    if j.processor is None:
+        return logits
+    if tree is not None:
+        return j.processor.apply(logits, tree.tokens, tree.parents)
+    return j.processor.apply(logits, d.tokens)
 
 
 def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:

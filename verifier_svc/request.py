@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from dflash.logits_processors import TokenLogprob
 from dflash.proposer import Proposer
 from dflash.sampling import InvalidParam, Sampling
 from dflash.stats import AcceptanceCounter
@@ -86,6 +87,7 @@ class StepEvent:
     policy: Decision | None = None     # the speculation policy's choice for this step
     tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)
     step: int = -1                     # decode step index (-1: the prefill event)
+    logprobs: list[TokenLogprob] | None = None   # one per token when sampling.logprobs
 
 
 def validate(req: Request, vocab_size: int, window: int) -> None:
@@ -107,6 +109,9 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
     bad = next((t for t in req.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidParam("stop_token_ids", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t, _ in req.sampling.logit_bias if not t < vocab_size), None)
+    if bad is not None:   # ids are >= 0 (Sampling checks)
+        raise InvalidParam("logit_bias", f"token id {bad} outside the vocabulary [0, {vocab_size})")
     if len(req.session_id) > MAX_SESSION_ID_CHARS:
         raise InvalidParam("session_id", f"{len(req.session_id)} characters, more than "
                            f"{MAX_SESSION_ID_CHARS}")

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from dflash.logits_processors import LogitsProcessor
 from dflash.stats import AcceptanceCounter
 from dflash.threads import claim
 from verifier_svc.request import Request, SlowConsumer, StepEvent
@@ -90,6 +91,7 @@ class Job:
     prefilled: int = 0
     prefill_seconds: float = 0.0
     gen: torch.Generator | None = None
+    processor: LogitsProcessor | None = None  # the request's penalties; None: none asked
     stops: frozenset[int] = frozenset()
     stats: AcceptanceCounter = dataclasses.field(default_factory=AcceptanceCounter)
     mode: str = "off"                        # speculation mode of this request

@@ -11,7 +11,7 @@ import grpc
 from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
 from dflash.sampling import InvalidParam
 from dflash.server import RETRY_AFTER_KEY
-from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.cards import check_drafter_card
 from verifier_svc.engine import VerifierEngine
@@ -153,6 +153,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for ev in _chain(first, events):
                 chunk = verifier_pb2.VerifierGenerateChunk(token_ids=ev.tokens, accepted=ev.accepted,
                                                            drafted=ev.drafted)
+                if ev.logprobs:
+                    chunk.logprobs.extend(common_pb2.TokenLogprob(
+                        token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
+                        top_logprobs=lp.top_logprobs) for lp in ev.logprobs)
                 if ev.finish:
                     chunk.finish_reason = FINISH[ev.finish]
                     chunk.stats.CopyFrom(stats_to_proto(ev.stats))

@@ -212,7 +212,9 @@ def verify_trees(trees: list[DraftTree], logits: list[torch.Tensor], params: lis
     Args:
         trees: one :class:`DraftTree` per row (n_i nodes).
         logits: float (float32 from the target) ``[n_i + 1, V]`` per row, V common; row j is the
-            target's logits after block index j given that node's own root-to-node path.
+            target's logits after block index j given that node's own root-to-node path (after
+            the request's penalties and logit bias, with that path's tokens counted: the
+            engine applies them, ``dflash.logits_processors``).
         params: one :class:`RowParams` per row (sampling, generator, stops, room).
 
     Returns:
