@@ -29,10 +29,18 @@ class WireError(ValueError):
 
 
 def to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    """torch tensor (any device, contiguous or not) -> ``dflash.v1.Tensor``."""
+    """torch tensor (any device, contiguous or not) -> ``dflash.v1.Tensor``.
+
+    A CUDA tensor is copied into pinned host memory (torch's caching host allocator: the same
+    blocks are reused call after call) and its stream waited for once; the step path's taps are
+    already on the host (``verifier_svc.tap_buffer``), as are the drafter's proposals."""
     if t.dtype not in _NAME:
         raise WireError(f"dtype {t.dtype} cannot travel on the wire")
-    src = t.detach().to("cpu").contiguous()
+    src = t.detach()
+    if src.device.type == "cuda":
+        src = src.to("cpu", non_blocking=True)        # pinned destination, see the docstring
+        torch.cuda.current_stream(t.device).synchronize()
+    src = src.to("cpu").contiguous()
     src = src.view(_VIEW.get(src.dtype, src.dtype))
     arr = src.numpy()
     if not _LITTLE:  # pragma: no cover - big-endian hosts

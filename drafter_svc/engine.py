@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint, torch_dtype
+from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint
+from dflash.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.draft_vocab import load_draft_vocab
 from dflash.kv_pool import KVPool, PoolSeq
 from dflash.modeling import DFlashDrafter, TargetHead
-from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest, check_top_k
+from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
 from dflash.sampling import probs_from_logits, sample_from
 from dflash.threads import claim
-from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
-                                   use_skinny_linear)
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
 
 log = logging.getLogger("dflash.drafter")
 CONTEXT_SCHED = ("idle", "normal")
@@ -54,7 +54,10 @@ class DrafterEngine:
     """Holds a drafter plus the target's embedding/LM head; implements ``Proposer``.
 
     Args:
-        drafter: the network (``dflash.modeling.DFlashDrafter``), eval mode.
+        drafter: the network (``dflash.modeling.DFlashDrafter``), eval mode, on the device it
+            runs on; the head, the draft vocabulary and the context K/V pool follow it there.
+            Requests' context rows arrive on the host (the wire) and are copied there once per
+            call; proposals return on the host, all of a call's in one synchronisation.
         head: the target's frozen embedding and LM head.
         max_sessions: LRU bound on kept session contexts.
         draft_vocab: int64 [N] target ids the drafter may propose (``dflash.draft_vocab``);
@@ -89,8 +92,10 @@ class DrafterEngine:
         if context_sched not in CONTEXT_SCHED:
             raise ValueError(f"context_sched must be one of {', '.join(CONTEXT_SCHED)}, "
                              f"got {context_sched!r}")
+        p = next(drafter.parameters())
+        self.device = p.device
         self.drafter = drafter
-        self.head = head
+        self.head = head.to(self.device)
         self.cfg = drafter.cfg
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
@@ -105,11 +110,13 @@ class DrafterEngine:
                                            initializer=_context_thread,
                                            initargs=(context_threads, context_sched)) \
             if context_threads else None
+        if draft_vocab is not None:
+            draft_vocab = draft_vocab.to(self.device)
         self.draft_vocab = draft_vocab
-        self._draft_head = head.lm_head[draft_vocab].contiguous() if draft_vocab is not None else None
+        self._draft_head = (self.head.lm_head[draft_vocab].contiguous()
+                            if draft_vocab is not None else None)
         # Every session's context K/V, [rows, kvh, capacity, head_dim] per layer in the drafter's
         # dtype: a batch attends over rows 0..b-1 in place instead of a padded copy per step.
-        p = next(drafter.parameters())
         self.pool = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads,
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
@@ -127,7 +134,8 @@ class DrafterEngine:
 
     @classmethod
     def from_pretrained(cls, drafter_dir: str | Path, target_dir: str | Path, *,
-                        dtype: str = "float32", name: str | None = None,
+                        dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                        name: str | None = None,
                         version: str | None = None, draft_vocab_size: int = -1,
                         skinny_max_rows: int = DEFAULT_MAX_ROWS, threads: int = 0,
                         context_threads: int = 1, context_sched: str = "idle") -> "DrafterEngine":
@@ -135,8 +143,14 @@ class DrafterEngine:
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
         0 = the full vocabulary, N = its first N ids (``dflash.draft_vocab.load_draft_vocab``).
+        ``device`` / ``dtype``: ``dflash.device.resolve_device`` / ``resolve_dtype`` (``auto``
+        = the drafter checkpoint's dtype on a GPU, float32 on a CPU).
+
+        Raises:
+            dflash.device.DeviceError: naming ``--device`` / ``--dtype``.
         """
-        td = torch_dtype(dtype)
+        dev = resolve_device(device)
+        td = resolve_dtype(dtype, checkpoint_dtype(drafter_dir), dev)
         drafter = load_drafter(drafter_dir, dtype=td)
         if name or version:
             drafter.cfg = dataclasses.replace(drafter.cfg, name=name or drafter.cfg.name,
@@ -147,7 +161,7 @@ class DrafterEngine:
             drafter.cfg = dataclasses.replace(drafter.cfg,
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
-        return cls(drafter, head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
+        return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
                    threads=threads, context_threads=context_threads, context_sched=context_sched)
 
     @property
@@ -168,11 +182,12 @@ class DrafterEngine:
 
         def req(block: int, rows: int = 2) -> ProposalRequest:
             return ProposalRequest(session_id="__warmup__", context_start=0,
-                                   context=torch.zeros(rows, self.cfg.context_size),
+                                   context=torch.zeros(rows, self.cfg.context_size,
+                                                       device="cpu"),
                                    anchor_token=0, block_size=block, sampling=Sampling())
 
         self.propose([req(self.cfg.block_size)])
-        if self.skinny_max_rows == AUTO:
+        if self.skinny_max_rows == AUTO and self.device.type == "cpu":   # CPU-only product
             rows = tuple(n for n in (2, 4, 8, 16) if n <= self.cfg.block_size) or (2,)
 
             def tune():
@@ -209,7 +224,7 @@ class DrafterEngine:
             drafting = []
             for i, r, sess in sessions:
                 if r.block_size <= 1:
-                    out[i] = Proposal(tokens=torch.empty(0, dtype=torch.int64))
+                    out[i] = Proposal(tokens=torch.empty(0, dtype=torch.int64, device="cpu"))
                 elif not sess.length:
                     out[i] = DraftError("no_context", "the drafter has no context for this session")
                 else:
@@ -220,7 +235,7 @@ class DrafterEngine:
                     out[i] = self._sample(r, sess, lg)
                     if r.top_k:
                         out[i].top_ids, out[i].top_logprobs = self._top_k(lg, r.top_k)
-        return out
+        return _to_host(out, self.device)
 
     def close(self) -> None:
         """Stop the compute thread once queued drafts finish (a later ``propose`` raises
@@ -271,10 +286,11 @@ class DrafterEngine:
         parts = [(r, sess) for _, r, sess in sessions if r.context.shape[0]]
         if not parts:
             return
-        dtype = self.head.embed.dtype
-        feats = torch.cat([r.context.to(dtype) for r, _ in parts])[None]
-        pos = torch.cat([torch.arange(s.length, s.length + r.context.shape[0]) for r, s in parts])[None]
-        new_kv = self.drafter.context_kv(feats, pos)              # per layer [1, kvh, sum n, d]
+        dtype, dev = self.head.embed.dtype, self.device
+        feats = to_device(torch.cat([r.context for r, _ in parts]), dev).to(dtype)[None]
+        pos = torch.cat([torch.arange(s.length, s.length + r.context.shape[0], device="cpu")
+                         for r, s in parts])[None]
+        new_kv = self.drafter.context_kv(feats, to_device(pos, dev))   # per layer [1, kvh, sum n, d]
         pool = self.pool
         for _, sess in parts:
             pool.ensure_resident(sess.seq)
@@ -306,24 +322,26 @@ class DrafterEngine:
             items = [items[i] for i in order]
         n_max = max(s.length for _, s in items)
         q = max(r.block_size for r, _ in items)
-        block = torch.full((b, q), cfg.mask_token_id, dtype=torch.int64)
-        positions = torch.empty((b, q), dtype=torch.int64)
+        dev, host = self.device, "cpu"           # built on the host, copied once (to_device)
+        block = torch.full((b, q), cfg.mask_token_id, dtype=torch.int64, device=host)
+        positions = torch.empty((b, q), dtype=torch.int64, device=host)
         for i, (r, s) in enumerate(items):
             block[i, 0] = r.anchor_token
-            positions[i] = torch.arange(s.length, s.length + q)
+            positions[i] = torch.arange(s.length, s.length + q, device=host)
         if b == 1:                               # the row's own context: attend everywhere
             kv = pool.views(pool.ensure_resident(items[0][1].seq), 1, n_max)
             mask = ctx_pos = None
         else:
             kv = pool.views(0, b, n_max)
-            keys = torch.arange(n_max + q)
-            lens = torch.tensor([s.length for _, s in items])[:, None]           # [b, 1]
-            sizes = torch.tensor([r.block_size for r, _ in items])[:, None]      # [b, 1]
+            keys = torch.arange(n_max + q, device=host)
+            lens = torch.tensor([s.length for _, s in items], device=host)[:, None]       # [b, 1]
+            sizes = torch.tensor([r.block_size for r, _ in items], device=host)[:, None]  # [b, 1]
             ok = torch.where(keys < n_max, keys < lens, keys - n_max < sizes)    # [b, n+q]
-            mask = ok[:, None, None, :].expand(b, 1, q, n_max + q)
-            ctx_pos = torch.arange(n_max).expand(b, n_max)   # column = position (sliding layers)
-        hidden = self.drafter(self.head.embed_tokens(block), positions, kv, mask,
-                              context_positions=ctx_pos)
+            mask = to_device(ok, dev)[:, None, None, :].expand(b, 1, q, n_max + q)
+            # column = position (sliding layers)
+            ctx_pos = torch.arange(n_max, device=dev).expand(b, n_max)
+        hidden = self.drafter(self.head.embed_tokens(to_device(block, dev)),
+                              to_device(positions, dev), kv, mask, context_positions=ctx_pos)
         # One LM-head product for every block's rows: per block, each call streamed the whole
         # head (16384 x 576 floats for the draft vocabulary) for a few rows, so 32 sessions x 3
         # drafts cost 346 ms against 28 ms for one 16-token block (SmolLM2 drafter, 2 cores).
@@ -343,10 +361,10 @@ class DrafterEngine:
             tok = logits.argmax(-1)
             return Proposal(tokens=ids[tok] if ids is not None else tok)
         if r.sampling.seed is not None:
-            gen = _draft_generator(r.sampling.seed, sess.length)
+            gen = _draft_generator(r.sampling.seed, sess.length, self.device)
         else:
             if sess.generator is None:
-                sess.generator = r.sampling.generator()
+                sess.generator = r.sampling.generator(self.device)
             gen = sess.generator
         probs = probs_from_logits(logits, r.sampling)
         tok = sample_from(probs, gen)
@@ -375,16 +393,16 @@ class DrafterEngine:
         c = min(k, n)
         vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
         # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
-        # column 0 must be the greedy chain's draft. Only rows whose top two log-probs tie can
-        # differ, so only they pay an argmax; its log-prob is the row's max (rounding is
-        # monotone), so putting it first keeps the row sorted.
-        tied = (vals[:, 0] == vals[:, 1]).nonzero().flatten().tolist() if vals.shape[1] > 1 else []
-        for row in tied:
-            first = logits[row].argmax()
-            at = (idx[row] == first).nonzero().flatten()
-            if at.numel():
-                idx[row, at[0]] = idx[row, 0]
-            idx[row, 0] = first
+        # column 0 must be the greedy chain's draft: put argmax first, and the column it held
+        # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
+        # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
+        # Whole-tensor ops: no host round trip per row.
+        first = logits.argmax(-1)                                      # [K]
+        hit = idx == first[:, None]                                    # [K, c']
+        at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
+        rows = torch.arange(idx.shape[0], device=idx.device)
+        idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
+        idx[:, 0] = first
         vals, idx = vals[:, :c], idx[:, :c]
         if self.draft_vocab is not None:
             idx = self.draft_vocab[idx]
@@ -422,7 +440,25 @@ def _context_thread(threads: int, sched: str) -> None:
             log.warning("context thread keeps the process's scheduling policy: %s", e)
 
 
-def _draft_generator(seed: int, anchor_position: int) -> torch.Generator:
+def _to_host(out: list, device: torch.device) -> list:
+    """Every proposal's tensors on the host, with one wait for the device: each copy is queued
+    into pinned memory without blocking (``non_blocking`` from CUDA allocates the host side
+    pinned), then the stream is synchronised once (a ``.tolist()`` or a pageable copy per
+    tensor would wait for the device each time)."""
+    if device.type != "cuda":
+        return out
+    for p in out:
+        if isinstance(p, Proposal):
+            for name in ("tokens", "probs", "top_ids", "top_logprobs"):
+                t = getattr(p, name)
+                if t is not None and t.device.type == "cuda":
+                    setattr(p, name, t.to("cpu", non_blocking=True))
+    torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _draft_generator(seed: int, anchor_position: int,
+                     device: torch.device | str = "cpu") -> torch.Generator:
     """The drafts' random stream for a seeded request: keyed by (seed, anchor position).
 
     Never ``Sampling.generator()``, which the verifier uses: seeded alike, the drafts reused the
@@ -431,4 +467,4 @@ def _draft_generator(seed: int, anchor_position: int) -> torch.Generator:
     kept per session, so the same seed reproduces the same drafts on any turn of a session.
     """
     h = hashlib.blake2b(f"dflash-draft/{seed}/{anchor_position}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(h, "little") >> 1)
+    return torch.Generator(device=device).manual_seed(int.from_bytes(h, "little") >> 1)

@@ -6,10 +6,19 @@ import argparse
 import logging
 import os
 
-from dflash.server import (add_common_args, add_compute_args, at_least, create_server, one_of,
-                           add_health_listener, run_until_signal, server_tls_from_args)
-from dflash.tls import TLSConfigError
+from dflash.device import DeviceError, add_device_args
+from dflash.server import (
+    add_common_args,
+    add_compute_args,
+    add_health_listener,
+    at_least,
+    create_server,
+    one_of,
+    run_until_signal,
+    server_tls_from_args,
+)
 from dflash.telemetry import Telemetry, serve_metrics
+from dflash.tls import TLSConfigError
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import CONTEXT_SCHED
 from drafter_svc.observe import ObservedDrafterServicer
@@ -36,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="target model directory; only embed_tokens/lm_head are read [DFLASH_TARGET]")
     p.add_argument("--bind", default=env("DFLASH_DRAFTER_BIND", "127.0.0.1:50061"),
                    help="host:port to listen on [DFLASH_DRAFTER_BIND]")
-    p.add_argument("--dtype", default=env("DFLASH_DTYPE", "float32"), help="compute dtype [DFLASH_DTYPE]")
+    add_device_args(p, "drafter")
     p.add_argument("--name", default=env("DFLASH_DRAFTER_NAME"), help="override the card name")
     p.add_argument("--version", default=env("DFLASH_DRAFTER_VERSION"), help="override the card version")
     p.add_argument("--draft-vocab-size", type=int, default=int(env("DFLASH_DRAFT_VOCAB_SIZE", "-1")),
@@ -59,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    from dflash.device import resolve_device
     from dflash.threads import reserve
     from drafter_svc.engine import DrafterEngine
 
@@ -67,7 +77,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     try:
         tls = server_tls_from_args(a)
-    except TLSConfigError as e:
+        device = resolve_device(a.device)     # a GPU that is not there: refused before loading
+    except (TLSConfigError, DeviceError) as e:
         raise SystemExit(f"python -m drafter_svc: error: {e}")
     threads = reserve(a.threads)   # loading runs single-threaded; the compute thread claims these
     telemetry = Telemetry.from_env("drafter")
@@ -77,14 +88,16 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, name=a.name,
+    engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
+                                           name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
                                            skinny_max_rows=a.skinny_max_rows, threads=threads,
                                            context_threads=a.context_threads,
                                            context_sched=a.context_sched)
     engine.warmup()
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
-    logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids", n, engine.cfg.vocab_size)
+    logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids; %s, %s", n,
+                                             engine.cfg.vocab_size, engine.device, engine.card.dtype)
     rt.servicer.engine = engine
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)

@@ -361,6 +361,24 @@ def test_gpu_requests_and_disruption_budget(overlay):
     assert pdb["spec"]["minAvailable"] < selected[0]["spec"]["replicas"], "the budget would block every drain"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_overlays_run_the_models_on_the_pods_gpu_in_bf16(overlay, monkeypatch):
+    """Every model container of a GPU overlay parses to ``--device cuda`` (the pod's one GPU)
+    and bfloat16, an expert-parallel worker rank included; the CPU overlay's stay on the CPU
+    (auto: the CPU image has no GPU) in float32."""
+    seen = 0
+    for w, c, module, argv in service_containers(rendered(overlay)):
+        if module == "gateway":
+            continue
+        ns, read = parse(monkeypatch, module, argv, env_of(c))
+        seen += 1
+        if overlay.startswith("gpu"):
+            assert (ns.device, ns.dtype) == ("cuda", "bfloat16"), w["metadata"]["name"]
+        else:
+            assert ns.device in ("auto", "cpu") and ns.dtype == "float32", w["metadata"]["name"]
+    assert seen >= 3
+
+
 def test_expert_parallel_ranks_agree(monkeypatch):
     docs = rendered("gpu-ep")
     ws = workloads(docs)
@@ -375,6 +393,7 @@ def test_expert_parallel_ranks_agree(monkeypatch):
     assert le["MASTER_ADDR"] == we["MASTER_ADDR"] == f"{leader['metadata']['name']}-0.{leader['spec']['serviceName']}"
     assert le["MASTER_PORT"] == we["MASTER_PORT"] == str(wns.master_port)
     assert wns.target == ns.target == le["DFLASH_TARGET"] and wns.dtype == ns.dtype
+    assert wns.device == ns.device == "cuda"    # each rank on its own pod's GPU
     headless = by_kind(docs, "Service")[leader["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
     assert worker["spec"]["serviceName"] == leader["spec"]["serviceName"]

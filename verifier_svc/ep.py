@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash.device import checkpoint_dtype, dtype_name, resolve_dtype
 from dflash.kv_pool import check_compact
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
@@ -55,16 +56,20 @@ from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
 log = logging.getLogger("dflash.verifier.ep")
 
 
-def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float, device: str) -> None:
+def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float,
+               device: torch.device | str) -> None:
     """torch.distributed with torchrun's env variables (transformers reads them): gloo on CPU,
-    NCCL on GPU."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    NCCL on GPU, where ``device`` (this rank's GPU) becomes the current device first (NCCL's
+    collectives and transformers' device mesh use the current device)."""
+    device = torch.device(device)
+    local = device.index if device.type == "cuda" and device.index is not None else rank
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=addr, MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -72,15 +77,14 @@ def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float,
 class EPShard(TargetModel):
     """This rank's part of the target: transformers' EP sharding of the experts (process group up)."""
 
-    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu",
-                 skinny_max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, path: str | Path, *, ep_size: int, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS):
         self.ep_size = ep_size
         super().__init__(path, dtype=dtype, device=device, skinny_max_rows=skinny_max_rows)
 
     def _load(self) -> torch.nn.Module:
-        from transformers.distributed import DistributedConfig
-
         from transformers import AutoConfig
+        from transformers.distributed import DistributedConfig
 
         # Dense modules: gathered once, then kept whole on every rank (module docstring).
         dense = type(AutoConfig.from_pretrained(str(self.path))).base_model_fsdp_plan
@@ -92,6 +96,8 @@ class EPShard(TargetModel):
                 not getattr(model.config, "num_experts", None):
             raise ValueError(f"{self.path}: not a mixture-of-experts model; expert parallelism "
                              "needs one (dflash convert-moe makes an exact MoE form of a dense target)")
+        if next(model.parameters()).device != self.device:   # this rank's GPU (init_group)
+            model = model.to(self.device)
         return model.eval()
 
 
@@ -133,6 +139,10 @@ class DistributedTarget:
     Args:
         path: MoE target directory.
         ep_size: ranks (>= 2); starts ``ep_size - 1`` worker processes.
+        dtype: every rank's (``dflash.device.resolve_dtype`` on rank 0's device; the workers
+            get the resolved name).
+        devices: rank r's device (``dflash.device.rank_devices``: ``cuda:r`` on a GPU host,
+            NCCL; the CPU for every rank otherwise, gloo); None = every rank on the CPU.
         threads: torch threads per worker (0 = torch default).
         skinny_max_rows: every rank's ``TargetModel`` option (``kernels.skinny_linear``).
         timeout_s: collective timeout (gloo/NCCL); bounds a hung (not dead) rank.
@@ -141,11 +151,16 @@ class DistributedTarget:
     (None while healthy, else the reason), ``on_failure`` (callables taking the reason).
     """
 
-    def __init__(self, path: str | Path, *, ep_size: int, dtype: str = "float32", device: str = "cpu",
-                 threads: int = 0, timeout_s: float = 60.0, heartbeat_s: float = 5.0,
+    def __init__(self, path: str | Path, *, ep_size: int, dtype: str | torch.dtype = "float32",
+                 devices: list[torch.device] | None = None, threads: int = 0,
+                 timeout_s: float = 60.0, heartbeat_s: float = 5.0,
                  master_addr: str = "127.0.0.1", skinny_max_rows: int = DEFAULT_MAX_ROWS):
         if ep_size < 2:
             raise ValueError("ep_size must be >= 2 (use TargetModel for one rank)")
+        devices = devices or [torch.device("cpu")] * ep_size
+        if len(devices) != ep_size:
+            raise ValueError(f"devices: one per rank expected ({ep_size}), got {len(devices)}")
+        dtype = dtype_name(resolve_dtype(dtype, checkpoint_dtype(path), devices[0]))
         self.ep_size = ep_size
         self.failure: str | None = None
         self.on_failure: list = []
@@ -155,15 +170,16 @@ class DistributedTarget:
         self._closing = False
         self._torn_down = threading.Event()
         port = _free_port(master_addr)
-        worker_args = ["--target", str(path), "--dtype", dtype, "--device", device,
+        worker_args = ["--target", str(path), "--dtype", dtype,
                        "--world-size", str(ep_size), "--master-addr", master_addr,
                        "--master-port", str(port), "--timeout", str(timeout_s),
                        "--threads", str(threads), "--skinny-max-rows", str(skinny_max_rows)]
-        self.workers = [self._spawn(r, worker_args) for r in range(1, ep_size)]
+        self.workers = [self._spawn(r, [*worker_args, "--device", str(devices[r])])
+                        for r in range(1, ep_size)]
         try:
-            init_group(0, ep_size, addr=master_addr, port=port, timeout_s=timeout_s, device=device)
-            self.shard = EPShard(path, ep_size=ep_size, dtype=dtype,
-                                 device=f"cuda:0" if device.startswith("cuda") else device,
+            init_group(0, ep_size, addr=master_addr, port=port, timeout_s=timeout_s,
+                       device=devices[0])
+            self.shard = EPShard(path, ep_size=ep_size, dtype=dtype, device=devices[0],
                                  skinny_max_rows=skinny_max_rows)
         except BaseException:
             self._stop_workers()

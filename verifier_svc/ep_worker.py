@@ -17,14 +17,16 @@ import sys
 import threading
 import time
 
+from dflash.device import add_device_args
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verifier_svc.ep_worker")
     p.add_argument("--target", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    # this rank's own device (rank 0 passes cuda:r; a pod with one GPU: cuda) and the dtype
+    # rank 0 resolved
+    add_device_args(p, "rank")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master-addr", default="127.0.0.1")
@@ -72,9 +74,14 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from dflash.device import DeviceError, resolve_device
     from verifier_svc.ep import EPShard, init_group
 
     a = parse_args(argv)
+    try:
+        device = resolve_device(a.device)
+    except DeviceError as e:
+        raise SystemExit(f"python -m verifier_svc.ep_worker: error: {e}")
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s ep-rank{a.rank}: %(message)s")
     log = logging.getLogger("dflash.verifier.ep")
@@ -91,9 +98,8 @@ def main(argv=None) -> int:
                 os._exit(1)
 
     threading.Thread(target=orphan_check, daemon=True).start()
-    device = f"cuda:{a.rank}" if a.device.startswith("cuda") else a.device
     init_group(a.rank, a.world_size, addr=a.master_addr, port=a.master_port, timeout_s=a.timeout,
-               device=a.device)
+               device=device)
     shard = EPShard(a.target, ep_size=a.world_size, dtype=a.dtype, device=device,
                     skinny_max_rows=a.skinny_max_rows)
     log.info("rank %d of %d ready", a.rank, a.world_size)

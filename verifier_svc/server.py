@@ -7,14 +7,26 @@ import logging
 import os
 import threading
 
+from dflash.device import DeviceError, add_device_args
 from dflash.metrics import AdmissionMetrics, BreakerGauges
-from dflash.server import (add_common_args, add_compute_args, add_upstream_tls_args, at_least,
-                           create_server, in_range, int_list, one_of, positive_float,
-                           add_health_listener, run_until_signal, server_tls_from_args,
-                           upstream_tls_from_args)
-from dflash.tls import TLSConfigError
+from dflash.server import (
+    add_common_args,
+    add_compute_args,
+    add_health_listener,
+    add_upstream_tls_args,
+    at_least,
+    create_server,
+    in_range,
+    int_list,
+    one_of,
+    positive_float,
+    run_until_signal,
+    server_tls_from_args,
+    upstream_tls_from_args,
+)
 from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.telemetry import Telemetry, serve_metrics
+from dflash.tls import TLSConfigError
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -78,13 +90,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Hugging Face model directory (safetensors) [DFLASH_TARGET]")
     p.add_argument("--bind", default=env("DFLASH_VERIFIER_BIND", "127.0.0.1:50051"),
                    help="host:port to listen on [DFLASH_VERIFIER_BIND]")
-    p.add_argument("--dtype", default=env("DFLASH_DTYPE", "float32"), help="model dtype [DFLASH_DTYPE]")
+    add_device_args(p, "target (every expert-parallel rank: rank r on cuda:r)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   default=env("DFLASH_CUDA_GRAPHS", "") not in ("", "0", "false"),
+                   help="replay decode and verify forwards from CUDA graphs captured per batch "
+                        "shape (verifier_svc/graphs.py); CUDA only, one rank only; off by "
+                        "default (docs/gpu.md) [DFLASH_CUDA_GRAPHS]")
     p.add_argument("--draft-timeout", type=float, default=float(env("DFLASH_DRAFT_TIMEOUT_S", "2.0")),
                    help="deadline per draft step, seconds; past it the step runs without "
                         "speculation [DFLASH_DRAFT_TIMEOUT_S]")
     p.add_argument("--wire-dtype", default=env("DFLASH_WIRE_DTYPE", ""),
-                   help="dtype of context features sent to drafters (default: the target's) "
-                        "[DFLASH_WIRE_DTYPE]")
+                   help="dtype of context features sent to drafters (default: the target's, "
+                        "so bfloat16 from a bfloat16 target) [DFLASH_WIRE_DTYPE]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
     p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "adaptive"), type=one_of(MODES),
@@ -169,7 +186,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     try:
         tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
-    except TLSConfigError as e:
+        devices = _devices(a)      # a GPU that is not there: refused before anything loads
+    except (TLSConfigError, DeviceError) as e:
         raise SystemExit(f"python -m verifier_svc: error: {e}")
     threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
     telemetry = Telemetry.from_env("verifier")
@@ -180,7 +198,7 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    target = _load_target(a, rt)
+    target = _load_target(a, rt, devices)
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
@@ -216,16 +234,38 @@ def _budgets(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def _load_target(a, rt):
-    """One rank (TargetModel) or ``--ep-size`` ranks (verifier_svc.ep.DistributedTarget)."""
+def _devices(a) -> list:
+    """Each rank's device from ``--device`` and ``--ep-size`` (``dflash.device.rank_devices``).
+
+    Raises:
+        DeviceError: naming ``--device`` (not there), ``--ep-size`` (fewer GPUs than ranks) or
+            ``--cuda-graphs`` (no CUDA, or expert parallel).
+    """
+    from dflash.device import rank_devices, resolve_device
+
+    devices = rank_devices(resolve_device(a.device), max(a.ep_size, 1))
+    if a.cuda_graphs and (devices[0].type != "cuda" or a.ep_size > 1):
+        raise DeviceError("--cuda-graphs", "needs a CUDA device and one rank "
+                                           f"(--device {a.device}, --ep-size {a.ep_size})")
+    return devices
+
+
+def _load_target(a, rt, devices):
+    """One rank (TargetModel) or ``--ep-size`` ranks (verifier_svc.ep.DistributedTarget) on
+    ``devices`` (:func:`_devices`)."""
     from verifier_svc.target import TargetModel
 
     if a.ep_size <= 1:
-        return TargetModel(a.target, dtype=a.dtype, skinny_max_rows=a.skinny_max_rows)
+        target = TargetModel(a.target, dtype=a.dtype, device=devices[0],
+                             skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs)
+        log.info("target on %s in %s%s", target.device, target.dtype,
+                 ", CUDA graphs" if a.cuda_graphs else "")
+        return target
     from verifier_svc.ep import DistributedTarget
 
-    target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, threads=a.threads,
-                               timeout_s=a.ep_timeout, skinny_max_rows=a.skinny_max_rows)
+    target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, devices=devices,
+                               threads=a.threads, timeout_s=a.ep_timeout,
+                               skinny_max_rows=a.skinny_max_rows)
     target.on_failure.append(lambda reason: rt.set_serving(False))
     return target
 

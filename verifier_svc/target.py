@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.checkpoint import target_fingerprint, torch_dtype
+from dflash.checkpoint import target_fingerprint
+from dflash.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.kv_pool import KVPool, PoolSeq
 from dflash.taps import hidden_state_indices
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
 from verifier_svc.tree import ancestor_mask, check_tree
-from kernels.skinny_linear import (AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary,
-                                   use_skinny_linear)
 
 log = logging.getLogger("dflash.verifier.target")
 
@@ -57,7 +57,14 @@ class TargetModel:
     Args:
         path: Hugging Face model directory (config.json + safetensors). ``trust_remote_code`` is
             never set and ``use_safetensors=True`` refuses pickled weights.
-        dtype: "float32" | "bfloat16" | "float16".
+        dtype: "float32" | "bfloat16" | "float16" | "auto" (``dflash.device.resolve_dtype``: the
+            checkpoint's dtype on a GPU, float32 on a CPU) or a torch dtype.
+        device: "cpu" | "cuda" | "cuda:N" | "auto" or a torch device
+            (``dflash.device.resolve_device``). Weights, the batch KV pool and every tensor a
+            forward creates live there; inputs are built on the host and copied once per
+            forward (``dflash.device.to_device``), outputs stay on the device.
+        cuda_graphs: replay decode and verify forwards from CUDA graphs captured per batch
+            shape (``verifier_svc.graphs``); CUDA only, off by default.
         skinny_max_rows: linear layers with 2..N input rows use the transposed product
             (``kernels.skinny_linear``: a verify of 3 tokens 118 -> 77 ms for SmolLM2 on 2 CPU
             cores); 0 = plain ``F.linear`` everywhere.
@@ -66,13 +73,20 @@ class TargetModel:
 
     Raises:
         FileNotFoundError / OSError: no loadable checkpoint at ``path``.
+        dflash.device.DeviceError: naming ``--device`` / ``--dtype`` / ``--cuda-graphs`` for a
+            device that is not there, a dtype outside the list, graphs without CUDA.
     """
 
-    def __init__(self, path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-                 skinny_max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, path: str | Path, *, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS,
+                 cuda_graphs: bool = False):
         self.path = Path(path)
-        self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
+        if cuda_graphs and self.device.type != "cuda":
+            from dflash.device import DeviceError
+
+            raise DeviceError("--cuda-graphs", f"needs a CUDA device, the target runs on {self.device}")
         if self.device.type == "cpu":
             grouped_kv_attention()
         self.model = self._load()
@@ -105,6 +119,11 @@ class TargetModel:
                              "different sizes (multi-head latent attention) do not fit the batch KV pool")
         self.pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
                            head_dim, dtype=self.dtype, device=self.device)
+        self.graphs = None
+        if cuda_graphs:
+            from verifier_svc.graphs import GraphRunner
+
+            self.graphs = GraphRunner(self)
         self.failure: str | None = None     # a single process never fails apart (cf. ep.py)
         self.supports_trees = True          # forward(parents=...) and keep() (module docstring)
         # One forward at a time: torch on CPU already uses every core for one call.
@@ -149,8 +168,8 @@ class TargetModel:
         n, q = cache.get_seq_length(), len(tokens)
         pool.reserve(n + q)
         want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self._run(torch.tensor([tokens], dtype=torch.int64), row, [n], want, logits_to_keep,
-                        trees)
+        out = self._run(torch.tensor([tokens], dtype=torch.int64, device="cpu"), row, [n], want,
+                        logits_to_keep, trees)
         pool.advance([cache], [q])
         taps = None
         if layer_ids:
@@ -159,20 +178,43 @@ class TargetModel:
 
     def _run(self, ids: torch.Tensor, row0: int, lens: list[int], want: list[int] | bool,
              logits_to_keep: int = 0, trees: list[list[int] | None] | None = None):
-        """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] with row i's tokens
-        at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``), a
-        boolean [b, 1, q, max(lens) + q] mask: causal from each row's own length, within the
-        window for sliding-window layers (SDPA reads True = attend).
+        """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] (host) with row i's
+        tokens at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``),
+        a boolean mask (:meth:`_layout`). The inputs are built on the host and copied to the
+        device without waiting for it (``to_device``); with CUDA graphs a decode or verify
+        shape replays its captured graph instead (``verifier_svc.graphs``)."""
+        b, q = ids.shape
+        end = max(lens) + q
+        graphs = self.graphs is not None and self.graphs.takes(b, q, logits_to_keep, trees)
+        pos, mask = self._layout(lens, q, self.pool.capacity if graphs else end, trees)
+        if graphs:
+            return self.graphs.run(ids, pos, mask, row0, lens, want)
+        dev = self.device
+        mask = ({k: to_device(m, dev) for k, m in mask.items()} if isinstance(mask, dict)
+                else to_device(mask, dev))
+        starts = lens[0] if b == 1 else to_device(torch.tensor(lens, dtype=torch.int64,
+                                                               device="cpu"), dev)
+        return self.model(input_ids=to_device(ids, dev), attention_mask=mask,
+                          position_ids=to_device(pos, dev),
+                          cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
+                          output_hidden_states=want, logits_to_keep=logits_to_keep)
+
+    def _layout(self, lens: list[int], q: int, width: int,
+                trees: list[list[int] | None] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
+        """Position ids int64 [b, q] and the attention mask, bool [b, 1, q, width] (a dict by
+        layer type for mixed layouts), built on the host: causal from each row's own length,
+        within the window for sliding-window layers (SDPA reads True = attend). Columns from
+        ``max(lens) + q`` on are never attended, so ``width`` may be the pool's capacity.
 
         ``trees[i]`` (validated parents, or None = chain) turns row i's block part of the mask
         into its ancestor matrix and its position ids into ``lens[i] + depth``; the window then
         compares position ids, not cache slots. Chains-only steps build exactly the causal
         mask and nothing more."""
-        b, q = ids.shape
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        pos = lens_t[:, None] + torch.arange(q)                               # [b, q]
-        end = max(lens) + q
-        cols = torch.arange(end)
+        b = len(lens)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device="cpu")
+        pos = lens_t[:, None] + torch.arange(q, device="cpu")                 # [b, q]
+        cols = torch.arange(width, device="cpu")
         col_pos = cols[None, :]                                               # [1 or b, L]
         causal = cols[None, None, :] <= pos[:, :, None]                       # [b, q, L]
         if trees is not None and any(t is not None for t in trees):
@@ -186,18 +228,13 @@ class TargetModel:
                 causal[i, :m, start:start + m] = anc
                 pos[i, :m] = start + depth
                 col_pos[i, start:start + m] = start + depth
+        window = None
         if self.sliding_window:
             window = causal & (col_pos[:, None, :] > pos[:, :, None] - self.sliding_window)
-        masks = {"full_attention": causal, "sliding_attention": window if self.sliding_window else None}
+        masks = {"full_attention": causal, "sliding_attention": window}
         if self._mask_kind == "mixed":
-            mask = {k: m[:, None].to(self.device) for k, m in masks.items()}
-        else:
-            mask = masks[self._mask_kind][:, None].to(self.device)
-        starts = lens[0] if b == 1 else lens_t.to(self.device)
-        return self.model(input_ids=ids.to(self.device), attention_mask=mask,
-                          position_ids=pos.to(self.device),
-                          cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
-                          output_hidden_states=want, logits_to_keep=logits_to_keep)
+            return pos, {k: m[:, None] for k, m in masks.items()}
+        return pos, masks[self._mask_kind][:, None]
 
     @torch.inference_mode()   # the pool's buffers are inference tensors: written in place
     def keep(self, cache: PoolSeq, start: int, offsets: list[int]) -> None:
@@ -225,8 +262,8 @@ class TargetModel:
         with and without the transposed product and keep the faster, per row count for one
         row (``kernels.skinny_linear.tune_max_rows``).
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
-        when it was set explicitly)."""
-        if self.skinny_max_rows != AUTO:
+        when it was set explicitly, or off the CPU: the transposed product is CPU-only)."""
+        if self.skinny_max_rows != AUTO or self.device.type != "cpu":
             return self.skinny_max_rows
         cache = self.new_cache()
         ids = [i % self.vocab_size for i in range(1, context + 1)]
@@ -277,9 +314,9 @@ class TargetModel:
             lens[r] = c.get_seq_length()
         q = max(len(x) for x in blocks)
         pool.reserve(max(lens) + q)
-        ids = torch.zeros((b, q), dtype=torch.int64)
+        ids = torch.zeros((b, q), dtype=torch.int64, device="cpu")
         for r, blk in zip(rows, blocks):
-            ids[r, :len(blk)] = torch.tensor(blk)
+            ids[r, :len(blk)] = torch.tensor(blk, dtype=torch.int64, device="cpu")
         by_row = None
         if trees is not None:
             by_row = [None] * b
@@ -332,8 +369,10 @@ def check_parents(parents: list[list[int] | None] | None, blocks: list[list[int]
 
 def _ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(ancestor-or-self bool [m, m] (``verifier_svc.tree.ancestor_mask``), depth int64 [m]: the
-    anchor 0) of a validated tree: a node's depth is how many ancestors it has."""
-    anc = ancestor_mask(parents)
+    anchor 0) of a validated tree: a node's depth is how many ancestors it has. Built on the
+    host, where the rest of the mask is (:meth:`TargetModel._layout`)."""
+    with torch.device("cpu"):
+        anc = ancestor_mask(parents)
     return anc, anc.sum(1) - 1
 
 
