@@ -58,6 +58,7 @@ def _stack_config(a) -> "StackConfig":
     specs = [DrafterSpec(path=p, port=a.drafter_port + i) for i, p in enumerate(drafters)]
     ep = getattr(a, "ep_size", 1) or 1
     return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
+                       http_port=getattr(a, "http_port", 0),
                        verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
                        verifier_args=["--ep-size", str(ep)] if ep > 1 else [],
                        tls=getattr(a, "tls", False))
@@ -92,6 +93,8 @@ def cmd_up(a) -> int:
         print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
     print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
     print(f"  gateway   {stack.gateway_addr}")
+    if stack.http_url:
+        print(f"  HTTP API  {stack.http_url}  (OpenAI-compatible; docs/http-api.md)")
     if stack.cfg.tls:
         d = stack.tls_dir
         print(f"mTLS on every link, certificates in {d}/; a client: dflash generate --gateway "
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the stack as local processes")
     _add_stack_args(up)
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the gateway's OpenAI-compatible HTTP API port; 0 = off")
     up.add_argument("--tls", action="store_true",
                     help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",

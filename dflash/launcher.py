@@ -40,6 +40,7 @@ class StackConfig:
     drafters: list[DrafterSpec]
     host: str = "127.0.0.1"
     gateway_port: int = 50050
+    http_port: int = 0                 # the gateway's OpenAI-compatible HTTP API; 0 = off
     admin_port: int | None = None      # GatewayAdmin (loopback, no token); None: gateway_port + 10
     verifier_port: int = 50051
     dtype: str = "float32"
@@ -76,6 +77,14 @@ class LocalStack:
         """The gateway's admin plane: always loopback (``dflash up`` sets no admin token)."""
         port = self.cfg.admin_port if self.cfg.admin_port is not None else self.cfg.gateway_port + 10
         return f"127.0.0.1:{port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (``.../v1``); None when it is off."""
+        if not self.cfg.http_port:
+            return None
+        scheme = "https" if self.cfg.tls else "http"
+        return f"{scheme}://{self.cfg.host}:{self.cfg.http_port}/v1"
 
     @property
     def verifier_addr(self) -> str:
@@ -151,7 +160,7 @@ class LocalStack:
                                                       *tls("verifier", upstream=True)])
             self._wait("verifier", self.verifier_addr)
             gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr,
-                  "--admin-bind", self.admin_addr,
+                  "--admin-bind", self.admin_addr, "--http-port", str(c.http_port),
                   *tls("gateway", upstream=True)]
             for i in range(len(c.drafters)):
                 gw += ["--drafter", self.drafter_addr(i)]

@@ -44,10 +44,16 @@ def bearer(context) -> str | None:
     """The token of ``authorization: Bearer <token>`` metadata, None when absent or malformed."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            return None
+            return bearer_value(value)
+    return None
+
+
+def bearer_value(value: str | None) -> str | None:
+    """The token of an ``authorization`` value ``Bearer <token>`` (gRPC metadata or an HTTP
+    header), None when absent or malformed."""
+    scheme, _, token = (value or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
     return None
 
 
@@ -92,6 +98,15 @@ def check_admin_bind(bind: str, token: str | None) -> None:
     if token is None and not is_loopback_bind(bind):
         raise ValueError(f"--admin-bind: {bind} is not a loopback address; set "
                          "--admin-token-file (or DFLASH_ADMIN_TOKEN) to expose the admin plane")
+
+
+class AuthError(Exception):
+    """A client refused by API keys: UNAUTHENTICATED, or RESOURCE_EXHAUSTED over its key's
+    rate or concurrency (``retry_after_ms``: when to try again)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.code, self.retry_after_ms = code, retry_after_ms
 
 
 def _wrap(handler, guard):
@@ -240,13 +255,15 @@ class ClientAuth(grpc.ServerInterceptor):
         limited = details.method == LIMITED_STREAM
         return _wrap(handler, lambda behavior, streaming: self._guard(behavior, streaming, limited))
 
-    def _admit(self, context, limited: bool) -> _KeyState:
-        """Check the key and spend its rate (and a stream slot when ``limited``); aborts with
-        UNAUTHENTICATED or RESOURCE_EXHAUSTED (``retry-after-ms``)."""
-        st = self._lookup(context)
+    def admit(self, token: str | None, limited: bool) -> "Admitted":
+        """Check the key ``token`` and spend its rate (and a stream slot when ``limited``:
+        give it back with :meth:`Admitted.release`); the HTTP front's entry, and the gRPC
+        guard's. Raises AuthError: UNAUTHENTICATED, or RESOURCE_EXHAUSTED with
+        a retry hint in milliseconds."""
+        st = self._state.get(_digest(token)) if token is not None else None
         if st is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "authorization: a valid API key is required (Bearer)")
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
+                            "authorization: a valid API key is required (Bearer)")
         with self._lock:
             wait_s = st.take(time.monotonic())
             over = limited and st.key.max_concurrency and st.open >= st.key.max_concurrency
@@ -255,29 +272,29 @@ class ClientAuth(grpc.ServerInterceptor):
             if wait_s or over:
                 self.refused += 1
         if wait_s:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, math.ceil(wait_s * 1000)))),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"authorization: key {st.key.name!r} is over its rate of "
-                          f"{st.key.rate_per_s:g} requests/s")
+            raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"authorization: key {st.key.name!r} is over its rate of "
+                            f"{st.key.rate_per_s:g} requests/s", max(1, math.ceil(wait_s * 1000)))
         if over:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(CONCURRENCY_RETRY_MS)),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"authorization: key {st.key.name!r} has {st.key.max_concurrency} "
-                          "streams open, its limit")
-        return st
+            raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"authorization: key {st.key.name!r} has {st.key.max_concurrency} "
+                            "streams open, its limit", CONCURRENCY_RETRY_MS)
+        return Admitted(self, st, limited)
+
+    def _admit(self, context, limited: bool) -> _KeyState:
+        """:meth:`admit` for a gRPC call: aborts with its code (and ``retry-after-ms``)."""
+        try:
+            return self.admit(bearer(context), limited).state
+        except AuthError as e:
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            context.abort(e.code, str(e))
 
     def _release_on_end(self, context, st: _KeyState) -> None:
-        released = threading.Event()
-
-        def release():
-            if not released.is_set():
-                released.set()
-                with self._lock:
-                    st.open -= 1
-
+        admitted = Admitted(self, st, True)
         # add_callback runs when the RPC terminates, also when it is cancelled mid-stream.
-        if not context.add_callback(release):
-            release()
+        if not context.add_callback(admitted.release):
+            admitted.release()
 
     def _guard(self, behavior, streaming, limited):
         def unary(request, context):
@@ -290,3 +307,22 @@ class ClientAuth(grpc.ServerInterceptor):
                 self._release_on_end(context, st)
             yield from behavior(request, context)
         return stream if streaming else unary
+
+
+class Admitted:
+    """A request :meth:`ClientAuth.admit` let in: ``identity`` (the session owner,
+    ``key:<name>``) and, for a stream, its slot, given back once by :meth:`release`."""
+
+    def __init__(self, auth: ClientAuth, state: _KeyState, holds_slot: bool):
+        self._auth, self.state, self._holds = auth, state, holds_slot
+        self._released = False
+
+    @property
+    def identity(self) -> str:
+        return f"key:{self.state.key.name}"
+
+    def release(self) -> None:
+        with self._auth._lock:
+            if self._holds and not self._released:
+                self._released = True
+                self.state.open -= 1

@@ -35,6 +35,7 @@ class InputLimits:
     max_stop_token_ids: int = 256
     max_session_id_chars: int = 128       # of [A-Za-z0-9._:-]
     max_name_chars: int = 256             # drafter ("name@version")
+    max_n: int = 16                       # samples of one request (each its own verifier stream)
 
 
 class NotOwner(FieldError):
@@ -60,6 +61,18 @@ def client_identity(context) -> str:
     if scheme in ("ipv4", "ipv6"):
         address = address.rpartition(":")[0] or address
     return f"{scheme}:{address}"
+
+
+def http_identity(headers, host: str) -> str:
+    """:func:`client_identity` for an HTTP request: header ``x-dflash-client`` if present,
+    else the client's address in the gRPC peer's form (``ipv4:127.0.0.1``), so one client owns
+    its sessions on both ports. Raises InvalidParam for an over-long client name."""
+    value = headers.get(CLIENT_KEY)
+    if value is not None:
+        if not value or len(value) > MAX_CLIENT_CHARS:
+            raise InvalidParam(CLIENT_KEY, f"must be 1 to {MAX_CLIENT_CHARS} characters")
+        return f"client:{value}"
+    return f"{'ipv6' if ':' in host else 'ipv4'}:{host}"
 
 
 def check_session_id(session_id: str, limit: int) -> None:

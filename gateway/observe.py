@@ -11,14 +11,15 @@ from __future__ import annotations
 import time
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.convert import FINISH_NAME
 from dflash.metrics import NO_DRAFTER, GatewayMetrics
 from dflash.telemetry import Telemetry
-from dflash.tracing import abort_status, metadata_context
+from dflash.tracing import abort_status, metadata_context, set_error
 from gateway.servicer import GatewayServicer
+from gateway.status import grpc_code
 
 
 class ObservedGatewayServicer(GatewayServicer):
@@ -32,17 +33,25 @@ class ObservedGatewayServicer(GatewayServicer):
         self.tracer = telemetry.tracer
 
     def Generate(self, request, context):
-        return self._observe(request, context, super().Generate(request, context))
+        return self._observe(request, metadata_context(context), super().Generate(request, context),
+                             lambda span, e: abort_status(span, context, e))
 
-    def _observe(self, request, context, responses):
-        parent = metadata_context(context)
-        span = self.tracer.start_span("dflash.v1.Gateway/Generate", context=parent,
-                                      kind=SpanKind.SERVER, attributes=_request_attrs(request))
+    def observed_stream(self, request, owner, cancel, *, trace_headers=None, **kw):
+        parent = propagate.extract(trace_headers or {}, context=otel_context.Context())
+        responses = self.stream(request, owner, cancel, **kw)
+        return self._observe(request, parent, responses, _record_error, name="http Generate",
+                             attrs={"rpc.system": "http", "rpc.service": "openai"})
+
+    def _observe(self, request, parent, responses, on_error, name="dflash.v1.Gateway/Generate",
+                 attrs=None):
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
+                                      attributes={**_request_attrs(request), **(attrs or {})})
         ctx = trace.set_span_in_context(span, parent)
         t0 = time.perf_counter()
-        first = last = None
+        first = None
+        last: dict[int, float] = {}   # per sample: when its previous delta came
         gaps: list[float] = []     # inter-token latencies, labelled once the drafter is known
-        final = None
+        finals = []
         self.metrics.running.inc()
         try:
             while True:
@@ -58,11 +67,11 @@ class ObservedGatewayServicer(GatewayServicer):
                 if n or r.text:
                     if first is None:
                         first = now - t0
-                    elif n:
-                        gaps += [(now - last) / n] * n
-                    last = now
+                    elif n and r.index in last:
+                        gaps += [(now - last[r.index]) / n] * n
+                    last[r.index] = now
                 if r.HasField("usage"):
-                    final = r
+                    finals.append(r)
                 yield r
         except GeneratorExit:
             self._count(NO_DRAFTER, "cancelled")
@@ -70,42 +79,57 @@ class ObservedGatewayServicer(GatewayServicer):
             raise
         except BaseException as e:
             self._count(NO_DRAFTER, "error")
-            abort_status(span, context, e)
+            on_error(span, e)
             raise
         finally:
             responses.close()
             self.metrics.running.dec()
-            if final is not None:
-                self._finish(span, final, first, gaps, time.perf_counter() - t0)
+            if finals:
+                self._finish(span, finals, first, gaps, time.perf_counter() - t0)
             span.end()
 
     def _count(self, label: str, finish: str) -> None:
         self.metrics.requests.labels(label, finish).inc()
 
-    def _finish(self, span, final, first, gaps, e2e: float) -> None:
+    def _finish(self, span, finals, first, gaps, e2e: float) -> None:
+        """Metrics per request and tau per sample; the span sums the samples (n > 1)."""
+        final = finals[0]
         label = final.drafter or NO_DRAFTER
-        finish = FINISH_NAME.get(final.finish_reason) or "unknown"
-        ttft = final.ttft_seconds or first or 0.0
+        finishes = [FINISH_NAME.get(f.finish_reason) or "unknown" for f in finals]
+        ttft = min(f.ttft_seconds for f in finals) or first or 0.0
         m = self.metrics
-        self._count(label, finish)
+        self._count(label, finishes[0])
         m.ttft.labels(label).observe(ttft)
         m.e2e.labels(label).observe(e2e)
         for g in gaps:
             m.itl.labels(label).observe(g)
+        completion = sum(f.usage.completion_tokens for f in finals)
         m.prompt_tokens.labels(label).inc(final.usage.prompt_tokens)
-        m.completion_tokens.labels(label).inc(final.usage.completion_tokens)
-        a = final.acceptance
-        tau = a.mean_acceptance_length or 1.0
-        if a.drafts:
-            m.tau.labels(label).observe(tau)
+        m.completion_tokens.labels(label).inc(completion)
+        drafts = accepted = drafted = 0
+        for f in finals:
+            a = f.acceptance
+            drafts, accepted, drafted = (drafts + a.drafts, accepted + a.accepted_tokens,
+                                         drafted + a.draft_tokens)
+            if a.drafts:
+                m.tau.labels(label).observe(a.mean_acceptance_length or 1.0)
         span.set_attributes({
             "gen_ai.usage.prompt_tokens": final.usage.prompt_tokens,
-            "gen_ai.usage.completion_tokens": final.usage.completion_tokens,
+            "gen_ai.usage.completion_tokens": completion,
+            "gen_ai.usage.num_sequences": len(finals),
             "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.e2e": e2e,
-            "gen_ai.response.finish_reasons": [finish], "dflash.drafter_version": label,
+            "gen_ai.response.finish_reasons": finishes, "dflash.drafter_version": label,
             "dflash.cached_prompt_tokens": final.usage.cached_prompt_tokens,
-            "dflash.mean_acceptance_length": tau, "dflash.drafts": a.drafts,
-            "dflash.accepted_tokens": a.accepted_tokens, "dflash.draft_tokens": a.draft_tokens})
+            "dflash.mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+            "dflash.drafts": drafts, "dflash.accepted_tokens": accepted,
+            "dflash.draft_tokens": drafted})
+
+
+def _record_error(span, e: BaseException) -> None:
+    """A failed request outside gRPC: the code the core's exception maps to."""
+    code = grpc_code(e)
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    set_error(span, f"{code.name}: {e}")
 
 
 def _request_attrs(r) -> dict:
@@ -113,6 +137,7 @@ def _request_attrs(r) -> dict:
     attrs = {"rpc.system": "grpc", "rpc.service": "dflash.v1.Gateway", "rpc.method": "Generate",
              "gen_ai.request.max_tokens": r.max_tokens, "gen_ai.request.temperature": s.temperature,
              "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
+             "gen_ai.request.n": max(1, r.n),
              "dflash.session_id": r.session_id, "dflash.block_size": r.block_size,
              "dflash.speculation": r.speculation if r.HasField("speculation") else True,
              "dflash.drafter_requested": r.drafter}

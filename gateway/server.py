@@ -71,9 +71,15 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           max_request_mb: int = 8, tls: "ServerTLS | None" = None,
           upstream_tls: "ClientTLS | None" = None, admin_bind: str = "127.0.0.1:0",
           admin_token: str | None = None, drafter_allow: DrafterAllowlist | None = None,
-          api_keys: ClientAuth | None = None):
+          api_keys: ClientAuth | None = None, http_bind: str | None = None,
+          model_name: str = "dflash", http_max_streams: int = 512):
     """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
     ``verifier_address`` (over TLS when ``upstream_tls``).
+
+    ``http_bind`` ("host:port", port 0 = any free one; None = none): the OpenAI-compatible HTTP
+    API (``rt.http``, a gateway.http_server.HttpServer, HTTPS with ``tls``), started and
+    stopped with the gRPC server, serving ``model_name`` through the same Generate path, API
+    keys and health as the gRPC port.
 
     ``GatewayAdmin`` is served apart, on ``admin_bind`` (``rt.admin``, started and stopped with
     the gateway's server; the client port answers UNIMPLEMENTED for it): with ``admin_token``
@@ -84,6 +90,9 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     Raises ValueError naming --admin-bind for a non-loopback admin bind without a token,
     RuntimeError when an address cannot be bound.
     """
+    from gateway.http_server import HttpServer
+    from gateway.openai_api import OpenAIFront
+
     check_admin_bind(admin_bind, admin_token)
     raw = tls_channel(verifier_address, upstream_tls, options=channel_options() + FAST_RECONNECT)
     channel = grpc.intercept_channel(raw, InjectTraceContext())  # W3C traceparent to the verifier
@@ -116,6 +125,14 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     rt.drafter_allow = drafter_allow
     rt.verifier_watch = VerifierHealthWatch(
         rt, raw, on_serving=lambda: reregister_drafters(servicer.registry, verifier))
+    rt.http = None
+    if http_bind is not None:
+        front = OpenAIFront(servicer, model_name=model_name, max_positions=max_positions,
+                            serving=lambda: rt.serving, api_keys=api_keys,
+                            max_streams=http_max_streams, max_request_bytes=max_request_mb << 20)
+        rt.http = HttpServer(front.app, http_bind, tls=tls, on_stop=front.close)
+        rt.http.front = front
+        tie_server(rt.server, rt.http)
     return rt
 
 
@@ -199,6 +216,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "[DFLASH_DRAFTERS_CONFIG]")
     p.add_argument("--bind", default=env("DFLASH_GATEWAY_BIND", "127.0.0.1:50050"),
                    help="host:port to listen on [DFLASH_GATEWAY_BIND]")
+    # The OpenAI-compatible HTTP API (gateway.openai_api), beside the gRPC port.
+    p.add_argument("--http-port", type=in_range(0, 65535), default=env("DFLASH_HTTP_PORT", "8000"),
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health); 0 = off [DFLASH_HTTP_PORT]")
+    p.add_argument("--http-host", default=env("DFLASH_HTTP_HOST") or None,
+                   help="host the HTTP API listens on; default: the host of --bind "
+                        "[DFLASH_HTTP_HOST]")
+    p.add_argument("--served-model-name", default=env("DFLASH_SERVED_MODEL_NAME") or None,
+                   help="the model name HTTP clients send; default: the --target directory's "
+                        "name [DFLASH_SERVED_MODEL_NAME]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
     # Who may call what (gateway.auth): the admin plane apart, drafter addresses, client keys.
@@ -234,7 +261,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("--max-session-id-chars", "DFLASH_MAX_SESSION_ID_CHARS", d.max_session_id_chars,
              "characters of a session_id (A-Z a-z 0-9 . _ : -; the verifier allows 1024)"),
             ("--max-name-chars", "DFLASH_MAX_NAME_CHARS", d.max_name_chars,
-             "characters of a drafter name")]:
+             "characters of a drafter name"),
+            ("--max-n", "DFLASH_MAX_N", d.max_n, "samples of one request (n)")]:
         p.add_argument(flag, type=in_range(1, 1024) if flag == "--max-session-id-chars"
                        else at_least(1), default=env(var, str(default)),
                        help=f"{what}; default {default} [{var}]")
@@ -264,12 +292,25 @@ def admin_token(a: argparse.Namespace, env=os.environ) -> str | None:
     return None
 
 
+def http_bind(a: argparse.Namespace) -> str | None:
+    """host:port of the HTTP API the flags ask for (None: --http-port 0, off)."""
+    if not a.http_port:
+        return None
+    host = a.http_host or a.bind.rpartition(":")[0]
+    return f"{host}:{a.http_port}"
+
+
+def served_model_name(a: argparse.Namespace) -> str:
+    return a.served_model_name or os.path.basename(os.path.normpath(a.target))
+
+
 def input_limits(a: argparse.Namespace) -> InputLimits:
     """The InputLimits the parsed flags ask for."""
     return InputLimits(max_prompt_chars=a.max_prompt_chars, max_chat_messages=a.max_chat_messages,
                        max_stop_strings=a.max_stop_strings, max_stop_chars=a.max_stop_chars,
                        max_stop_token_ids=a.max_stop_token_ids,
-                       max_session_id_chars=a.max_session_id_chars, max_name_chars=a.max_name_chars)
+                       max_session_id_chars=a.max_session_id_chars, max_name_chars=a.max_name_chars,
+                       max_n=a.max_n)
 
 
 def main(argv=None) -> None:
@@ -300,7 +341,8 @@ def main(argv=None) -> None:
                session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
                vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
                upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
-               drafter_allow=a.drafter_allow, api_keys=keys)
+               drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
+               model_name=served_model_name(a))
     add_health_listener(rt, a.health_bind)
     rt.server.start()
     log.info("admin plane (GatewayAdmin) on %s:%d, %s", a.admin_bind.rpartition(":")[0],
@@ -329,4 +371,7 @@ def main(argv=None) -> None:
     rt.set_serving(True)
     log.info("SERVING on port %d (verifier %s, drafters: %s)", rt.port, a.verifier,
              ", ".join(e.label for e, _ in rt.servicer.registry.entries()) or "none")
+    if rt.http is not None:
+        log.info("HTTP API (OpenAI-compatible) on %s/v1, model %r", rt.http.url,
+                 rt.http.front.model_name)
     run_until_signal(rt, a.grace, on_stop=lambda: (stop.set(), telemetry.shutdown()))

@@ -1,8 +1,11 @@
 """gRPC servicer of the Gateway: validate, tokenize, forward to the verifier, stream text.
 
-Every check that costs little runs before tokenisation (:class:`InputLimits`, roles, stop
-strings and ids, names), so an oversized or malformed request is refused without touching the
-tokenizer. Errors name the field and quote at most :data:`ECHO_CHARS` characters of a value.
+:meth:`GatewayServicer.stream` is the one Generate path: the gRPC ``Generate`` and the HTTP
+front (:mod:`gateway.openai_api`) both call it, and map what it raises to their status codes
+through one table (:mod:`gateway.status`). Every check that costs little runs before
+tokenisation (:class:`InputLimits`, roles, stop strings and ids, names), so an oversized or
+malformed request is refused without touching the tokenizer. Errors name the field and quote at
+most :data:`ECHO_CHARS` characters of a value.
 """
 
 from __future__ import annotations
@@ -12,24 +15,30 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 from jinja2 import TemplateError
 
 from dflash.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
-from dflash.sampling import InvalidParam
+from dflash.errors import FieldError
+from dflash.sampling import InvalidParam, Sampling
 from dflash.speculation import MAX_TREE_BUDGET, MODES
-from dflash.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2
-from gateway.detok import IncrementalDetokenizer
-from gateway.emitted import EmittedStats
+from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
+from gateway.generation import Cancel, merge, sample_stream
 from gateway.inputs import (ROLES, InputLimits, NotOwner, check_session_id, client_identity,
                             short)
 from gateway.registry import DrafterRegistry
+from gateway.status import RETRY_AFTER, UpstreamError, grpc_code
 
 log = logging.getLogger("dflash.gateway")
-_PASSTHROUGH = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-RETRY_AFTER = "retry-after-ms"      # the verifier's admission hint, passed on to the client
+# chat_template_kwargs the gateway sets itself (or that would change what it encodes)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens"})
+MAX_TEMPLATE_KWARGS = 32
 
 
 @dataclasses.dataclass
@@ -65,9 +74,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ checks before tokenising
-    def _check(self, r: gateway_pb2.GenerateRequest):
+    def _check(self, r: gateway_pb2.GenerateRequest, fill_context: bool = False):
         """Every check that does not need the tokenizer; returns the validated Sampling.
-        Raises InvalidParam naming the field."""
+        ``fill_context``: max_tokens 0 stands for the rest of the context window. Raises
+        InvalidParam naming the field."""
         lim = self.limits
         kind = r.WhichOneof("input")
         if kind == "prompt":
@@ -80,9 +90,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._check_chat(r.chat.messages)
         else:
             raise InvalidParam("prompt", "give a prompt or chat messages")
-        if r.max_tokens < 1:
+        if r.max_tokens < 1 and not (fill_context and r.max_tokens == 0):
             raise InvalidParam("max_tokens", f"must be >= 1, got {r.max_tokens}")
         sampling = sampling_from_proto(r.sampling)
+        bad = next((t for t, _ in sampling.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParam("logit_bias", f"token id {bad} outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if not 0 <= r.n <= lim.max_n:
+            raise InvalidParam("n", f"must be in [1, {lim.max_n}], got {r.n}")
+        if r.n > 1 and r.session_id:
+            raise InvalidParam("n", "must be 1 with a session_id (one session holds one sample)")
         if len(r.stop) > lim.max_stop_strings:
             raise InvalidParam("stop", f"{len(r.stop)} stop strings, more than the limit of "
                                f"{lim.max_stop_strings}")
@@ -133,13 +151,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                    f"of {lim.max_prompt_chars} characters in all")
 
     # ------------------------------------------------------------------ tokenising
-    def _prompt_ids(self, r: gateway_pb2.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, r: gateway_pb2.GenerateRequest,
+                    template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids (call after :meth:`_check`). Raises InvalidParam."""
         if r.WhichOneof("input") == "prompt":
+            if template_kwargs:
+                raise InvalidParam("chat_template_kwargs", "only with chat messages")
             return list(self.tok.encode(r.prompt))
-        return self._chat_ids([{"role": m.role, "content": m.content} for m in r.chat.messages])
+        return self._chat_ids([{"role": m.role, "content": m.content} for m in r.chat.messages],
+                              template_kwargs)
 
-    def _chat_ids(self, msgs: list[dict]) -> list[int]:
+    @staticmethod
+    def _check_template_kwargs(kwargs: dict) -> None:
+        """Extra variables for the chat template (``enable_thinking``...): at most
+        MAX_TEMPLATE_KWARGS, none that the gateway sets itself. Raises InvalidParam naming
+        ``chat_template_kwargs.<key>``."""
+        if not isinstance(kwargs, dict):
+            raise InvalidParam("chat_template_kwargs", "must be an object")
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise InvalidParam("chat_template_kwargs", f"{len(kwargs)} entries, more than "
+                               f"{MAX_TEMPLATE_KWARGS}")
+        for k in kwargs:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise InvalidParam("chat_template_kwargs", f"key {short(str(k))} is not a name")
+            if k in RESERVED_TEMPLATE_KWARGS:
+                raise InvalidParam(f"chat_template_kwargs.{k}", "is set by the gateway")
+
+    def _chat_ids(self, msgs: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Render the chat template and encode it; special tokens typed in a content stay text.
 
         transformers' ``sanitize_control_tokens``: control tokens in the messages are marked
@@ -148,10 +186,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         InvalidParam("chat.messages") when the template refuses the chat or the tokenizer cannot
         keep a typed control token as text.
         """
+        kwargs = template_kwargs or {}
+        self._check_template_kwargs(kwargs)
         try:
             ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, sanitize_control_tokens=True)
-        except (ValueError, TemplateError) as e:
+                                               return_dict=False, sanitize_control_tokens=True,
+                                               **kwargs)
+        except (ValueError, TypeError, TemplateError) as e:
             raise InvalidParam("chat.messages", f"cannot be rendered: {str(e)[:120]}")
         return list(ids)
 
@@ -229,79 +270,97 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
         return list_proto(self.registry)
 
-    def Generate(self, request, context):
-        t0 = time.perf_counter()
-        try:
-            owner = self.identity(context)
-            sampling = self._check(request)
-            self._check_owner(request.session_id, owner)
-            label = self._drafter(request)
-            prompt = self._prompt_ids(request)
-            if len(prompt) >= self.max_positions:
-                raise InvalidParam("prompt", f"{len(prompt)} tokens do not fit the context window "
-                                   f"of {self.max_positions} tokens")
-            if request.session_id:
-                self._claim(request.session_id, label, owner)
-        except NotOwner as e:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        except InvalidParam as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        entry = self.registry.get(label) if label else None
-        vreq = verifier_pb2.VerifierGenerateRequest(
-            request_id=uuid.uuid4().hex, session_id=request.session_id, prompt_token_ids=prompt,
-            sampling=sampling_to_proto(sampling), max_tokens=request.max_tokens,
-            stop_token_ids=list(request.stop_token_ids),
+
+    # ------------------------------------------------------------------ the Generate core
+    def _verifier_request(self, r: gateway_pb2.GenerateRequest, prompt: list[int],
+                          sampling: Sampling, entry, index: int
+                          ) -> verifier_pb2.VerifierGenerateRequest:
+        """Sample ``index``'s verifier request: its seed is the request's + ``index`` (mod
+        2**64; without a seed each sample draws its own from the OS)."""
+        if sampling.seed is not None and index:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
+        return verifier_pb2.VerifierGenerateRequest(
+            request_id=uuid.uuid4().hex, session_id=r.session_id, prompt_token_ids=prompt,
+            sampling=sampling_to_proto(sampling), max_tokens=r.max_tokens,
+            stop_token_ids=list(r.stop_token_ids),
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
-                block_size=request.block_size, mode=request.speculation_mode,
-                tree_budget=request.tree_budget))
-        call = self.verifier.Generate(vreq)
-        context.add_callback(call.cancel)
-        detok = IncrementalDetokenizer(self.tok, list(request.stop))
-        emitted = EmittedStats()
-        ttft = None
-        last = None
+                block_size=r.block_size, mode=r.speculation_mode, tree_budget=r.tree_budget))
+
+    def stream(self, request: gateway_pb2.GenerateRequest, owner: str, cancel: Cancel | None = None,
+               *, chat_template_kwargs: dict | None = None, fill_context: bool = False
+               ) -> Iterator[gateway_pb2.GenerateResponse]:
+        """The one Generate path (gRPC and HTTP): check, tokenize, choose the drafter, run the
+        request's ``n`` samples on the verifier (concurrently when several), stream their text.
+
+        Yields deltas (text, ``token_ids``, ``logprobs``, ``index``) and, per sample, a final
+        message with finish reason, usage, acceptance statistics, drafter and TTFT. ``owner``
+        is the caller's identity (sessions belong to it); ``cancel`` cancels the verifier calls
+        (the client went away); ``chat_template_kwargs``: extra chat-template variables;
+        ``fill_context``: ``max_tokens`` 0 asks for the rest of the context window (the HTTP
+        API's default when a chat request gives none).
+
+        Raises (lazily, at the first ``next``): InvalidParam naming the field, NotOwner for
+        another client's session, UpstreamError for the verifier's refusal or failure.
+        """
+        t0 = time.perf_counter()
+        cancel = cancel or Cancel()
+        sampling = self._check(request, fill_context)
+        self._check_owner(request.session_id, owner)
+        label = self._drafter(request)
+        prompt = self._prompt_ids(request, chat_template_kwargs)
+        if len(prompt) >= self.max_positions:
+            raise InvalidParam("prompt", f"{len(prompt)} tokens do not fit the context window "
+                               f"of {self.max_positions} tokens")
+        if request.max_tokens == 0:    # fill_context: the rest of the window
+            filled = gateway_pb2.GenerateRequest()
+            filled.CopyFrom(request)
+            filled.max_tokens = self.max_positions - len(prompt)
+            request = filled
+        if len(prompt) + request.max_tokens > self.max_positions:
+            raise InvalidParam("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens "
+                               f"({request.max_tokens}) exceeds the context window of "
+                               f"{self.max_positions} tokens")
+        if request.session_id:
+            self._claim(request.session_id, label, owner)
+        entry = self.registry.get(label) if label else None
+        stop = list(request.stop)
+        samples = [sample_stream(self.verifier, self.tok,
+                                 self._verifier_request(request, prompt, sampling, entry, i),
+                                 stop=stop, index=i, cancel=cancel, t0=t0)
+                   for i in range(max(1, request.n))]
+        merged = merge(samples, cancel)
         try:
-            for chunk in call:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                before = detok.num_tokens
-                d = detok.push(list(chunk.token_ids))
-                emitted.step(detok.num_tokens - before, chunk.accepted, chunk.drafted)
-                if d.text or d.token_ids:
-                    yield gateway_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids)
-                last = chunk
-                if detok.stopped:
-                    call.cancel()
-                    break
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                return
-            code = e.code() if e.code() in _PASSTHROUGH else grpc.StatusCode.UNAVAILABLE
-            hint = [(k, v) for k, v in (e.trailing_metadata() or ()) if k == RETRY_AFTER]
-            if hint:
-                context.set_trailing_metadata(hint)
-            context.abort(code, f"verifier: {e.details()}")
-        if not detok.stopped:
-            d = detok.finish()
-            if d.text or d.token_ids:
-                yield gateway_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids)
+            for r in merged:
+                if r.HasField("usage"):
+                    r.drafter = label
+                    log.info("request done: %d+%d tokens, finish=%s, drafter=%s, tau=%.2f%s",
+                             len(prompt), r.usage.completion_tokens,
+                             FINISH_NAME.get(r.finish_reason), label or "-",
+                             r.acceptance.mean_acceptance_length or 1.0,
+                             f", sample {r.index}" if request.n > 1 else "")
+                yield r
+        finally:
+            merged.close()
         if request.session_id:
             with self._lock:
                 self._sessions[request.session_id] = _Session(label, time.monotonic(), owner)
-        final = gateway_pb2.GenerateResponse(drafter=label, ttft_seconds=ttft or 0.0)
-        final.finish_reason = (common_pb2.FINISH_REASON_STOP if detok.stopped
-                               else (last.finish_reason if last else common_pb2.FINISH_REASON_CANCELLED))
-        final.usage.prompt_tokens = len(prompt)
-        final.usage.completion_tokens = detok.num_tokens
-        verifier_stats = last.stats if last is not None and last.HasField("stats") else None
-        if last is not None:
-            final.usage.cached_prompt_tokens = last.cached_prompt_tokens
-        if verifier_stats is not None and not detok.stopped:
-            final.acceptance.CopyFrom(verifier_stats)   # every token it committed was emitted
-        else:   # a stop string cut the output (or the stream ended without statistics)
-            final.acceptance.CopyFrom(emitted.to_proto(verifier_stats))
-        log.info("request done: %d+%d tokens, finish=%s, drafter=%s, tau=%.2f", len(prompt),
-                 detok.num_tokens, FINISH_NAME.get(final.finish_reason), label or "-",
-                 final.acceptance.mean_acceptance_length or 1.0)
-        yield final
+
+    def observed_stream(self, request: gateway_pb2.GenerateRequest, owner: str, cancel: Cancel,
+                        *, trace_headers: dict | None = None, **kw
+                        ) -> Iterator[gateway_pb2.GenerateResponse]:
+        """:meth:`stream` (``kw``: its keywords) for callers outside gRPC (the HTTP front); the
+        observed servicer traces and measures it (``trace_headers``: the client's W3C context)."""
+        return self.stream(request, owner, cancel, **kw)
+
+    def Generate(self, request, context):
+        cancel = Cancel()
+        context.add_callback(cancel.cancel)
+        try:
+            yield from self.stream(request, self.identity(context), cancel)
+        except UpstreamError as e:
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata(((RETRY_AFTER, str(e.retry_after_ms)),))
+            context.abort(e.code, str(e))
+        except FieldError as e:
+            context.abort(grpc_code(e), str(e))

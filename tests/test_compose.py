@@ -339,7 +339,9 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
                                               f"127.0.0.1:{port}", server.SERVICE], name
         assert importlib.util.find_spec("dflash.healthcheck") is not None
         for published in container_ports(svc):
-            assert published in (port, ns.metrics_port), f"{name} publishes {published}"
+            # the gateway's OpenAI-compatible HTTP API (--http-port) is its third
+            assert published in (port, ns.metrics_port, getattr(ns, "http_port", None)), \
+                f"{name} publishes {published}"
         # the target: read-only from the volume target-setup fills
         _, (kind, source, ro) = mount_for(svc, ns.target)
         assert (kind, source, ro) == ("volume", "dflash-cache", True), name
@@ -370,8 +372,10 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
     deps = {d: c for d, c in services[gw]["depends_on"].items() if d in services}
     assert set(deps) == by_module["verifier_svc"] | by_module["drafter_svc"]
     assert all(c["condition"] == "service_healthy" for c in deps.values())
-    # the gateway's published port is its bind port
-    assert container_ports(services[gw]) == {host_port(parsed[gw].bind)[1]}
+    # the gateway's published ports are its bind port and its HTTP API's (on the bind's host)
+    assert container_ports(services[gw]) == {host_port(parsed[gw].bind)[1], parsed[gw].http_port}
+    from gateway.server import http_bind
+    assert host_port(http_bind(parsed[gw]))[0] == host_port(parsed[gw].bind)[0]
     # OTLP goes to the Jaeger service's OTLP/gRPC port; one trace service name per process
     names = set()
     for name, svc in dflash_services(services).items():
@@ -381,6 +385,27 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
         assert eport == 4317  # OTLP/gRPC: the exporter in pyproject is opentelemetry-exporter-otlp-proto-grpc
         names.add(env["OTEL_SERVICE_NAME"])
     assert len(names) == len(dflash_services(services))
+
+
+def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatch):
+    """The gpu profile's verifier and drafters get ``--device cuda`` (the one GPU reserved for
+    the container is its cuda:0) and bfloat16, through the services' own parse_args; the CPU
+    profile's stay off the GPU (auto resolves to the CPU in the CPU image) in float32."""
+    for profile in PROFILES:
+        for name, svc in dflash_services(active(doc, profile)).items():
+            mod = module_of(svc)
+            if mod == "gateway":
+                continue
+            ns, read = run_parse_args(monkeypatch, mod, svc["command"][3:],
+                                      {k: str(v) for k, v in svc["environment"].items()})
+            if profile == "gpu":
+                assert {"DFLASH_DEVICE", "DFLASH_DTYPE"} <= read, name
+                assert (ns.device, ns.dtype) == ("cuda", "bfloat16"), name
+                assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "1"
+            else:
+                assert ns.device in ("auto", "cpu") and ns.dtype == "float32", name
+    gpu = active(load_compose({"GPU_DTYPE": "float16"}), "gpu")
+    assert gpu["verifier-gpu"]["environment"]["DFLASH_DTYPE"] == "float16"
 
 
 def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):

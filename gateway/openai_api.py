@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP front of the gateway (FastAPI; served by :mod:`gateway.http_server`).
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events with
+``stream``), ``GET /v1/models`` (the target, its drafters as metadata), ``GET /health``. Each
+generation calls the same path as the gRPC ``Generate`` (:meth:`GatewayServicer.stream`, via
+``observed_stream``: one validation, one detokenizer, one drafter choice), in a worker thread;
+what it raises maps to HTTP statuses through :mod:`gateway.status` and comes back in OpenAI's
+error shape, 400s naming the parameter. API keys (``gateway.auth.ClientAuth``) are the gRPC
+port's: ``Authorization: Bearer <key>``, the same rate and stream limits and session owners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dflash.errors import FieldError
+from gateway.auth import AuthError, ClientAuth, bearer_value
+from gateway.generation import Cancel
+from gateway.inputs import http_identity
+from gateway.openai_convert import Assembler, Prepared, TokenText, chat_request, completion_request, http_param
+from gateway.openai_models import ChatRequest, CompletionRequest, DrafterInfo, ModelCard, ModelList
+from gateway.status import TABLE, error_body, retry_after_ms, status_of
+
+log = logging.getLogger("dflash.gateway.http")
+BUSY_RETRY_MS = 200      # hint of a request refused because every stream slot is taken
+_END = object()
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None, retry_ms: int | None = None) -> JSONResponse:
+    headers = {}
+    if retry_ms is not None:   # OpenAI's clients read retry-after-ms; others Retry-After (s)
+        headers = {"retry-after-ms": str(retry_ms), "retry-after": str(max(1, -(-retry_ms // 1000)))}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _core_error_body(e: BaseException, p: Prepared | None, chat: bool) -> dict:
+    """OpenAI's error body for a core exception, the parameter named as the client named it."""
+    body = error_body(e)
+    if isinstance(e, FieldError):
+        param = http_param(e.field, p, chat)
+        body["error"]["param"] = param
+        body["error"]["message"] = f"{param}: {str(e).partition(': ')[2]}"
+    elif status_of(e).http >= 500:
+        log.warning("request failed: %s", e)
+    return body
+
+
+def _core_error(e: BaseException, p: Prepared | None, chat: bool) -> JSONResponse:
+    """A core exception as an HTTP error response (status from the one table)."""
+    err = _core_error_body(e, p, chat)["error"]
+    return _error(status_of(e).http, err["message"], err["type"], err["param"], err["code"],
+                  retry_after_ms(e))
+
+
+def _param_of(loc) -> str:
+    """pydantic's error location ("messages", 0, "content") as "messages[0].content"."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[any]", "list[dict[any,any]]", "function-after"):
+            continue   # union branch names
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+class _Run:
+    """One Generate stream iterated in a worker thread; its messages handed to the event loop.
+
+    :meth:`close` (idempotent) cancels the verifier calls, stops the thread after its current
+    message and releases the request's slots (``on_close``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, make_stream,
+                 cancel: Cancel, on_close: Callable[[], None]):
+        self.loop, self.cancel, self.on_close = loop, cancel, on_close
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._stop = threading.Event()
+        self._closed = False
+        pool.submit(self._work, make_stream)
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:      # the loop is gone (server shut down)
+            self._stop.set()
+
+    def _work(self, make_stream) -> None:
+        stream = None
+        try:
+            stream = make_stream()
+            for item in stream:
+                self._put(item)
+                if self._stop.is_set():
+                    break
+            self._put(_END)
+        except BaseException as e:   # noqa: BLE001 - handed to the request's coroutine
+            self._put(e)
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._stop.set()
+            self.cancel.cancel()
+            self.on_close()
+
+
+class _SSE(StreamingResponse):
+    """A server-sent event stream whose request is closed however the response ends (also when
+    the client went away before its first byte)."""
+
+    def __init__(self, content, run: _Run):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIFront:
+    """The HTTP app over ``servicer`` (a GatewayServicer).
+
+    Args:
+        servicer: the gateway servicer (its ``observed_stream`` is the Generate path).
+        model_name: the ``model`` clients name (``/v1/models`` lists it).
+        max_positions: the target's context window (``max_model_len``).
+        serving: what ``/health`` reports (the gRPC health: the gateway's and its verifier's).
+        api_keys: client API keys (None: no key needed).
+        max_streams: generations at once (each holds a worker thread); one more gets 429.
+        max_request_bytes: largest request body; a larger one gets 413.
+    """
+
+    def __init__(self, servicer, *, model_name: str, max_positions: int, serving: Callable[[], bool],
+                 api_keys: ClientAuth | None = None, max_streams: int = 512,
+                 max_request_bytes: int = 8 << 20):
+        self.servicer, self.model_name, self.max_positions = servicer, model_name, max_positions
+        self.serving, self.api_keys = serving, api_keys
+        self.max_streams, self.max_request_bytes = max_streams, max_request_bytes
+        self.token_text = TokenText(servicer.tok)
+        self.pool = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="http-generate")
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+        self.open = 0          # generations running now
+        self.refused = 0
+        self.app = self._build()
+
+    # ------------------------------------------------------------------ plumbing
+    def _admit_key(self, request: Request, limited: bool):
+        """(identity, release) of the caller. Raises AuthError."""
+        if self.api_keys is None:
+            return http_identity(request.headers, request.client.host if request.client else ""), None
+        admitted = self.api_keys.admit(bearer_value(request.headers.get("authorization")), limited)
+        return admitted.identity, admitted.release
+
+    def _take_slot(self) -> bool:
+        with self._lock:
+            if self.open >= self.max_streams:
+                self.refused += 1
+                return False
+            self.open += 1
+            return True
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+    async def _body(self, request: Request, model_cls):
+        """The request body parsed and validated. Raises FieldError-like _BadBody."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise _BadBody(413, f"request body of {length} bytes, more than "
+                           f"{self.max_request_bytes}", None)
+        raw = await request.body()
+        if len(raw) > self.max_request_bytes:
+            raise _BadBody(413, f"request body of {len(raw)} bytes, more than "
+                           f"{self.max_request_bytes}", None)
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _BadBody(400, f"the body is not valid JSON: {e}", None)
+        if not isinstance(obj, dict):
+            raise _BadBody(400, "the body must be a JSON object", None)
+        try:
+            return model_cls.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = _param_of(err["loc"]) or None
+            if err["type"] == "extra_forbidden":
+                raise _BadBody(400, f"{param}: is not supported by this server", param,
+                               "unsupported_parameter")
+            if err["type"] == "missing":
+                raise _BadBody(400, f"{param}: required", param, "missing_required_parameter")
+            raise _BadBody(400, f"{param}: {err['msg']}", param)
+
+    # ------------------------------------------------------------------ generation
+    async def _generate(self, request: Request, chat: bool):
+        model_cls = ChatRequest if chat else CompletionRequest
+        prepared = None
+        try:
+            body = await self._body(request, model_cls)
+        except _BadBody as e:
+            return e.response()
+        if body.model != self.model_name:
+            return _error(404, f"model {body.model[:64]!r} does not exist (this server serves "
+                          f"{self.model_name!r})", "not_found_error", "model", "model_not_found")
+        try:
+            prepared = chat_request(body) if chat else completion_request(body)
+            owner, release_key = self._admit_key(request, limited=True)
+        except (FieldError, AuthError) as e:
+            return _core_error(e, prepared, chat)
+        if not self._take_slot():
+            if release_key:
+                release_key()
+            s = TABLE[grpc.StatusCode.RESOURCE_EXHAUSTED]
+            return _error(429, f"server busy: {self.max_streams} generations running", s.type,
+                          code=s.code, retry_ms=BUSY_RETRY_MS)
+
+        def on_close():
+            self._release_slot()
+            if release_key:
+                release_key()
+
+        cancel = Cancel()
+        headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+        run = _Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
+            prepared.request, owner, cancel, trace_headers=headers,
+            chat_template_kwargs=prepared.chat_template_kwargs,
+            fill_context=prepared.fill_context), cancel, on_close)
+        r = prepared.request
+        asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
+                        logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
+        try:
+            first = await run.__anext__()   # errors before anything is sent become statuses
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:   # noqa: BLE001 - mapped by the one table
+            run.close()
+            return _core_error(e, prepared, chat)
+        if not prepared.stream:
+            try:
+                if first is not None:
+                    asm.add(first)
+                    async for m in run:
+                        asm.add(m)
+            except Exception as e:   # noqa: BLE001
+                return _core_error(e, prepared, chat)
+            finally:
+                run.close()
+            return JSONResponse(asm.body())
+
+        async def events():
+            try:
+                for c in asm.role_chunks():
+                    yield _sse(c)
+                if first is not None:
+                    for c in asm.chunks(first):
+                        yield _sse(c)
+                    async for m in run:
+                        for c in asm.chunks(m):
+                            yield _sse(c)
+                if prepared.include_usage:
+                    yield _sse(asm.usage_chunk())
+            except Exception as e:   # noqa: BLE001 - after the status line: an error event
+                yield _sse(_core_error_body(e, prepared, chat))
+            yield "data: [DONE]\n\n"
+
+        return _SSE(events(), run)
+
+    # ------------------------------------------------------------------ the app
+    def _models(self) -> ModelList:
+        drafters = [DrafterInfo(name=e.name, version=e.version, label=e.label, is_default=d,
+                                weight=e.weight) for e, d in self.servicer.registry.entries()]
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         max_model_len=self.max_positions, drafters=drafters)])
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc):
+            s = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error",
+                                                             "method_not_allowed")}
+            type_, code = s.get(exc.status_code, ("invalid_request_error", None))
+            return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                          type_, code=code)
+
+        @app.get("/health")
+        async def health():
+            if self.serving():
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "not serving"}, status_code=503)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            try:
+                self._admit_key(request, limited=False)
+            except AuthError as e:
+                return _core_error(e, None, False)
+            return JSONResponse(self._models().model_dump())
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str, request: Request):
+            try:
+                self._admit_key(request, limited=False)
+            except AuthError as e:
+                return _core_error(e, None, False)
+            if model_id != self.model_name:
+                return _error(404, f"model {model_id[:64]!r} does not exist", "not_found_error",
+                              "model", "model_not_found")
+            return JSONResponse(self._models().data[0].model_dump())
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._generate(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self._generate(request, chat=True)
+
+        return app
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _BadBody(Exception):
+    def __init__(self, status: int, message: str, param: str | None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> JSONResponse:
+        return _error(self.status, str(self), "invalid_request_error", self.param,
+                      self.code or ("invalid_value" if self.status == 400 else "request_too_large"))
+
+
+__all__ = ["OpenAIFront"]

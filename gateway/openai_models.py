@@ -1,0 +1,249 @@
+"""OpenAI's request and response bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Requests: the OpenAI parameters this server honours, the few it accepts only at their no-op
+value (``echo: false``, ``response_format: {"type": "text"}``...), and the extensions (vLLM's
+names where vLLM has one: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``chat_template_kwargs``; and ``drafter``, ``speculation``, ``speculation_mode``,
+``tree_budget``, ``block_size``, ``session_id``). Any other field is refused (``extra="forbid"``):
+nothing a client sends is silently ignored. Responses follow ``openai.types`` (field names and
+shapes are checked against them in tests/test_http_api.py) plus ``metrics.speculative_decoding``
+(vLLM's per-request statistics) at the top level and on each choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None          # OpenAI's default is 1.0
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                   # an end-user id for the caller's records; no effect
+    # extensions (vLLM's names)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    # extensions (this server)
+    drafter: str | None = None                # "name" or "name@version"
+    speculation: bool | None = None           # false: no drafter (the baseline)
+    speculation_mode: str | None = None       # "off" | "fixed" | "adaptive" | "tree"
+    tree_budget: int | None = None
+    block_size: int | None = None
+    session_id: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Any]
+    logprobs: int | None = None               # top alternatives per token, 0..20
+    # accepted only at their no-op values
+    best_of: int | None = None                # == n
+    echo: bool | None = None                  # false
+    suffix: str | None = None                 # null or ""
+
+
+class ChatMessageIn(_Body):
+    role: str
+    content: str | list[dict] | None = None   # a string, or text parts
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted only at their no-op values
+    response_format: ResponseFormat | None = None   # {"type": "text"}
+    tools: list[Any] | None = None                  # [] (no tool calling)
+    tool_choice: Any = None                         # "none"
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None                       # false
+    modalities: list[str] | None = None             # ["text"]
+    safety_identifier: str | None = None            # like ``user``: no effect
+
+
+# ---------------------------------------------------------------------------------- responses
+class SpeculativeDecoding(BaseModel):
+    """vLLM's per-request statistics (``--per-request-spec-decode-metrics summary``), from this
+    request's AcceptanceStats: tau = 1 + accepted / steps (the bonus token included)."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float           # accepted / draft tokens
+    num_spec_steps: int                    # verify steps that carried a draft
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_accepted_tokens_per_pos: list[int]  # position i: steps that accepted > i drafts
+    acceptance_histogram: list[int]        # j: steps that accepted exactly j drafts
+    num_spec_tokens: int                   # the longest draft (positions counted)
+    drafter: str | None = None             # name@version (None: speculation off)
+
+
+class Metrics(BaseModel):
+    speculative_decoding: SpeculativeDecoding | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+    metrics: Metrics | None = None
+
+
+class Completion(BaseModel):
+    """Also each streamed chunk of ``/v1/completions`` (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+    metrics: Metrics | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+    metrics: Metrics | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+    metrics: Metrics | None = None
+
+
+class ChoiceDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChoiceDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+    metrics: Metrics | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+    metrics: Metrics | None = None
+
+
+class DrafterInfo(BaseModel):
+    name: str
+    version: str
+    label: str              # name@version, what ``drafter`` accepts
+    is_default: bool
+    weight: float
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dflash-serve"
+    max_model_len: int
+    drafters: list[DrafterInfo] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# Fields of ours that OpenAI's types do not have (the test of the shapes allows exactly these).
+EXTENSIONS = {
+    "CompletionRequest": {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "drafter",
+                          "speculation", "speculation_mode", "tree_budget", "block_size",
+                          "session_id"},
+    "Completion": {"metrics"}, "CompletionChoice": {"metrics"}, "ChatCompletion": {"metrics"},
+    "ChatChoice": {"metrics"}, "ChatCompletionChunk": {"metrics"}, "ChunkChoice": {"metrics"},
+    "ModelCard": {"max_model_len", "drafters"},
+}
+EXTENSIONS["ChatRequest"] = EXTENSIONS["CompletionRequest"] | {"chat_template_kwargs"}

@@ -1,0 +1,140 @@
+"""The Python client (``dflash.client``): blocking and asyncio, without torch.
+
+A subprocess in which torch, transformers and numpy cannot be imported generates through the
+real in-process stack and reports what it imported; the asyncio client answers as the blocking
+one; errors are GenerateError (a grpc.RpcError) naming the field; the wheel carries the .proto
+sources beside the generated stubs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import importlib.abc, json, sys
+BLOCKED = {"torch", "transformers", "numpy", "tokenizers", "safetensors", "cryptography"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked")
+sys.meta_path.insert(0, Block())
+from dflash.client import GatewayClient, build_request
+with GatewayClient(sys.argv[1]) as c:
+    c.wait_ready(30)
+    done = c.complete(build_request("Hello", max_tokens=12), timeout=60)
+    drafters = [d.name for d in c.list_drafters()]
+print(json.dumps({"text": done.text, "ids": done.token_ids, "finish": done.finish_reason,
+                  "tau": done.acceptance.mean_acceptance_length, "drafters": drafters,
+                  "heavy": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)}))
+"""
+
+
+@pytest.fixture
+def served(stack, make_drafter, tiny_target):
+    from drafter_svc.engine import DrafterEngine
+
+    stack.add_drafter(DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target),
+                      default=True)
+    return stack
+
+
+def test_a_process_without_torch_generates_through_the_client(served):
+    from dflash.v1 import gateway_pb2
+
+    want = list(served.gateway_stub().Generate(gateway_pb2.GenerateRequest(prompt="Hello",
+                                                                           max_tokens=12)))
+    r = subprocess.run([sys.executable, "-c", PROBE, served.gateway_addr], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["heavy"] == []
+    assert got["text"] == "".join(m.text for m in want)
+    assert got["ids"] == [t for m in want for t in m.token_ids]
+    assert got["finish"] == "length" and got["drafters"] == ["tiny-drafter"]
+    assert got["tau"] == pytest.approx(want[-1].acceptance.mean_acceptance_length)
+
+
+def test_asyncio_client_equals_the_blocking_one(served):
+    from dflash.client import AsyncGatewayClient, GatewayClient, build_request
+
+    req = build_request(messages=[{"role": "user", "content": "Hi"}], max_tokens=10)
+    with GatewayClient(served.gateway_addr) as c:
+        sync = c.complete(req, timeout=60)
+        many = c.complete_all(build_request("Hi", max_tokens=6, temperature=1.0, seed=3, n=2),
+                              timeout=60)
+
+    async def run():
+        async with AsyncGatewayClient(served.gateway_addr) as c:
+            await c.wait_ready(30)
+            one = await c.complete(req, timeout=60)
+            deltas = [r async for r in c.stream(req, timeout=60)]
+            return one, deltas, await c.list_drafters()
+
+    one, deltas, drafters = asyncio.run(run())
+    assert (one.text, one.token_ids, one.finish_reason) == (sync.text, sync.token_ids,
+                                                            sync.finish_reason)
+    assert "".join(r.text for r in deltas) == sync.text
+    assert [d.name for d in drafters] == ["tiny-drafter"]
+    assert [m.index for m in many] == [0, 1]
+    assert all(m.usage.completion_tokens == 6 for m in many)
+
+
+def test_errors_are_rpc_errors_that_name_the_field(served):
+    from dflash.client import AsyncGatewayClient, GatewayClient, GenerateError, build_request
+
+    bad = build_request("Hi", max_tokens=0)
+    with GatewayClient(served.gateway_addr) as c:
+        with pytest.raises(GenerateError) as e:
+            c.complete(bad, timeout=30)
+        with pytest.raises(ValueError, match="n"):
+            c.complete(build_request("Hi", n=2))
+    assert isinstance(e.value, grpc.RpcError)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("max_tokens")
+
+    async def run():
+        async with AsyncGatewayClient(served.gateway_addr) as c:
+            await c.complete(bad, timeout=30)
+
+    with pytest.raises(GenerateError) as e:
+        asyncio.run(run())
+    assert e.value.details().startswith("max_tokens")
+
+
+def test_the_wheel_carries_the_proto_files_and_stubs(tmp_path):
+    """Built from a copy of the tracked sources (the working tree stays clean)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    for f in files:
+        if f.split("/")[0] in ("dflash", "drafter_svc", "verifier_svc", "gateway", "kernels",
+                               "proto") or f in ("pyproject.toml", "README.md"):
+            dst = src / f
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            p = ROOT / f
+            if p.is_symlink():
+                dst.symlink_to(p.readlink())
+            elif p.is_file():
+                dst.write_bytes(p.read_bytes())
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", str(src), "-w", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for proto in sorted((ROOT / "proto" / "dflash" / "v1").glob("*.proto")):
+        inside = f"dflash/v1/{proto.name}"
+        assert inside in names
+        assert zipfile.ZipFile(wheel).read(inside) == proto.read_bytes()
+        assert f"dflash/v1/{proto.stem}_pb2.py" in names
+    assert {"dflash/client/__init__.py", "dflash/client/_aio.py", "dflash/client/_sync.py"} <= names
