@@ -32,17 +32,18 @@ RUN groupadd --gid 10001 dflash \
  && chown dflash:dflash /cache
 WORKDIR /app
 # Dependencies first (their layer survives source edits): torch of the chosen variant, then the
-# [project] dependencies read from pyproject.toml, every one at its constraints.txt version (the
-# versions CI tests; pyproject.toml holds ranges only). The CPU torch comes alone from the PyTorch
-# index (which does not mirror every pinned version of its dependencies); the next install
-# brings its dependencies from PyPI under the constraints, and pip check proves the set complete.
+# core and the [serve] extra read from pyproject.toml (the core alone is the torch-free client),
+# every one at its constraints.txt version (the versions CI tests; pyproject.toml holds ranges
+# only). The CPU torch comes alone from the PyTorch index (which does not mirror every pinned
+# version of its dependencies); the next install brings its dependencies from PyPI under the
+# constraints, and pip check proves the set complete.
 COPY pyproject.toml constraints.txt ./
 RUN case "$TORCH_VARIANT" in \
       cpu) pip install --no-deps --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
       cuda) pip install -c constraints.txt "torch==$TORCH_VERSION" ;; \
       *) echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 1 ;; \
     esac \
- && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+ && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['serve']))" \
       > /tmp/requirements.txt \
  && pip install -c constraints.txt -r /tmp/requirements.txt \
  && pip check \
@@ -83,10 +84,12 @@ HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
   CMD python -m dflash.healthcheck "$DFLASH_VERIFIER_BIND" dflash.v1.Verifier
 CMD ["python", "-m", "verifier_svc"]
 
+# gRPC on 50050, the OpenAI-compatible HTTP API on 8000 (on the gRPC bind's host), /metrics on 9450
 FROM runtime AS gateway
 ENV DFLASH_GATEWAY_BIND=0.0.0.0:50050 \
+    DFLASH_HTTP_PORT=8000 \
     DFLASH_METRICS_PORT=9450
-EXPOSE 50050 9450
+EXPOSE 50050 8000 9450
 # hadolint ignore=DL3025
 HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
   CMD python -m dflash.healthcheck "$DFLASH_GATEWAY_BIND" dflash.v1.Gateway

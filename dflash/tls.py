@@ -32,8 +32,12 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:   # imported where used: the client side never loads cryptography
+    from cryptography import x509
 
 log = logging.getLogger("dflash.tls")
 
@@ -133,6 +137,7 @@ class ServerTLS:
         self._lock = threading.Lock()
         self._forced = False
         self.reloads = 0                     # configurations replaced after the first
+        self.reload_requests = 0             # request_reload() calls: the HTTP API follows them
         self._stamp = self._stamps()
         self._initial = self._load()
 
@@ -165,6 +170,7 @@ class ServerTLS:
         """Re-read the files at the next handshake even if they look unchanged (SIGHUP)."""
         with self._lock:
             self._forced = True
+            self.reload_requests += 1
 
     def _fetch(self):
         """gRPC's fetcher, called at each new handshake: a new configuration or None (keep)."""

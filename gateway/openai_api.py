@@ -7,6 +7,8 @@ generation calls the same path as the gRPC ``Generate`` (:meth:`GatewayServicer.
 what it raises maps to HTTP statuses through :mod:`gateway.status` and comes back in OpenAI's
 error shape, 400s naming the parameter. API keys (``gateway.auth.ClientAuth``) are the gRPC
 port's: ``Authorization: Bearer <key>``, the same rate and stream limits and session owners.
+A client that disconnects cancels its generation (the verifier calls with it), whether it was
+waiting for a JSON response, for the first event of a stream, or reading the stream.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,7 +37,9 @@ from gateway.status import TABLE, error_body, retry_after_ms, status_of
 
 log = logging.getLogger("dflash.gateway.http")
 BUSY_RETRY_MS = 200      # hint of a request refused because every stream slot is taken
+CLIENT_CLOSED = 499      # nginx's "client closed request": the status nobody receives
 _END = object()
+_GONE = object()         # the client disconnected before the awaited result
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
@@ -153,6 +157,39 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away. Awaited after the body was read, so the next ASGI
+    message is ``http.disconnect``: the server sends it when the connection closes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """``work``'s result (or its exception), or ``_GONE`` when the client disconnected first;
+    ``work`` is cancelled then (and when this coroutine is)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()   # no-op once finished
+        gone.cancel()
+    return task.result() if task in done else _GONE
+
+
+async def _first(run: _Run):
+    """The run's first message; None when it ended without one."""
+    try:
+        return await run.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _collect(run: _Run, asm: Assembler) -> None:
+    async for m in run:
+        asm.add(m)
+
+
 class OpenAIFront:
     """The HTTP app over ``servicer`` (a GatewayServicer).
 
@@ -213,7 +250,7 @@ class OpenAIFront:
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _BadBody(400, f"the body is not valid JSON: {e}", None)
+            raise _BadBody(400, f"the body is not valid JSON: {e}", None) from None
         if not isinstance(obj, dict):
             raise _BadBody(400, "the body must be a JSON object", None)
         try:
@@ -223,10 +260,10 @@ class OpenAIFront:
             param = _param_of(err["loc"]) or None
             if err["type"] == "extra_forbidden":
                 raise _BadBody(400, f"{param}: is not supported by this server", param,
-                               "unsupported_parameter")
+                               "unsupported_parameter") from None
             if err["type"] == "missing":
-                raise _BadBody(400, f"{param}: required", param, "missing_required_parameter")
-            raise _BadBody(400, f"{param}: {err['msg']}", param)
+                raise _BadBody(400, f"{param}: required", param, "missing_required_parameter") from None
+            raise _BadBody(400, f"{param}: {err['msg']}", param) from None
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, chat: bool):
@@ -265,24 +302,24 @@ class OpenAIFront:
         r = prepared.request
         asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
                         logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
+        # Nothing is sent before the whole answer (JSON) or its first message (a stream, so that
+        # errors before it become statuses): a client gone meanwhile cancels the generation.
         try:
-            first = await run.__anext__()   # errors before anything is sent become statuses
-        except StopAsyncIteration:
-            first = None
+            got = await _unless_disconnected(request, _first(run) if prepared.stream
+                                             else _collect(run, asm))
         except Exception as e:   # noqa: BLE001 - mapped by the one table
             run.close()
             return _core_error(e, prepared, chat)
-        if not prepared.stream:
-            try:
-                if first is not None:
-                    asm.add(first)
-                    async for m in run:
-                        asm.add(m)
-            except Exception as e:   # noqa: BLE001
-                return _core_error(e, prepared, chat)
-            finally:
-                run.close()
+        except BaseException:    # cancelled (the server shutting down): free the slot too
+            run.close()
+            raise
+        if got is _GONE or not prepared.stream:
+            run.close()          # cancels the verifier calls of a generation still running
+            if got is _GONE:
+                log.info("client disconnected: generation cancelled")
+                return Response(status_code=CLIENT_CLOSED)
             return JSONResponse(asm.body())
+        first = got
 
         async def events():
             try:

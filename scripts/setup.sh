@@ -3,7 +3,8 @@
 # exact versions of constraints.txt (pyproject.toml holds ranges only). Idempotent (a no-op
 # install takes a few seconds). torch is installed first, at its constrained version: on this
 # machine kind that is a CPU build already on disk; an unpinned torch would pull a multi-GB CUDA
-# build. Extras: bench (demo, bench), train, setup (setup-target), kernels, dev (the tests).
+# build. Extras: serve (the services and the `dflash` command: the core alone is the torch-free
+# client), bench (demo, bench), train, setup (setup-target), kernels, dev (the tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,6 +20,6 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install -c constraints.txt torch
-pip_install -c constraints.txt -e ".[dev,bench,train,setup,kernels,client]"
+pip_install -c constraints.txt -e ".[dev,serve,bench,train,setup,kernels]"
 .venv/bin/python -c "import torch, transformers, grpc; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 .venv/bin/python -m pip check >/dev/null || { .venv/bin/python -m pip check >&2; exit 1; }

@@ -28,7 +28,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 import yaml
 
 from helpers import RecordingEnviron, host_port
@@ -378,7 +377,7 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
     assert host_port(http_bind(parsed[gw]))[0] == host_port(parsed[gw].bind)[0]
     # OTLP goes to the Jaeger service's OTLP/gRPC port; one trace service name per process
     names = set()
-    for name, svc in dflash_services(services).items():
+    for svc in dflash_services(services).values():
         env = svc["environment"]
         ehost, eport = host_port(env["OTEL_EXPORTER_OTLP_ENDPOINT"].split("//", 1)[1])
         assert hosts[ehost] == "jaeger" and eport in container_ports(services["jaeger"])
@@ -470,7 +469,7 @@ def test_depends_on_waits_for_health_that_exists(doc, profile):
 
 def test_bind_mounted_files_exist(doc):
     for name, svc in doc["services"].items():
-        for dst, (kind, source, ro) in volumes(svc).items():
+        for kind, source, ro in volumes(svc).values():
             if kind == "bind":
                 assert source.startswith("./"), f"{name}: bind mounts stay inside the repository"
                 assert ro, f"{name}: {source} should be mounted read-only"
@@ -538,7 +537,8 @@ def test_dockerfile_targets_match_the_compose_services(doc, monkeypatch):
         argv = {"drafter_svc": ["--drafter", "d", "--target", "t"]}.get(mod, ["--target", "t"])
         ns, read = run_parse_args(monkeypatch, mod, argv, st["env"])
         host, port = host_port(ns.bind)
-        assert host == "0.0.0.0" and st["expose"] == {port, ns.metrics_port}, target
+        http = {ns.http_port} if getattr(ns, "http_port", 0) else set()   # the gateway's HTTP API
+        assert host == "0.0.0.0" and st["expose"] == {port, ns.metrics_port} | http, target
         # HEALTHCHECK probes the address the service binds, via the env var its parse_args reads
         probe = st["healthcheck"]
         assert probe[:3] == ["python", "-m", "dflash.healthcheck"] and probe[4] == server.SERVICE

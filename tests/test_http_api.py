@@ -5,19 +5,29 @@ target's greedy continuation of a few sessions) and gateway on tiny random model
 front over the gateway's servicer, as ``gateway.server.build`` wires it. Greedy HTTP output
 equals gRPC output for the same request (one path); ``metrics.speculative_decoding`` equals
 the gRPC AcceptanceStats; every bad parameter is a 400 naming it and the service answers after.
+A client that disconnects cancels its verifier stream; HTTPS uses the gRPC port's certificate
+and reloads it as that port does (a changed file, SIGHUP; an invalid replacement refused).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import math
+import os
+import socket
+import ssl
+import time
 
 import grpc
 import openai
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
+
+from dflash.v1 import gateway_pb2
 
 from conftest import Stack
-from dflash.v1 import gateway_pb2
 from doubles import ReferenceDrafter
 from gateway_doubles import ScriptedVerifier, http_front, request, serve_verifier, sse_events
 from helpers import reference
@@ -212,8 +222,9 @@ def _target_logprobs(hf_target, prompt_ids, out_ids):
 
 
 def _verifier_sends_logprobs(stack) -> bool:
-    from conftest import generate_ids
     from dflash.v1 import common_pb2
+
+    from conftest import generate_ids
 
     _, last = generate_ids(stack.verifier_stub(), [72, 105], max_tokens=1,
                            sampling=common_pb2.SamplingParams(logprobs=True))
@@ -384,12 +395,10 @@ def test_health_reflects_the_gateways_grpc_health(served):
 def test_response_shapes_are_openais(served):
     """Our models' fields are OpenAI's (plus the documented extensions), and real responses
     parse as openai.types with validation."""
-    from openai.types import Completion, CompletionChoice, Model
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types import Completion, CompletionChoice, Model, completion_create_params as completion_params
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk, completion_create_params as chat_params
     from openai.types.chat.chat_completion import Choice as ChatChoice
     from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-    from openai.types.chat import completion_create_params as chat_params
-    from openai.types import completion_create_params as completion_params
 
     from gateway import openai_models as ours
 
@@ -480,10 +489,6 @@ def test_build_serves_http_with_api_keys_health_and_the_verifiers_refusals(built
     assert status == 400 and err["error"]["param"] == "speculation_mode"
     fake.fail = None
     # /health is the gRPC health: the verifier NOT_SERVING makes both NOT_SERVING
-    import time
-
-    from grpc_health.v1 import health_pb2
-
     deadline = time.monotonic() + 5
     while request(url + "/health")[0] != 200:
         assert time.monotonic() < deadline
@@ -522,3 +527,224 @@ def test_logprobs_follow_their_tokens_and_are_cut_at_the_stop_string(built, toke
                pytest.approx([lp["logprob"], lp["logprob"] - 1]) for lp in lps)
     # the verifier was asked for them
     assert fake.requests[-1].sampling.logprobs and fake.requests[-1].sampling.top_logprobs == 2
+
+
+# ---------------------------------------------------------------------------- a client that leaves
+@pytest.fixture
+def slow_gateway(tokenizer):
+    """gateway.server.build over a scripted verifier that streams 600 tokens, one per 20 ms."""
+    from gateway.server import build
+
+    fake = ScriptedVerifier(list(range(10, 610)), sizes=(1,), delay_s=0.02)
+    vserver, vaddr, _ = serve_verifier(fake)
+    rt = build(tokenizer, vaddr, "127.0.0.1:0", max_positions=1024, http_bind="127.0.0.1:0",
+               model_name="tiny")
+    rt.server.start()
+    rt.set_serving(True)
+    yield rt, fake
+    rt.server.stop(0)
+    vserver.stop(0)
+
+
+def _wait_for(what, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_cancels_its_generation(slow_gateway, stream):
+    """The verifier's stream of a request whose client closed the connection is cancelled, and
+    its slot freed, long before the 12 s the whole answer takes (JSON: nothing was sent yet)."""
+    rt, fake = slow_gateway
+    front = rt.http.front
+    status, _, done = request(rt.http.url + "/v1/completions", "POST",
+                              {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and done["choices"][0]["finish_reason"] == "length"
+    _wait_for(lambda: fake.completed == 1 and front.open == 0)      # a client that stays
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 600, "temperature": 0,
+                       "stream": stream}).encode()
+    host, port = rt.http.host, rt.http.port
+    sock = socket.create_connection((host, port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
+    _wait_for(lambda: len(fake.requests) == 2 and front.open == 1)  # generating
+    time.sleep(0.2)                                                  # a few tokens in
+    sock.close()
+    _wait_for(lambda: fake.cancelled == 1 and front.open == 0)
+    assert fake.completed == 1
+    # and the server answers the next request
+    status, _, _ = request(rt.http.url + "/v1/completions", "POST",
+                           {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200
+
+
+# ---------------------------------------------------------------------------- HTTPS
+TLS_HOSTS = ["localhost", "127.0.0.1"]
+
+
+def _serial(issued) -> int:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(issued.cert).serial_number
+
+
+def issue_of(d, stem: str):
+    """The Issued pair written as ``<stem>.pem`` / ``<stem>-key.pem`` under ``d``."""
+    from dflash.tls import Issued
+
+    return Issued(cert=(d / f"{stem}.pem").read_bytes(), key=(d / f"{stem}-key.pem").read_bytes())
+
+
+def https_get(port: int, path: str, ca, client_files=None) -> tuple[int, int]:
+    """(status, serial of the certificate the server presented) of GET ``path`` over a fresh
+    HTTPS connection verified against ``ca`` (an Issued), presenting ``client_files``
+    ((cert path, key path)) when given. Raises ssl.SSLError or OSError when refused."""
+    from cryptography import x509
+
+    ctx = ssl.create_default_context(cadata=ca.cert.decode())
+    if client_files:
+        ctx.load_cert_chain(*map(str, client_files))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    try:
+        conn.request("GET", path)
+        status = conn.getresponse().status
+        return status, x509.load_der_x509_certificate(conn.sock.getpeercert(binary_form=True)).serial_number
+    finally:
+        conn.close()
+
+
+def grpc_health(port: int, ca, client_files=None):
+    """The gateway's gRPC health over a fresh TLS channel verified against ``ca``."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    from dflash.tls import ClientTLS, channel
+
+    cert, key = (p.read_bytes() for p in client_files) if client_files else (None, None)
+    with channel(f"127.0.0.1:{port}", ClientTLS(ca=ca.cert, cert=cert, key=key)) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+@pytest.fixture
+def tls_gateway(tokenizer, tmp_path, request):
+    """(rt, ServerTLS, CA, cert dir): gateway.server.build with one ServerTLS for the gRPC port
+    and the HTTP API, as ``python -m gateway --tls-cert --tls-key [--tls-ca]`` wires it;
+    ``request.param`` True: client certificates required (mTLS)."""
+    from dflash.tls import ServerTLS, TLSFiles, issue, new_ca, write_pair
+    from gateway.server import build
+
+    ca = new_ca()
+    cert, key = write_pair(tmp_path, "gateway", issue(ca, "gateway", TLS_HOSTS))
+    ca_path = tmp_path / "ca.pem"
+    ca_path.write_bytes(ca.cert)
+    mtls = getattr(request, "param", False)
+    tls = ServerTLS(TLSFiles(str(cert), str(key), str(ca_path) if mtls else None))
+    fake = ScriptedVerifier(tokenizer.encode("ok"))
+    vserver, vaddr, _ = serve_verifier(fake)
+    rt = build(tokenizer, vaddr, "127.0.0.1:0", max_positions=1024, http_bind="127.0.0.1:0",
+               model_name="tiny", tls=tls)
+    rt.server.start()
+    rt.set_serving(True)
+    yield rt, tls, ca, tmp_path
+    rt.server.stop(0)
+    vserver.stop(0)
+
+
+def test_https_serves_the_grpc_ports_certificate_and_both_reload_a_renewed_one(tls_gateway):
+    from dflash.tls import issue, new_ca, write_pair
+
+    rt, tls, ca, d = tls_gateway
+    assert rt.http.url.startswith("https://")
+    status, serial = https_get(rt.http.port, "/v1/models", ca)
+    assert status == 200 and serial == _serial(issue_of(d, "gateway"))
+    # renewed by another CA while serving: the next HTTPS connection gets it, then the next gRPC
+    # one (each port notices the change itself: neither consumes the other's reload)
+    ca2 = new_ca("renewed CA")
+    renewed = issue(ca2, "gateway", TLS_HOSTS)
+    write_pair(d, "gateway", renewed)
+    assert https_get(rt.http.port, "/v1/models", ca2) == (200, _serial(renewed))
+    assert grpc_health(rt.port, ca2) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises((ssl.SSLError, OSError)):
+        https_get(rt.http.port, "/health", ca)        # the old CA no longer verifies it
+    assert rt.http.tls.reloads == 1 and tls.reloads == 1
+
+
+def _write_in_place(path, data: bytes, size: int) -> None:
+    # Same inode, size and mtime: only a forced reload (SIGHUP) can notice the change.
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.write(data.ljust(size, b"\n"))
+        fh.truncate()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_sighup_reloads_https_as_it_reloads_grpc(tls_gateway):
+    from dflash.tls import issue, new_ca
+
+    rt, tls, ca, d = tls_gateway
+    size = 2048
+    for stem in ("gateway", "gateway-key"):   # padded, so the replacement keeps the size
+        p = d / f"{stem}.pem"
+        p.write_bytes(p.read_bytes().ljust(size, b"\n"))
+    tls.request_reload()
+    assert https_get(rt.http.port, "/health", ca)[1] == _serial(issue_of(d, "gateway"))
+    ca2 = new_ca("renewed CA")
+    renewed = issue(ca2, "gateway", TLS_HOSTS)
+    _write_in_place(d / "gateway-key.pem", renewed.key, size)
+    _write_in_place(d / "gateway.pem", renewed.cert, size)
+    reloads = rt.http.tls.reloads
+    assert https_get(rt.http.port, "/health", ca)[1] != _serial(renewed)   # looks unchanged
+    tls.request_reload()                                                   # what SIGHUP does
+    assert https_get(rt.http.port, "/health", ca2)[1] == _serial(renewed)
+    assert grpc_health(rt.port, ca2) == health_pb2.HealthCheckResponse.SERVING
+    assert rt.http.tls.reloads == reloads + 1
+
+
+def test_an_invalid_replacement_keeps_the_https_certificate(tls_gateway, caplog):
+    from dflash.tls import issue, write_pair
+
+    rt, tls, ca, d = tls_gateway
+    first = _serial(issue_of(d, "gateway"))
+    (d / "gateway.pem").write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB")   # half written
+    assert https_get(rt.http.port, "/health", ca)[1] == first
+    other = issue(ca, "gateway", TLS_HOSTS)
+    (d / "gateway.pem").write_bytes(other.cert)     # the certificate without its key yet
+    assert https_get(rt.http.port, "/health", ca)[1] == first
+    assert rt.http.tls.reloads == 0
+    assert "HTTPS certificate reload refused" in caplog.text and "--tls-key" in caplog.text
+    write_pair(d, "gateway", other)                 # and the key: now it loads
+    assert https_get(rt.http.port, "/health", ca)[1] == _serial(other)
+    assert rt.http.tls.reloads == 1
+
+
+@pytest.mark.parametrize("tls_gateway", [True], indirect=True)
+def test_https_requires_a_client_certificate_with_tls_ca_also_after_a_reload(tls_gateway):
+    from dflash.tls import issue, write_pair
+
+    rt, tls, ca, d = tls_gateway
+    mine = write_pair(d, "client", issue(ca, "client", TLS_HOSTS))
+    for renewed in (None, issue(ca, "gateway", TLS_HOSTS)):
+        if renewed is not None:
+            write_pair(d, "gateway", renewed)
+        with pytest.raises((ssl.SSLError, OSError)):
+            https_get(rt.http.port, "/health", ca)              # no client certificate
+        status, serial = https_get(rt.http.port, "/v1/models", ca, mine)
+        assert status == 200
+        if renewed is not None:
+            assert serial == _serial(renewed) and rt.http.tls.reloads == 1
+
+
+def test_an_http_port_in_use_or_a_malformed_address_is_refused_naming_the_flag():
+    from gateway.http_server import HttpServer
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(RuntimeError, match=r"^--http-port: cannot bind 127\.0\.0\.1:\d+: "):
+            HttpServer(lambda scope, receive, send: None, f"127.0.0.1:{taken.getsockname()[1]}")
+    finally:
+        taken.close()
+    with pytest.raises(ValueError, match="^--http-host: expected host:port"):
+        HttpServer(lambda scope, receive, send: None, "127.0.0.1")

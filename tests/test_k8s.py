@@ -6,8 +6,9 @@
    strict: unknown fields refused) of the oldest and newest release we claim;
 3. every command, flag and DFLASH_* variable in a container exists in the service it runs
    (``parse_args`` run with the container's environment, as tests/test_compose.py does for
-   compose), and ports, probes, Services, Prometheus annotations, mounted secrets, GPU requests,
-   the PodDisruptionBudget and the expert-parallel ranks agree with what the code reads.
+   compose), and ports (the gateway's HTTP API's too), probes, Services, NetworkPolicies,
+   Prometheus annotations, mounted secrets, GPU requests, the PodDisruptionBudget and the
+   expert-parallel ranks agree with what the code reads.
 """
 
 from __future__ import annotations
@@ -249,6 +250,14 @@ def test_ports_probes_and_scrape_annotations_match_the_service(overlay, monkeypa
         assert env_of(c)["DFLASH_METRICS_HOST"] == "0.0.0.0", f"{name}: scraped on the pod IP"
         _, health_port = host_port(env_of(c)["DFLASH_HEALTH_BIND"])
         assert ports["health"] == health_port, name
+        if module == "gateway":   # the OpenAI-compatible HTTP API, on the pod IP
+            from gateway.server import http_bind
+
+            assert http_bind(ns) is not None, f"{name}: the HTTP API is off"
+            http_host, http_port = host_port(http_bind(ns))
+            assert http_host == "0.0.0.0" and ports["http"] == http_port, name
+        else:
+            assert "http" not in ports, name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             p = c[probe]
             if "grpc" in p:
@@ -280,7 +289,7 @@ def test_services_and_addresses_reach_the_right_pods(overlay, monkeypatch):
         host, port = host_port(addr)
         svc = services[host]
         (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == port]
-        for w, c in _pods_selected(docs, svc["spec"]["selector"]):
+        for _, c in _pods_selected(docs, svc["spec"]["selector"]):
             mod, argv = invocation(c)
             assert mod == module, f"{addr} reaches {mod}"
             ns, _ = parse(monkeypatch, mod, argv, env_of(c))
@@ -302,6 +311,29 @@ def test_services_and_addresses_reach_the_right_pods(overlay, monkeypatch):
             assert w["kind"] == "Deployment" and ns.version not in versions.values()
             versions[w["metadata"]["name"]] = ns.version
     assert versions == {"drafter-v1": "1", "drafter-v2": "2"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_service_and_network_policy_admit_grpc_and_http(overlay, monkeypatch):
+    """Clients reach the gateway's gRPC and HTTP ports through its Service, and its
+    NetworkPolicy admits exactly those (and the kubelet's health port) from anywhere."""
+    from gateway.server import http_bind
+
+    docs = rendered(overlay)
+    (gw,) = [c for _, c, m, _ in service_containers(docs) if m == "gateway"]
+    ns, _ = parse(monkeypatch, "gateway", [], env_of(gw))
+    grpc_port, http_port = host_port(ns.bind)[1], host_port(http_bind(ns))[1]
+    svc = by_kind(docs, "Service")["gateway"]
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert set(by_name) == {"grpc", "http"}
+    assert (by_name["grpc"]["port"], by_name["grpc"]["appProtocol"]) == (grpc_port, "grpc")
+    # with --tls-cert the HTTP API is HTTPS with the gRPC port's certificate
+    assert (by_name["http"]["port"], by_name["http"]["targetPort"]) == (http_port, "http")
+    assert by_name["http"]["appProtocol"] == ("https" if ns.tls_cert else "http")
+    policy = by_kind(docs, "NetworkPolicy")["dflash-gateway"]
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule
+                  for p in rule["ports"]}
+    assert open_ports == {grpc_port, http_port, host_port(env_of(gw)["DFLASH_HEALTH_BIND"])[1]}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -329,7 +361,7 @@ def test_secrets_are_mounted_files_and_admin_stays_off_the_network(overlay, monk
                 items = secret.get("items")
                 assert items is None or path.name in {i["path"] for i in items}, f"{name}: {var}"
                 assert (secret["defaultMode"] & 0o007) == 0, f"{name}: {var} readable by others"
-    for w, c, module, argv in service_containers(docs):
+    for _, c, module, argv in service_containers(docs):
         if module == "gateway":
             ns, _ = parse(monkeypatch, module, argv, env_of(c))
             admin_host, admin_port = host_port(ns.admin_bind)

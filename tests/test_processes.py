@@ -1,33 +1,49 @@
-"""End to end with separate processes: `dflash up` (drafter, verifier, gateway), `dflash generate`,
-health checking, and a clean stop on SIGINT/SIGTERM."""
+"""End to end with separate processes: `dflash up` (drafter, verifier, gateway, its HTTP API on
+a free port), `dflash generate`, health checking, and a clean stop on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from dflash.server import wait_healthy
+
 from helpers import free_ports, health
 
 
 @pytest.mark.slow
 def test_dflash_up_generate_and_clean_stop(tmp_path, tiny_target, make_drafter, hf_target, tokenizer):
-    gw, ver, dr = free_ports(3)
+    # every port free, the HTTP API's too: `dflash up` alone would take 8000
+    gw, ver, dr, http = free_ports(4)
     env = {**os.environ, "DFLASH_LOG_LEVEL": "INFO"}
     up = subprocess.Popen(
         [sys.executable, "-m", "dflash.cli", "up", "--target", str(tiny_target),
          "--drafter", str(make_drafter(block_size=8)), "--gateway-port", str(gw),
-         "--verifier-port", str(ver), "--drafter-port", str(dr), "--run-dir", str(tmp_path / "logs")],
+         "--verifier-port", str(ver), "--drafter-port", str(dr), "--http-port", str(http),
+         "--run-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert wait_healthy(f"127.0.0.1:{gw}", 120), up.stdout.read() if up.poll() is not None else "timeout"
+        printed = []
+        while not printed or not printed[-1].startswith("logs in"):   # the summary `up` prints
+            line = up.stdout.readline()
+            assert line, "".join(printed)
+            printed.append(line)
+        url = f"http://127.0.0.1:{http}/v1"
+        assert any(line.split()[:3] == ["HTTP", "API", url] for line in printed), "".join(printed)
+        with urllib.request.urlopen(url + "/models", timeout=30) as r:
+            assert json.load(r)["data"][0]["id"] == Path(tiny_target).name   # --served-model-name
         for addr, svc in ((f"127.0.0.1:{ver}", "dflash.v1.Verifier"),
                           (f"127.0.0.1:{dr}", "dflash.v1.Drafter"),
                           (f"127.0.0.1:{gw}", "dflash.v1.Gateway")):
@@ -57,6 +73,8 @@ def test_dflash_up_generate_and_clean_stop(tmp_path, tiny_target, make_drafter, 
     for port in (gw, ver, dr):  # every service is gone
         with pytest.raises(grpc.RpcError):
             health(f"127.0.0.1:{port}")
+    with pytest.raises(urllib.error.URLError):   # the HTTP API with its gateway
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=5)
 
 
 @pytest.mark.slow

@@ -13,13 +13,12 @@ them): no torch, transformers or numpy. Used by ``dflash generate``, the demo an
         async for r in c.stream(build_request(messages=[{"role": "user", "content": "Hi"}])):
             print(r.text, end="")
 
-Install without the server's dependencies: ``pip install --no-deps dflash-serve`` plus the
-``[client]`` extra's packages (grpcio, protobuf); see docs/http-api.md.
+Install without the server's dependencies: ``pip install dflash-serve[client]`` (the core is
+grpcio and protobuf; the services need ``[serve]``); see docs/http-api.md.
 """
 
 from dflash.client._aio import AsyncGatewayClient
-from dflash.client._common import (Completion, GenerateError, build_request, finish_name,
-                                   summary_line)
+from dflash.client._common import Completion, GenerateError, build_request, finish_name, summary_line
 from dflash.client._sync import GatewayClient
 
 __all__ = ["AsyncGatewayClient", "Completion", "GatewayClient", "GenerateError", "build_request",
