@@ -35,10 +35,9 @@ from dflash.stats import AcceptanceCounter
 
 
 def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
+    from dflash.bench import split_mode
     from dflash.client import build_request
     from dflash.convert import stats_from_proto
-
-    from dflash.bench import split_mode
 
     name, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens,

@@ -18,8 +18,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.server import positive_float
+
+if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
+    from dflash.launcher import StackConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEV_HOSTS = ("localhost", "127.0.0.1", "::1")   # dflash.tls.DEFAULT_HOSTS
@@ -152,7 +156,7 @@ def _client_tls(a):
     try:
         return ClientTLS.from_files(TLSFiles(a.tls_cert, a.tls_key, a.tls_ca))
     except TLSConfigError as e:
-        raise SystemExit(f"dflash: error: {e}")
+        raise SystemExit(f"dflash: error: {e}") from None
 
 
 def cmd_generate(a) -> int:

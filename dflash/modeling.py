@@ -199,6 +199,8 @@ class TargetHead(nn.Module):
     """
 
     skinny_max_rows: int = 0
+    embed: torch.Tensor        # [V, H] buffer
+    lm_head: torch.Tensor      # [V, H] buffer
 
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()

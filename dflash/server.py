@@ -19,9 +19,8 @@ import logging
 import os
 import signal
 import threading
-from concurrent import futures
-
 import typing
+from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,7 +46,7 @@ class ServiceRuntime:
     health: health.HealthServicer
     services: tuple[str, ...]
     port: int
-    servicer: object = None
+    servicer: typing.Any = None    # the service's servicer (its own type in each service)
     streams: "StreamLimit | None" = None
     tls: "ServerTLS | None" = None  # reloading credentials (SIGHUP: run_until_signal)
     _wanted: bool = False          # the service's own readiness (set_serving)
@@ -152,7 +151,8 @@ class StreamLimit(grpc.ServerInterceptor):
 
 def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
                   max_streams: int = 512, interceptors=(),
-                  max_message_mb: int = 256, tls: "ServerTLS | None" = None) -> ServiceRuntime:
+                  max_message_mb: int = 256, tls: "ServerTLS | None" = None,
+                  runtime: type[ServiceRuntime] = ServiceRuntime) -> ServiceRuntime:
     """Build and bind (not start) a server. ``bind`` like "127.0.0.1:0" (port 0 = any free).
 
     ``max_streams``: response-streaming RPCs open at once (:class:`StreamLimit`; a streaming
@@ -162,6 +162,9 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
 
     ``tls``: listen with TLS (mTLS when it has a CA; :class:`dflash.tls.ServerTLS`, whose files
     are re-read at the next handshake after they change); None = plaintext.
+
+    ``runtime``: the class returned, :class:`ServiceRuntime` or a subclass whose added fields
+    have defaults (the gateway's ``gateway.server.GatewayRuntime``).
 
     Raises RuntimeError when the address cannot be bound, ValueError when ``max_streams`` < 1.
     """
@@ -180,8 +183,8 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
             else server.add_insecure_port(bind))
     if port == 0:
         raise RuntimeError(f"cannot bind {bind}")
-    rt = ServiceRuntime(server=server, health=hs, services=service_names, port=port,
-                        streams=limit, tls=tls)
+    rt = runtime(server=server, health=hs, services=service_names, port=port,
+                 streams=limit, tls=tls)
     rt.set_serving(False)
     return rt
 
@@ -331,7 +334,7 @@ def int_list(low: int = 1, high: int | None = None):
         try:
             values = [int(x) for x in items]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
         bad = [v for v in values if v < low]
         if bad:
             raise argparse.ArgumentTypeError(f"every value must be >= {low}, got {bad[0]}")
@@ -364,7 +367,7 @@ def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and
     ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS)."""
-    from kernels.skinny_linear import AUTO   # here: the gateway never imports torch
+    from kernels.skinny_linear import AUTO  # here: the gateway never imports torch
 
     env = os.environ.get
     p.add_argument("--threads", type=int, default=int(env("DFLASH_TORCH_THREADS", "0")),

@@ -25,8 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import grpc
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult

@@ -10,6 +10,7 @@ step, and drafts ``[anchor, MASK x (B-1)]`` at positions ``cached .. cached + B 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -104,8 +105,7 @@ class DrafterEngine:
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
-                                           initializer=claim if threads else None,
-                                           initargs=(threads,) if threads else ())
+                                           initializer=functools.partial(claim, threads) if threads else None)
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
                                            initializer=_context_thread,
                                            initargs=(context_threads, context_sched)) \
@@ -232,9 +232,9 @@ class DrafterEngine:
             if drafting:
                 logits = self._draft_blocks([(r, sess) for _, r, sess in drafting])
                 for (i, r, sess), lg in zip(drafting, logits):
-                    out[i] = self._sample(r, sess, lg)
+                    p = out[i] = self._sample(r, sess, lg)
                     if r.top_k:
-                        out[i].top_ids, out[i].top_logprobs = self._top_k(lg, r.top_k)
+                        p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
         return _to_host(out, self.device)
 
     def close(self) -> None:
@@ -317,8 +317,8 @@ class DrafterEngine:
         b = len(items)
         order = list(range(b))
         if b > 1:                                # row r holds items[order[r]]
-            rows = pool.arrange([s.seq for _, s in items])
-            order = sorted(range(b), key=rows.__getitem__)
+            slots = pool.arrange([s.seq for _, s in items])
+            order = sorted(range(b), key=slots.__getitem__)
             items = [items[i] for i in order]
         n_max = max(s.length for _, s in items)
         q = max(r.block_size for r, _ in items)
@@ -335,8 +335,8 @@ class DrafterEngine:
             kv = pool.views(0, b, n_max)
             keys = torch.arange(n_max + q, device=host)
             lens = torch.tensor([s.length for _, s in items], device=host)[:, None]       # [b, 1]
-            sizes = torch.tensor([r.block_size for r, _ in items], device=host)[:, None]  # [b, 1]
-            ok = torch.where(keys < n_max, keys < lens, keys - n_max < sizes)    # [b, n+q]
+            blocks = torch.tensor([r.block_size for r, _ in items], device=host)[:, None]  # [b, 1]
+            ok = torch.where(keys < n_max, keys < lens, keys - n_max < blocks)    # [b, n+q]
             mask = to_device(ok, dev)[:, None, None, :].expand(b, 1, q, n_max + q)
             # column = position (sliding layers)
             ctx_pos = torch.arange(n_max, device=dev).expand(b, n_max)
@@ -349,8 +349,8 @@ class DrafterEngine:
         rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
         by_row = self.head.logits(rows, self._draft_head).split(sizes)
         out: list[torch.Tensor] = [by_row[0]] * b
-        for r, i in enumerate(order):
-            out[i] = by_row[r]
+        for row, i in enumerate(order):
+            out[i] = by_row[row]
         return out
 
     def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:

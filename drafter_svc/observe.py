@@ -18,6 +18,10 @@ from dflash.tracing import extract_context, set_error
 from drafter_svc.servicer import DrafterServicer
 
 
+def _card_label(engine) -> str:
+    return engine.card.label
+
+
 class ObservedDrafterServicer(DrafterServicer):
     """The Drafter servicer with its Draft stream observed."""
 
@@ -27,8 +31,7 @@ class ObservedDrafterServicer(DrafterServicer):
         self.metrics = DrafterMetrics(telemetry.registry)
         self.tracer = telemetry.tracer
         self.tracing = telemetry.tracing
-        SessionGauges(telemetry.registry, "dflash_drafter", lambda: self.engine,
-                      label=lambda e: e.card.label)
+        SessionGauges(telemetry.registry, "dflash_drafter", lambda: self.engine, label=_card_label)
 
     def Draft(self, request_iterator, context):
         arrived: list = [None, 0]   # the batch being answered, its arrival time (ns)

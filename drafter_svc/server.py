@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         tls = server_tls_from_args(a)
         device = resolve_device(a.device)     # a GPU that is not there: refused before loading
     except (TLSConfigError, DeviceError) as e:
-        raise SystemExit(f"python -m drafter_svc: error: {e}")
+        raise SystemExit(f"python -m drafter_svc: error: {e}") from None
     threads = reserve(a.threads)   # loading runs single-threaded; the compute thread claims these
     telemetry = Telemetry.from_env("drafter")
     rt = build(None, a.bind, telemetry=telemetry, tls=tls)  # health answers NOT_SERVING while weights load
@@ -101,4 +101,8 @@ def main(argv=None) -> None:
     rt.servicer.engine = engine
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)
-    run_until_signal(rt, a.grace, on_stop=lambda: (engine.close(), telemetry.shutdown()))
+    def on_stop() -> None:
+        engine.close()
+        telemetry.shutdown()
+
+    run_until_signal(rt, a.grace, on_stop=on_stop)

@@ -39,7 +39,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     self.engine.release(list(batch.release_sessions))
                     seen.difference_update(batch.release_sessions)
                 t0 = time.perf_counter()
-                reqs, results = [], [None] * len(batch.items)
+                reqs = []
+                results: list = [None] * len(batch.items)   # a DraftResult for each item below
                 for i, item in enumerate(batch.items):
                     try:
                         reqs.append((i, _request(item)))

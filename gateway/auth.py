@@ -133,7 +133,8 @@ class AdminAuth(grpc.ServerInterceptor):
     def _allowed(self, context) -> bool:
         token = bearer(context)
         # Compare digests: constant time, and equal length whatever the caller sends.
-        return token is not None and hmac.compare_digest(_digest(token), self._digest)
+        return (token is not None and self._digest is not None
+                and hmac.compare_digest(_digest(token), self._digest))
 
     def _guard(self, behavior, streaming):
         def unary(request, context):
@@ -289,6 +290,7 @@ class ClientAuth(grpc.ServerInterceptor):
             if e.retry_after_ms is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             context.abort(e.code, str(e))
+            raise AssertionError("unreachable: context.abort raises") from e
 
     def _release_on_end(self, context, st: _KeyState) -> None:
         admitted = Admitted(self, st, True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import grpc
 from opentelemetry import context as otel_context
@@ -60,7 +60,7 @@ def _logprobs(chunk: verifier_pb2.VerifierGenerateChunk) -> list | None:
 
 def sample_stream(verifier, tokenizer, vreq: verifier_pb2.VerifierGenerateRequest, *,
                   stop: list[str], index: int, cancel: Cancel, t0: float
-                  ) -> Iterator[gateway_pb2.GenerateResponse]:
+                  ) -> Generator[gateway_pb2.GenerateResponse, None, None]:
     """The responses of one sample: deltas (text, the ids whose text completed in it and, when
     the verifier sent them, one TokenLogprob per id: a stop string cuts both where it cuts the
     ids), then the final message (finish reason, usage, acceptance statistics of what the
@@ -115,7 +115,7 @@ def sample_stream(verifier, tokenizer, vreq: verifier_pb2.VerifierGenerateReques
 _DONE = object()
 
 
-def merge(streams: list[Iterator], cancel: Cancel) -> Iterator:
+def merge(streams: list[Generator], cancel: Cancel) -> Generator:
     """The messages of ``streams`` as they come; one stream is iterated in the caller's thread,
     several each in a thread of its own (started with the caller's OpenTelemetry context, so
     their verifier calls join the request's trace).
@@ -131,7 +131,7 @@ def merge(streams: list[Iterator], cancel: Cancel) -> Iterator:
     q: queue.Queue = queue.Queue()
     ctx = otel_context.get_current()
 
-    def pump(s: Iterator) -> None:
+    def pump(s: Generator) -> None:
         token = otel_context.attach(ctx)
         try:
             for item in s:

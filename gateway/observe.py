@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import time
 
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.convert import FINISH_NAME

@@ -14,11 +14,26 @@ import uuid
 from dflash.convert import FINISH_NAME
 from dflash.sampling import InvalidParam
 from dflash.v1 import common_pb2, gateway_pb2
-from gateway.openai_models import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut,
-                                   ChatRequest, ChoiceDelta, ChoiceLogprobs, ChunkChoice,
-                                   Completion, CompletionChoice, CompletionLogprobs,
-                                   CompletionRequest, Metrics, PromptTokensDetails,
-                                   SpeculativeDecoding, TokenLogprob, TopLogprob, Usage)
+from gateway.openai_models import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatMessageOut,
+    ChatRequest,
+    ChoiceDelta,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Metrics,
+    PromptTokensDetails,
+    SpeculativeDecoding,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 20
@@ -353,7 +368,7 @@ class Assembler:
             self.logprobs[r.index] += list(r.logprobs)
 
     def body(self) -> dict:
-        choices = []
+        choices: list = []   # ChatChoice or CompletionChoice, as self.chat says
         for i in range(self.n):
             f = self.finals.get(i)
             reason = self._finish_reason(f) if f is not None else "abort"

@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.server import (add_common_args, add_upstream_tls_args, at_least, channel_options,
-                           add_health_listener, create_server, in_range, run_until_signal,
-                           server_tls_from_args, tie_server, upstream_tls_from_args)
-from dflash.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
+from dflash.server import (
+    ServiceRuntime,
+    add_common_args,
+    add_health_listener,
+    add_upstream_tls_args,
+    at_least,
+    channel_options,
+    create_server,
+    in_range,
+    run_until_signal,
+    server_tls_from_args,
+    tie_server,
+    upstream_tls_from_args,
+)
 from dflash.telemetry import Telemetry, serve_metrics
+from dflash.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
 from dflash.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
-from gateway.auth import (AdminAuth, ClientAuth, check_admin_bind, check_secret, load_api_keys,
-                          read_secret)
-from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, load_config, parse_spec
-from gateway.observe import ObservedGatewayServicer
+from gateway.auth import AdminAuth, ClientAuth, check_admin_bind, check_secret, load_api_keys, read_secret
 from gateway.inputs import DecodeGuard, InputLimits
+from gateway.observe import ObservedGatewayServicer
+from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, load_config, parse_spec
+
+if TYPE_CHECKING:   # imported in build, so importing this module loads no HTTP stack
+    from gateway.http_server import HttpServer
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
@@ -65,6 +80,16 @@ def register_drafter(registry: DrafterRegistry, verifier, spec: str, *, name: st
     return entry
 
 
+@dataclasses.dataclass
+class GatewayRuntime(ServiceRuntime):
+    """The gateway's client-port server and what :func:`build` ties to it."""
+
+    admin: ServiceRuntime | None = None             # the GatewayAdmin plane's own server
+    drafter_allow: DrafterAllowlist | None = None   # addresses drafters may register at
+    verifier_watch: VerifierHealthWatch | None = None
+    http: HttpServer | None = None                  # the OpenAI-compatible HTTP API, if bound
+
+
 def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           session_ttl_s: float = 600.0, telemetry: Telemetry | None = None,
           limits: InputLimits | None = None, vocab_size: int | None = None,
@@ -72,7 +97,7 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           upstream_tls: "ClientTLS | None" = None, admin_bind: str = "127.0.0.1:0",
           admin_token: str | None = None, drafter_allow: DrafterAllowlist | None = None,
           api_keys: ClientAuth | None = None, http_bind: str | None = None,
-          model_name: str = "dflash", http_max_streams: int = 512):
+          model_name: str = "dflash", http_max_streams: int = 512) -> GatewayRuntime:
     """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
     ``verifier_address`` (over TLS when ``upstream_tls``).
 
@@ -114,25 +139,24 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     # ClientAuth first: an unauthenticated request is refused before anything else reads it.
     auth = [api_keys] if api_keys is not None else []
     # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
-    rt = create_server(bind, add, (SERVICE,), interceptors=auth + [DecodeGuard()],
-                       max_message_mb=max_request_mb, tls=tls)
-    rt.admin = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
-                             interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
-    rt.admin.servicer = admin
-    rt.admin.set_serving(True)
-    tie_server(rt.server, rt.admin.server)
+    rt = cast(GatewayRuntime, create_server(bind, add, (SERVICE,), interceptors=auth + [DecodeGuard()],
+                                            max_message_mb=max_request_mb, tls=tls, runtime=GatewayRuntime))
+    rt.admin = admin_rt = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
+                                        interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
+    admin_rt.servicer = admin
+    admin_rt.set_serving(True)
+    tie_server(rt.server, admin_rt.server)
     rt.servicer = servicer
     rt.drafter_allow = drafter_allow
     rt.verifier_watch = VerifierHealthWatch(
         rt, raw, on_serving=lambda: reregister_drafters(servicer.registry, verifier))
-    rt.http = None
     if http_bind is not None:
         front = OpenAIFront(servicer, model_name=model_name, max_positions=max_positions,
                             serving=lambda: rt.serving, api_keys=api_keys,
                             max_streams=http_max_streams, max_request_bytes=max_request_mb << 20)
-        rt.http = HttpServer(front.app, http_bind, tls=tls, on_stop=front.close)
-        rt.http.front = front
-        tie_server(rt.server, rt.http)
+        rt.http = http = HttpServer(front.app, http_bind, tls=tls, on_stop=front.close)
+        http.front = front
+        tie_server(rt.server, http)
     return rt
 
 
@@ -276,7 +300,7 @@ def _allowlist(text: str) -> DrafterAllowlist:
     try:
         return DrafterAllowlist.parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--drafter-allow: "))
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--drafter-allow: ")) from None
 
 
 def admin_token(a: argparse.Namespace, env=os.environ) -> str | None:
@@ -324,13 +348,13 @@ def main(argv=None) -> None:
     try:
         tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
     except TLSConfigError as e:
-        raise SystemExit(f"python -m gateway: error: {e}")
+        raise SystemExit(f"python -m gateway: error: {e}") from None
     try:
         token = admin_token(a)
         check_admin_bind(a.admin_bind, token)
         keys = ClientAuth(load_api_keys(a.api_keys_file)) if a.api_keys_file else None
     except ValueError as e:
-        raise SystemExit(f"python -m gateway: error: {e}")
+        raise SystemExit(f"python -m gateway: error: {e}") from None
     tok = AutoTokenizer.from_pretrained(a.target)
     if not wait_healthy(a.verifier, 600, tls=upstream_tls):
         raise SystemExit(f"verifier at {a.verifier} did not become healthy")
@@ -345,6 +369,7 @@ def main(argv=None) -> None:
                model_name=served_model_name(a))
     add_health_listener(rt, a.health_bind)
     rt.server.start()
+    assert rt.admin is not None                       # build always binds the admin plane
     log.info("admin plane (GatewayAdmin) on %s:%d, %s", a.admin_bind.rpartition(":")[0],
              rt.admin.port, "token required" if token else
              "loopback only, no token (set --admin-token-file to require one)")
@@ -374,4 +399,8 @@ def main(argv=None) -> None:
     if rt.http is not None:
         log.info("HTTP API (OpenAI-compatible) on %s/v1, model %r", rt.http.url,
                  rt.http.front.model_name)
-    run_until_signal(rt, a.grace, on_stop=lambda: (stop.set(), telemetry.shutdown()))
+    def on_stop() -> None:
+        stop.set()
+        telemetry.shutdown()
+
+    run_until_signal(rt, a.grace, on_stop=on_stop)

@@ -26,8 +26,7 @@ from dflash.sampling import InvalidParam, Sampling
 from dflash.speculation import MAX_TREE_BUDGET, MODES
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.generation import Cancel, merge, sample_stream
-from gateway.inputs import (ROLES, InputLimits, NotOwner, check_session_id, client_identity,
-                            short)
+from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short
 from gateway.registry import DrafterRegistry
 from gateway.status import RETRY_AFTER, UpstreamError, grpc_code
 
@@ -193,7 +192,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                return_dict=False, sanitize_control_tokens=True,
                                                **kwargs)
         except (ValueError, TypeError, TemplateError) as e:
-            raise InvalidParam("chat.messages", f"cannot be rendered: {str(e)[:120]}")
+            raise InvalidParam("chat.messages", f"cannot be rendered: {str(e)[:120]}") from e
         return list(ids)
 
     def _drafter(self, r: gateway_pb2.GenerateRequest) -> str:
@@ -205,7 +204,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 entry = self.registry.resolve(r.drafter)
             except InvalidParam:
                 known = ", ".join(e.label for e, _ in self.registry.entries()) or "none registered"
-                raise InvalidParam("drafter", f"unknown drafter {short(r.drafter)} (known: {known})")
+                raise InvalidParam("drafter", f"unknown drafter {short(r.drafter)} (known: {known})") from None
         if r.HasField("speculation") and not r.speculation:
             return ""
         if not r.drafter:

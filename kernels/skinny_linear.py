@@ -39,6 +39,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -126,12 +127,12 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
     for m in model.modules():
         if type(m) is torch.nn.Linear:
             m.__class__ = SkinnyLinear
-            m.skinny_max_rows = max_rows
+            cast(SkinnyLinear, m).skinny_max_rows = max_rows
             n += 1
     return n
 
 
-def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] = (),
+def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[Any] = (),
                  one_row: bool | None = None) -> None:
     """Set the row limit of every :class:`SkinnyLinear` in ``model`` and of each object in
     ``also`` that has a ``skinny_max_rows`` attribute (e.g. the drafter's target head); with
@@ -147,7 +148,7 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[object] =
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
                   rows: tuple[int, ...] = (2, 4, 8, 16), reps: int = 5, margin: float = MARGIN,
-                  also: Iterable[object] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
+                  also: Iterable[Any] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
     """Choose the row limit of ``model``'s skinny layers by timing the real workload.
 
     For each ``n`` in ``rows``, ``probe(n)`` (a forward whose linear layers see ``n`` input

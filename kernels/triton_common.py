@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+
 @dataclass(frozen=True, kw_only=True)
 class VocabSplit:
     """How one vocab row is cut for stage 1: ``n_splits`` programs of ``chunk`` entries each,

@@ -75,7 +75,7 @@ def main() -> None:
     sides = {"old": (old_tree, 51050), "new": (ROOT, 52050)}
     procs = {name: start(tree, port, out / name / "services") for name, (tree, port) in sides.items()}
     try:
-        for name, (_, port) in sides.items():
+        for _, port in sides.values():
             wait_ready(f"127.0.0.1:{port}")
         levels = [int(c) for c in a.concurrency.split(",")]
         for rep in range(a.repeats):

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batch:
                 inputs = make_inputs(op, batch, vocab or 0, args.block, args.hidden, device, gen)
                 exact = all(torch.equal(a, b) for a, b in zip(ref_fn(*inputs), tri_fn(*inputs)))
-                t_ref, t_tri = (median_ms(lambda fn=fn: fn(*inputs), iters=args.iters,
+                t_ref, t_tri = (median_ms(lambda fn=fn, inputs=inputs: fn(*inputs), iters=args.iters,
                                           warmup=args.warmup, cuda=device == "cuda")
                                 for fn in (ref_fn, tri_fn))
                 label = vocab if vocab is not None else f"C={args.hidden}"

@@ -104,12 +104,12 @@ def main() -> None:
         t.crop(cache, a.context)
         for n in sizes:
             blk = tokens(n + 1)
-            got[f"chain {n}"] = timed(lambda: t.forward(blk, cache, None))
+            got[f"chain {n}"] = timed(lambda blk=blk: t.forward(blk, cache, None))
             t.crop(cache, a.context)
             tree = trees[n]
-            got[f"tree {n}"] = timed(lambda: t.forward(blk, cache, None, parents=[tree.parents]))
+            got[f"tree {n}"] = timed(lambda blk=blk, tree=tree: t.forward(blk, cache, None, parents=[tree.parents]))
             acc = deepest_path(tree.parents, tree.depths)
-            got[f"keep {n}"] = timed(lambda: t.keep(cache, a.context, acc))
+            got[f"keep {n}"] = timed(lambda acc=acc: t.keep(cache, a.context, acc))
             t.crop(cache, a.context)
         if rnd:                                   # round 0 warms up
             for k, v in got.items():

@@ -13,13 +13,14 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
-from conftest import generate_ids
 from dflash.telemetry import serve_metrics
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
-from doubles import ReferenceDrafter
 from gateway.registry import DrafterAllowlist
-from prometheus_client import CollectorRegistry
+
+from conftest import generate_ids
+from doubles import ReferenceDrafter
 
 TOKEN = "s3cret-admin-token-0123456789"
 RPC_TIMEOUT = 30
@@ -125,7 +126,7 @@ def test_admin_requires_its_token(stack, tokenizer, target_model, hostile):
 def test_admin_without_token_binds_loopback_only(stack, tokenizer, target_model):
     with pytest.raises(ValueError, match="--admin-bind"):
         gateway(stack, tokenizer, target_model, admin_bind="0.0.0.0:0")
-    from gateway.server import parse_args, main
+    from gateway.server import main, parse_args
 
     with pytest.raises(SystemExit, match="--admin-bind"):
         main(["--target", "t", "--admin-bind", "0.0.0.0:50060"])

@@ -13,9 +13,10 @@ import math
 import grpc
 import pytest
 
-from conftest import Stack, generate_ids
 from dflash.convert import card_to_proto
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
+
+from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter
 
 NAN = float("nan")

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import Stack, generate_ids
 from dflash.v1 import common_pb2, verifier_pb2
 from drafter_svc.engine import DrafterEngine
+
+from conftest import Stack, generate_ids
 from helpers import assert_same_tokens, reference
 
 LENGTHS = [2, 3, 5, 8, 11, 17, 25, 40, 60, 90, 130, 180, 240, 300, 7, 50]
@@ -65,7 +66,7 @@ def test_16_concurrent_greedy_requests_identical_to_alone(batch_stack, make_draf
              for i, p in enumerate(ps)]
     results = run_all(batch_stack.verifier_stub(), calls)
     assert max(batch_stack.batch_sizes) >= 8, "requests did not run as one batch"
-    for p, (got, last) in zip(ps, results):
+    for p, (got, _last) in zip(ps, results):
         assert_same_tokens(hf_target, p, got, reference(hf_target, p, MAX_NEW))
     assert any(last.stats.drafts for _, last in results)
     assert batch_stack.engine.num_sessions == 0
@@ -318,7 +319,7 @@ def test_a_stalled_reader_neither_blocks_nor_slows_the_others_and_is_cancelled(t
 
     def itl(rid):
         times = []
-        for ev in engine.generate(Request(request_id=rid, prompt=[9, 8, 7], max_tokens=48,
+        for _ev in engine.generate(Request(request_id=rid, prompt=[9, 8, 7], max_tokens=48,
                                           ignore_eos=True)):
             times.append(time.perf_counter())
         gaps = sorted(b - a for a, b in zip(times, times[1:]))

@@ -22,6 +22,7 @@ def test_a2a_bytes_per_step():
 def test_bench_ep_sizes_side_by_side(tmp_path):
     from dflash.cli import main
     from dflash.testing import make_tiny_drafter, make_tiny_moe_target
+
     from helpers import free_ports
 
     target = make_tiny_moe_target(tmp_path / "moe")

@@ -163,9 +163,9 @@ def test_bench_flag_lists_are_normalised():
 
 def test_bench_without_a_gateway_says_so():
     """A forgotten `dflash up` printed a traceback per client thread and ended in IndexError."""
-    from helpers import free_ports
-
     from dflash.bench import require_gateway
+
+    from helpers import free_ports
 
     (port,) = free_ports(1)
     with pytest.raises(SystemExit, match=rf"--gateway 127.0.0.1:{port}: no gateway answered"):

@@ -6,10 +6,11 @@ import threading
 
 import pytest
 
-from doubles import ReferenceDrafter, chains
-from helpers import PROMPTS, reference
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.engine import Request, VerifierEngine
+
+from doubles import ReferenceDrafter, chains
+from helpers import PROMPTS, reference
 
 N = 24
 

@@ -7,11 +7,12 @@ import shutil
 import pytest
 import torch
 
-from conftest import generate_ids
 from dflash.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
 from dflash.proposer import ProposalRequest
 from dflash.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
+
+from conftest import generate_ids
 from helpers import PROMPTS, assert_same_tokens, reference, spec
 
 

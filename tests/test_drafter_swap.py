@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
+
 from doubles import ReferenceDrafter
 from helpers import reference
 
@@ -74,7 +75,7 @@ def test_hot_swap_v1_to_v2_under_load(stack, target_model, hf_target, tokenizer)
         th.join(120)
     assert not errors, errors
     assert len(results) == THREADS * PER_THREAD
-    for _, ids, last in results:
+    for _, ids, _last in results:
         assert ids == ref[len(tp):]
     used = [last.drafter for _, _, last in results]
     assert "oracle@1" in used and "oracle@2" in used

@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 
-from doubles import ReferenceDrafter
 from dflash import wire
 from dflash.convert import sampling_to_proto
 from dflash.draft_vocab import save_draft_vocab
@@ -23,6 +22,8 @@ from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.drafter_sync import NONE, DrafterState, DrafterSync, DraftItem
+
+from doubles import ReferenceDrafter
 
 EPS32 = torch.finfo(torch.float32).eps
 

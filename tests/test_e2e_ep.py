@@ -18,6 +18,7 @@ def _run(target, drafter, ep_size, run_dir):
     from dflash.client import GatewayClient, build_request
     from dflash.humaneval import format_prompt, load_problems
     from dflash.launcher import DrafterSpec, LocalStack, StackConfig
+
     from helpers import free_ports
 
     gw, ver, dr = free_ports(3)

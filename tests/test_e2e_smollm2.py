@@ -22,6 +22,7 @@ TAU_FLOOR = 1.4
 def smollm2_stack(tmp_path_factory):
     from dflash.launcher import DrafterSpec, LocalStack, StackConfig
     from dflash.target_setup import setup_target
+
     from helpers import free_ports
 
     target = setup_target()

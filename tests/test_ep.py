@@ -18,9 +18,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from conftest import generate_ids
 from dflash.server import wait_healthy
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+
+from conftest import generate_ids
 from helpers import free_ports, health
 
 PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12],

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import generate_ids
 from dflash.proposer import Proposal
 from dflash.server import wait_healthy
 from dflash.v1 import verifier_pb2
+
+from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import PROMPTS, reference
-from helpers import free_ports
+from helpers import PROMPTS, free_ports, reference
 
 B = 8
 N_STREAMS = 8

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
+
 from gateway_doubles import ScriptedVerifier, fake_logprob, serve_verifier
 
 TEXT = "héllo 😀 世界 and more"

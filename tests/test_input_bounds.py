@@ -12,11 +12,12 @@ import time
 import grpc
 import pytest
 
-from conftest import Stack, generate_ids
 from dflash.v1 import gateway_pb2
-from gateway.registry import DrafterRegistry
 from gateway.inputs import ECHO_CHARS, InputLimits, bad_utf8_field, client_identity
+from gateway.registry import DrafterRegistry
 from gateway.servicer import GatewayServicer
+
+from conftest import Stack, generate_ids
 
 LIM = InputLimits()
 LONG = "Q" * 5000                  # a value no error message may quote whole

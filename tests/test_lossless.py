@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from drafter_svc.engine import DrafterEngine
+
 from conftest import generate_ids
 from doubles import ReferenceDrafter
 from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference, spec
-from drafter_svc.engine import DrafterEngine
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16])

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kernels
-from dflash.proposer import DraftError, DrafterCard, Proposal
+from dflash.proposer import DrafterCard, DraftError, Proposal
 from dflash.sampling import Sampling, probs_from_logits
 from kernels import reference as ref
 from verifier_svc import verification

@@ -17,13 +17,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Stack, generate_ids
 from dflash.client import build_request
 from dflash.speclog import FORMAT, SpecDecodingLogger, format_line, parse_line
 from dflash.stats import AcceptanceCounter
 from dflash.telemetry import Telemetry, serve_metrics
 from dflash.tracing import JsonLinesSpanExporter, StepTracing, provider_from_env
 from dflash.v1 import verifier_pb2
+
+from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter
 from helpers import PROMPTS, reference
 

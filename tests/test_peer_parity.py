@@ -14,8 +14,9 @@ from dflash.checkpoint import load_target_head
 from dflash.hf_peer import load_peer_drafter
 from dflash.taps import tap_features
 from drafter_svc.engine import DrafterEngine
-from helpers import PROMPTS
 from verifier_svc.engine import Request, VerifierEngine
+
+from helpers import PROMPTS
 
 
 @pytest.fixture(scope="module")

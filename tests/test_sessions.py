@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from dflash.v1 import gateway_pb2, verifier_pb2
+from dflash.v1 import gateway_pb2
 from drafter_svc.engine import DrafterEngine
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Stack, generate_ids
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
-from doubles import ReferenceDrafter
 from gateway.emitted import EmittedStats
+
+from conftest import Stack, generate_ids
+from doubles import ReferenceDrafter
 
 B = 8
 N = 1 + 3 * B                     # the prefill token, then three full blocks

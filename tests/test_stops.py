@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import generate_ids
 from dflash.v1 import gateway_pb2, verifier_pb2
+
+from conftest import generate_ids
 from doubles import ReferenceDrafter
 from helpers import reference
 

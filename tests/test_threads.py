@@ -92,7 +92,7 @@ def test_context_only_calls_run_on_context_threads(tiny_target, make_drafter, mo
                                           context_threads=1, context_sched=sched)
         seen = []
         real = d.drafter.context_kv
-        monkeypatch.setattr(d.drafter, "context_kv", lambda *a: seen.append(
+        monkeypatch.setattr(d.drafter, "context_kv", lambda *a, seen=seen, real=real: seen.append(
             (threading.current_thread().name.split("_")[0], torch.get_num_threads(),
              os.sched_getscheduler(0))) or real(*a))
         try:

@@ -12,8 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dflash.server import create_server
-from dflash.tls import (ClientTLS, Issued, ServerTLS, TLSConfigError, TLSFiles, channel, issue,
-                        new_ca, write_pair)
+from dflash.tls import ClientTLS, Issued, ServerTLS, TLSConfigError, TLSFiles, channel, issue, new_ca, write_pair
 
 HOSTS = ["localhost", "127.0.0.1"]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.config import default_target_layer_ids
 from dflash.testing import make_tiny_target
 from dflash.train.blocks import block_mask, build_batch, position_weights, valid_anchors
 from dflash.train.featcache import as_numpy_seq
 from dflash.train.tokdata import TokenStore
-from dflash.train.trainer import Trainer, TrainConfig, batch_loss
+from dflash.train.trainer import TrainConfig, Trainer, batch_loss
 
 B = 4
 MASK_ID = 259          # "<|mask|>" of the tiny byte tokenizer

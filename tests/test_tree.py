@@ -36,8 +36,7 @@ from scipy import stats
 from scipy.optimize import brentq
 
 from dflash.sampling import Sampling, probs_from_logits
-from verifier_svc.tree import (MAX_TREE_BUDGET, DraftTree, TreeVerified, ancestor_mask,
-                               build_tree, verify_trees)
+from verifier_svc.tree import MAX_TREE_BUDGET, DraftTree, TreeVerified, ancestor_mask, build_tree, verify_trees
 from verifier_svc.verification import RowParams, commit_cut, verify_batch
 
 ALPHA = 1e-3
@@ -705,7 +704,7 @@ def test_batch_equals_each_row_alone():
     for case in range(40):
         target = PathTarget(vocab, seed=500 + case, scale=rng.choice([1.0, 3.0]))
         rows = []
-        for r in range(rng.randint(1, 8)):
+        for _ in range(rng.randint(1, 8)):
             context = (rng.randrange(vocab),)
             kind = rng.random()
             if kind < 0.15:
@@ -720,7 +719,7 @@ def test_batch_equals_each_row_alone():
             rows.append((tree, target.tree_logits(context, tree), s, rng.randrange(2**62), stops,
                          rng.randint(1, 8)))
 
-        def pars():
+        def pars(rows):
             out, shared = [], None
             for i, (_, _, s, seed, stops, room) in enumerate(rows):
                 g = None if s.greedy else torch.Generator().manual_seed(seed)
@@ -730,8 +729,8 @@ def test_batch_equals_each_row_alone():
                 out.append(params(s, g, stops, room))
             return out
 
-        batch = verify_trees([r[0] for r in rows], [r[1] for r in rows], pars())
-        alone_pars = pars()
+        batch = verify_trees([r[0] for r in rows], [r[1] for r in rows], pars(rows))
+        alone_pars = pars(rows)
         alone = [verify_trees([r[0]], [r[1]], [p])[0] for r, p in zip(rows, alone_pars)]
         assert batch == alone
         assert all(v.nodes == len(r[0].tokens) and v.drafted == r[0].max_depth

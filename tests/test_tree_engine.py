@@ -7,10 +7,11 @@ import threading
 
 import pytest
 
-from conftest import generate_ids
 from dflash.v1 import common_pb2, verifier_pb2
-from doubles import ReferenceDrafter
 from drafter_svc.engine import DrafterEngine
+
+from conftest import generate_ids
+from doubles import ReferenceDrafter
 from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
 
 

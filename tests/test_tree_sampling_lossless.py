@@ -20,15 +20,26 @@ import functools
 
 import numpy as np
 import pytest
-import torch
 
 from dflash.proposer import Proposal
 from dflash.sampling import Sampling
-from test_sampling_lossless import (ALPHA, BIAS, N_TRANSITIONS, PROMPT, SETTINGS,
-                                    TOKENS_PER_REQUEST, FixedQDrafter, MarkovTarget, draft_probs,
-                                    exact_transition_probs, goodness_of_fit, required_samples,
-                                    transition_counts)
 from verifier_svc.engine import Request, VerifierEngine
+
+from test_sampling_lossless import (
+    ALPHA,
+    BIAS,
+    N_TRANSITIONS,
+    PROMPT,
+    SETTINGS,
+    TOKENS_PER_REQUEST,
+    FixedQDrafter,
+    MarkovTarget,
+    draft_probs,
+    exact_transition_probs,
+    goodness_of_fit,
+    required_samples,
+    transition_counts,
+)
 
 BUDGET = 8
 

@@ -46,7 +46,7 @@ import weakref
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.device import checkpoint_dtype, dtype_name, resolve_dtype
 from dflash.kv_pool import check_compact
@@ -82,7 +82,7 @@ class EPShard(TargetModel):
         self.ep_size = ep_size
         super().__init__(path, dtype=dtype, device=device, skinny_max_rows=skinny_max_rows)
 
-    def _load(self) -> torch.nn.Module:
+    def _load(self) -> PreTrainedModel:
         from transformers import AutoConfig
         from transformers.distributed import DistributedConfig
 
@@ -97,7 +97,8 @@ class EPShard(TargetModel):
             raise ValueError(f"{self.path}: not a mixture-of-experts model; expert parallelism "
                              "needs one (dflash convert-moe makes an exact MoE form of a dense target)")
         if next(model.parameters()).device != self.device:   # this rank's GPU (init_group)
-            model = model.to(self.device)
+            # transformers types .to as functools.wraps(nn.Module.to), whose first parameter is self
+            model = model.to(self.device)  # type: ignore[arg-type]
         return model.eval()
 
 

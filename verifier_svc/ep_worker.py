@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     try:
         device = resolve_device(a.device)
     except DeviceError as e:
-        raise SystemExit(f"python -m verifier_svc.ep_worker: error: {e}")
+        raise SystemExit(f"python -m verifier_svc.ep_worker: error: {e}") from None
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s ep-rank{a.rank}: %(message)s")
     log = logging.getLogger("dflash.verifier.ep")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -37,9 +38,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor          # [b, q] int64
     pos: torch.Tensor          # [b, q] int64
-    mask: object               # bool [b, 1, q, capacity], or a dict of them by layer type
+    mask: Any                  # bool [b, 1, q, capacity], or a dict of them by layer type
     starts: torch.Tensor       # [b] int64
-    out: object                # the model output of the captured forward (static tensors)
+    out: Any                   # the model output of the captured forward (static tensors)
 
 
 class GraphRunner:
@@ -69,10 +70,10 @@ class GraphRunner:
             self._graphs.clear()
             self._signature = signature
         b, q = ids.shape
-        key = (row0, b, q, tuple(want) if want else False)
+        key = (row0, b, q, tuple(want) if isinstance(want, list) and want else False)
         g = self._graphs.get(key)
         fresh = g is None
-        if fresh:
+        if g is None:
             if len(self._graphs) >= MAX_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
             g = self._static(b, q, mask)

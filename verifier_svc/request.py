@@ -12,8 +12,8 @@ from typing import Protocol
 from dflash.logits_processors import TokenLogprob
 from dflash.proposer import Proposer
 from dflash.sampling import InvalidParam, Sampling
-from dflash.stats import AcceptanceCounter
 from dflash.speculation import MAX_TREE_BUDGET, MODES
+from dflash.stats import AcceptanceCounter
 from verifier_svc.policy import Decision
 
 MAX_BLOCK_SIZE = 64

@@ -67,10 +67,10 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                        (SERVICE,), max_streams=streams or 512, tls=tls)
     rt.servicer = servicer
-    servicer.admission_metrics = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
+    servicer.admission_metrics = admission = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
     BreakerGauges(telemetry.registry, lambda: servicer.pool.proposers() if servicer.pool else [])
     if engine is not None:
-        engine.scheduler.queue_wait_listeners.append(servicer.admission_metrics.observe_queue_wait)
+        engine.scheduler.queue_wait_listeners.append(admission.observe_queue_wait)
     return rt
 
 
@@ -150,6 +150,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=env("DFLASH_BREAKER_PROBE_INTERVAL_S", "1.0"),
                    help="seconds between probes of a drafter out of the step path "
                         "[DFLASH_BREAKER_PROBE_INTERVAL_S]")
+    p.add_argument("--draft-deadline-floor", type=positive_float,
+                   default=env("DFLASH_DRAFT_DEADLINE_FLOOR_S", "0.05"),
+                   help="seconds a step waits for its drafts at least, however little the cost "
+                        "model says speculating is worth (at most --draft-timeout); a reply "
+                        "this fast never counts against a drafter [DFLASH_DRAFT_DEADLINE_FLOOR_S]")
     p.add_argument("--context-flush", type=at_least(1), default=env("DFLASH_CONTEXT_FLUSH", "8"),
                    help="on steps without speculation, send a session's new context features to "
                         "its drafter once this many rows are unsent (1 = every step); a draft "
@@ -188,7 +193,7 @@ def main(argv=None) -> None:
         tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
         devices = _devices(a)      # a GPU that is not there: refused before anything loads
     except (TLSConfigError, DeviceError) as e:
-        raise SystemExit(f"python -m verifier_svc: error: {e}")
+        raise SystemExit(f"python -m verifier_svc: error: {e}") from None
     threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
     telemetry = Telemetry.from_env("verifier")
     rt = build(None, a.bind, telemetry=telemetry,
@@ -207,7 +212,7 @@ def main(argv=None) -> None:
                             admission=Admission(max_waiting=a.max_waiting,
                                                 max_waiting_tokens=a.max_waiting_tokens))
     _warmup(engine)
-    breaker = BreakerConfig(a.breaker_failures, a.breaker_probe_interval)
+    breaker = BreakerConfig(a.breaker_failures, a.breaker_probe_interval, a.draft_deadline_floor)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker,
            upstream_tls=upstream_tls)
@@ -225,8 +230,13 @@ def main(argv=None) -> None:
     rt.set_serving(True)
     log.info("SERVING %s on port %d", a.target, rt.port)
     close = target.close   # expert parallel: stop the other ranks
-    run_until_signal(rt, a.grace,
-                     on_stop=lambda: (stop.set(), stop_log.set(), close(), telemetry.shutdown()))
+    def on_stop() -> None:
+        stop.set()
+        stop_log.set()
+        close()
+        telemetry.shutdown()
+
+    run_until_signal(rt, a.grace, on_stop=on_stop)
 
 
 def _budgets(text: str) -> tuple[int, ...]:
@@ -263,11 +273,11 @@ def _load_target(a, rt, devices):
         return target
     from verifier_svc.ep import DistributedTarget
 
-    target = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, devices=devices,
+    shards = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, devices=devices,
                                threads=a.threads, timeout_s=a.ep_timeout,
                                skinny_max_rows=a.skinny_max_rows)
-    target.on_failure.append(lambda reason: rt.set_serving(False))
-    return target
+    shards.on_failure.append(lambda reason: rt.set_serving(False))
+    return shards
 
 
 def _warmup(engine) -> None:

@@ -12,8 +12,8 @@ from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from
 from dflash.sampling import InvalidParam
 from dflash.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.cards import check_drafter_card
+from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer
 from verifier_svc.scheduler import Overloaded
@@ -86,12 +86,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return set(self._registered)
 
     def _ready(self, context) -> VerifierEngine:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading")
-        failure = self.engine.target.failure
+            raise AssertionError("unreachable: context.abort raises")
+        failure = engine.target.failure
         if failure:  # an expert-parallel rank died: fail fast, never queue behind a dead group
             context.abort(grpc.StatusCode.UNAVAILABLE, f"target unavailable: {failure}")
-        return self.engine
+        return engine
 
     def Describe(self, request, context):
         t = self._ready(context).target
@@ -191,6 +193,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise PreconditionError("speculation.drafter_address",
                                         f"{spec.drafter_address[:64]!r} is not a registered "
                                         "drafter (register it through the gateway's admin plane)")
+        assert self.pool is not None            # set with the engine, which _ready found
         try:
             return self.pool.get(spec.drafter_address)
         except grpc.RpcError as e:

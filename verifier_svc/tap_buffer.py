@@ -47,7 +47,7 @@ class TapRows:
             self._wait()                      # the old buffer's rows are read below
             grown = torch.empty((end + ROOM, *rows.shape[1:]), dtype=rows.dtype,
                                 device="cpu", pin_memory=True)
-            if self._n:
+            if buf is not None and self._n:
                 grown[:self._n].copy_(buf[:self._n])
             self._buf = buf = grown
         buf[self._n:end].copy_(rows, non_blocking=True)

@@ -18,9 +18,10 @@ import operator
 import os
 import threading
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.checkpoint import target_fingerprint
 from dflash.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
@@ -106,7 +107,7 @@ class TargetModel:
             eos = self.config.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
-        embed = self.model.get_input_embeddings().weight
+        embed = cast(torch.Tensor, self.model.get_input_embeddings().weight)   # [V, H]
         if hasattr(embed, "full_tensor"):  # a sharded DTensor (expert parallel): gather, all ranks
             embed = embed.full_tensor()
         self.fingerprint = target_fingerprint(text, embed.detach().cpu())
@@ -129,10 +130,11 @@ class TargetModel:
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
 
-    def _load(self) -> torch.nn.Module:
+    def _load(self) -> PreTrainedModel:
         """The eval-mode model (``verifier_svc.ep.EPShard`` loads this rank's expert shard)."""
         return AutoModelForCausalLM.from_pretrained(
-            str(self.path), dtype=self.dtype, use_safetensors=True).to(self.device).eval()
+            str(self.path), dtype=self.dtype, use_safetensors=True
+        ).to(self.device).eval()  # type: ignore[arg-type]  # .to's type: functools.wraps(nn.Module.to)
 
     def new_cache(self) -> PoolSeq:
         """A session's cache: a sequence of the batch KV pool."""
@@ -185,10 +187,11 @@ class TargetModel:
         shape replays its captured graph instead (``verifier_svc.graphs``)."""
         b, q = ids.shape
         end = max(lens) + q
-        graphs = self.graphs is not None and self.graphs.takes(b, q, logits_to_keep, trees)
-        pos, mask = self._layout(lens, q, self.pool.capacity if graphs else end, trees)
-        if graphs:
-            return self.graphs.run(ids, pos, mask, row0, lens, want)
+        runner = (self.graphs if self.graphs is not None and self.graphs.takes(b, q, logits_to_keep, trees)
+                  else None)
+        pos, mask = self._layout(lens, q, self.pool.capacity if runner is not None else end, trees)
+        if runner is not None:
+            return runner.run(ids, pos, mask, row0, lens, want)
         dev = self.device
         mask = ({k: to_device(m, dev) for k, m in mask.items()} if isinstance(mask, dict)
                 else to_device(mask, dev))
@@ -228,10 +231,9 @@ class TargetModel:
                 causal[i, :m, start:start + m] = anc
                 pos[i, :m] = start + depth
                 col_pos[i, start:start + m] = start + depth
-        window = None
-        if self.sliding_window:
-            window = causal & (col_pos[:, None, :] > pos[:, :, None] - self.sliding_window)
-        masks = {"full_attention": causal, "sliding_attention": window}
+        masks = {"full_attention": causal}
+        if self.sliding_window:     # set for every layout with sliding layers (_attention_layout)
+            masks["sliding_attention"] = causal & (col_pos[:, None, :] > pos[:, :, None] - self.sliding_window)
         if self._mask_kind == "mixed":
             return pos, {k: m[:, None] for k, m in masks.items()}
         return pos, masks[self._mask_kind][:, None]
@@ -317,7 +319,7 @@ class TargetModel:
         ids = torch.zeros((b, q), dtype=torch.int64, device="cpu")
         for r, blk in zip(rows, blocks):
             ids[r, :len(blk)] = torch.tensor(blk, dtype=torch.int64, device="cpu")
-        by_row = None
+        by_row: list[list[int] | None] | None = None
         if trees is not None:
             by_row = [None] * b
             for r, tree in zip(rows, trees):

@@ -42,7 +42,7 @@ import math
 import torch
 
 from dflash.sampling import probs_from_logits, sample_from
-from dflash.speculation import MAX_TREE_BUDGET   # nodes per tree (root not counted)
+from dflash.speculation import MAX_TREE_BUDGET  # nodes per tree (root not counted)
 from verifier_svc.verification import RowParams, Verified, commit_cut
 
 __all__ = ["MAX_TREE_BUDGET", "DraftTree", "TreeVerified", "build_tree", "ancestor_mask",
@@ -150,7 +150,7 @@ def build_tree(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int) -
     depths: list[int] = [0]
     # Entries: (-score, rank tuple, depth, rank, parent block index, parent score). Rank tuples
     # are unique, so comparisons never reach the non-key fields.
-    heap = [(-lp[0][0], (0,), 1, 0, 0, 0.0)]
+    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [(-lp[0][0], (0,), 1, 0, 0, 0.0)]
     while heap and len(tokens) < budget:
         neg, ranks, d, r, parent, parent_score = heapq.heappop(heap)
         tokens.append(ids[d - 1][r])
@@ -264,6 +264,7 @@ def _walk(tree: DraftTree, logits: torch.Tensor, par: RowParams) -> TreeVerified
             return int(logits[j].argmax())
     else:
         gen = par.generator
+        assert gen is not None                  # RowParams requires one for a sampled row
 
         def choose(j: int) -> int:
             p = probs_from_logits(logits[j], par.sampling).to(gen.device)

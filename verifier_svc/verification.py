@@ -121,6 +121,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         if par.sampling.greedy:
             continue
         k, gen = drafts[i].shape[0], par.generator
+        assert gen is not None                # RowParams requires one for a sampled row
         u = _uniforms_open_closed(torch.rand((1, k), generator=gen, device=gen.device))
         e = torch.empty((1, k + 1, vocab), dtype=torch.float32,
                         device=gen.device).exponential_(generator=gen)
@@ -131,7 +132,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         groups.setdefault((par.sampling.greedy, drafts[i].shape[0]), []).append(i)
 
     raw: list[tuple[int, list[int]] | None] = [None] * n
-    for (greedy, k), rows in groups.items():
+    for (greedy, _k), rows in groups.items():
         device = logits[rows[0]].device
         d = torch.stack([drafts[i].to(device=device, dtype=torch.int64) for i in rows])  # [m, k]
         if greedy:
@@ -139,8 +140,8 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         else:
             p = torch.stack([probs_from_logits(logits[i], params[i].sampling) for i in rows])
             q = torch.stack([
-                draft_probs[i].to(device=device, dtype=torch.float32)
-                if draft_probs[i] is not None else
+                qi.to(device=device, dtype=torch.float32)
+                if (qi := draft_probs[i]) is not None else
                 torch.nn.functional.one_hot(d[j], vocab).float()
                 for j, i in enumerate(rows)])                                       # [m, k, V]
             u = torch.cat([noise[i][0] for i in rows]).to(device)                    # [m, k]
@@ -151,7 +152,9 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
 
     results = []
     for i, par in enumerate(params):
-        new, accepted, finish = commit_cut(raw[i][1], raw[i][0], par)
+        row = raw[i]
+        assert row is not None                    # every row is in one group
+        new, accepted, finish = commit_cut(row[1], row[0], par)
         results.append(Verified(tokens=new, accepted=accepted, drafted=drafts[i].shape[0],
                                 finish=finish))
     return results
@@ -190,8 +193,8 @@ def _uniforms_open_closed(u: torch.Tensor) -> torch.Tensor:
 
 
 def _check_rows(drafts, logits, draft_probs, params) -> int:
-    """Validate every row's shapes; return the (common) vocabulary size."""
-    vocab = None
+    """Validate every row's shapes (at least one row); return the (common) vocabulary size."""
+    vocab: int | None = None
     for i, (d, lg, q, par) in enumerate(zip(drafts, logits, draft_probs, params)):
         if not isinstance(par, RowParams):
             raise ValueError(f"params[{i}]: expected RowParams, got {type(par).__name__}")
@@ -208,4 +211,5 @@ def _check_rows(drafts, logits, draft_probs, params) -> int:
         if q is not None and tuple(q.shape) != (k, vocab):
             raise ValueError(f"draft_probs[{i}]: expected [k = {k}, V = {vocab}], got "
                              f"{tuple(q.shape)}")
+    assert vocab is not None
     return vocab

@@ -8,8 +8,14 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from grpc import aio
 
-from dflash.client._common import (CHANNEL_OPTIONS, Collector, Completion, GenerateError,
-                                   call_metadata, channel_credentials)
+from dflash.client._common import (
+    CHANNEL_OPTIONS,
+    Collector,
+    Completion,
+    GenerateError,
+    call_metadata,
+    channel_credentials,
+)
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
 

@@ -6,8 +6,14 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from dflash.client._common import (CHANNEL_OPTIONS, Collector, Completion, GenerateError,
-                                   call_metadata, channel_credentials)
+from dflash.client._common import (
+    CHANNEL_OPTIONS,
+    Collector,
+    Completion,
+    GenerateError,
+    call_metadata,
+    channel_credentials,
+)
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
 
