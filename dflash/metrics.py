@@ -232,10 +232,22 @@ class AdmissionMetrics:
 
 
 class BreakerGauges:
-    """``dflash_spec_decode_drafter_circuit_open{drafter_version, address}``: 1 while that
-    drafter's circuit breaker keeps it out of the step path, else 0; and
-    ``dflash_spec_decode_drafter_circuit_trips_total``: times it opened. Read at scrape time
-    from ``proposers()`` (objects with ``card.label``, ``address`` and ``breaker``)."""
+    """Each drafter's circuit breaker and deadline, read at scrape time from ``proposers()``
+    (objects with ``card.label``, ``address``, ``breaker``, ``latency`` and
+    ``last_deadline_s``: ``verifier_svc.drafter_client.RemoteProposer``), labelled
+    ``drafter_version`` and ``address``:
+
+    * ``dflash_spec_decode_drafter_circuit_open``: 1 while the breaker keeps the drafter out of
+      the step path, else 0;
+    * ``dflash_spec_decode_drafter_circuit_trips_total{reason}``: times it opened, by reason
+      (``slow``: later than speculating was worth; ``failing``: past ``--draft-timeout``,
+      errors, the stream down);
+    * ``dflash_spec_decode_drafter_latency_seconds``: EMA of its answered draft calls' round
+      trips (late replies included);
+    * ``dflash_spec_decode_drafter_deadline_seconds``: how long its last draft call could wait.
+    """
+
+    REASONS = ("slow", "failing")
 
     def __init__(self, registry: CollectorRegistry, proposers: Callable[[], list]):
         self.proposers = proposers
@@ -245,16 +257,29 @@ class BreakerGauges:
         return []
 
     def collect(self):
+        labels = [V, "address"]
         g = GaugeMetricFamily("dflash_spec_decode_drafter_circuit_open",
                               "1 while the drafter is out of the step path (circuit breaker open).",
-                              labels=[V, "address"])
+                              labels=labels)
         c = CounterMetricFamily("dflash_spec_decode_drafter_circuit_trips",
-                                "Times the drafter's circuit breaker opened.", labels=[V, "address"])
+                                "Times the drafter's circuit breaker opened, by reason.",
+                                labels=labels + ["reason"])
+        lat = GaugeMetricFamily("dflash_spec_decode_drafter_latency_seconds",
+                                "EMA round trip of the drafter's answered draft calls.", labels=labels)
+        dl = GaugeMetricFamily("dflash_spec_decode_drafter_deadline_seconds",
+                               "Seconds the drafter's last draft call could wait (what speculating "
+                               "was worth, floored, capped by --draft-timeout).", labels=labels)
         for p in self.proposers():
-            g.add_metric([p.card.label, p.address], 1.0 if p.breaker.is_open else 0.0)
-            c.add_metric([p.card.label, p.address], float(p.breaker.trips))
+            key = [p.card.label, p.address]
+            g.add_metric(key, 1.0 if p.breaker.is_open else 0.0)
+            for reason in self.REASONS:
+                c.add_metric(key + [reason], float(p.breaker.trips_by_reason.get(reason, 0)))
+            lat.add_metric(key, p.latency.value)
+            dl.add_metric(key, p.last_deadline_s)
         yield g
         yield c
+        yield lat
+        yield dl
 
 
 class GatewayMetrics:

@@ -1,20 +1,34 @@
 """Drafter circuit breaker: a drafter that keeps missing its deadline is taken out of the step
 path (steps stop waiting for it, output unchanged), probed in the background, and used again
-once it answers in time."""
+once it answers in time. The deadline of a steady step is what speculating is worth (the cost
+model's budget, floored, capped by ``--draft-timeout``): a drafter that answers just under
+``--draft-timeout``, or one paused mid-request, trips it within a few floors."""
 
 from __future__ import annotations
 
+import json
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
-from conftest import generate_ids
 from dflash.metrics import BreakerGauges
+from dflash.proposer import DraftError
+from dflash.server import wait_healthy
 from dflash.v1 import verifier_pb2
-from doubles import ReferenceDrafter
-from verifier_svc.drafter_client import BreakerConfig, CircuitBreaker
+from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker
 from verifier_svc.servicer import DrafterPool
+
+from conftest import generate_ids
+from doubles import ReferenceDrafter
+from helpers import free_ports
 
 B = 4
 DEADLINE_S = 0.2
@@ -36,8 +50,6 @@ def test_breaker_opens_after_k_consecutive_failures_and_success_resets():
 
 
 def test_breaker_config_is_checked():
-    import pytest
-
     with pytest.raises(ValueError, match="failures"):
         BreakerConfig(failures=-1)
     with pytest.raises(ValueError, match="probe_interval_s"):
@@ -45,28 +57,41 @@ def test_breaker_config_is_checked():
 
 
 class SlowDrafter:
-    """The oracle, sleeping ``delay`` seconds before each batch it answers."""
+    """The oracle, sleeping ``delay`` seconds before each batch it answers; with ``pause_after``
+    set, every batch after that many blocks until ``resume()`` (a paused process)."""
 
     def __init__(self, inner: ReferenceDrafter):
         self.inner, self.card = inner, inner.card
         self.delay = 0.0
+        self.calls = 0
+        self.pause_after: int | None = None
+        self._running = threading.Event()
+        self._running.set()
 
     def propose(self, requests):
+        self.calls += 1
+        if self.pause_after is not None and self.calls > self.pause_after:
+            self._running.clear()
+            self.pause_after = None
+        self._running.wait(60)
         if self.delay:
             time.sleep(self.delay)
         return self.inner.propose(requests)
+
+    def resume(self):
+        self._running.set()
 
     def release(self, ids):
         self.inner.release(ids)
 
 
-def timed_generate(stub, prompt, session, spec):
-    """(token ids, last chunk, arrival time of each chunk)."""
-    req = verifier_pb2.VerifierGenerateRequest(prompt_token_ids=prompt, max_tokens=N, ignore_eos=True,
+def timed_generate(stub, prompt, session, spec, n=N):
+    """(token ids, last chunk, ``time.monotonic()`` arrival of each chunk)."""
+    req = verifier_pb2.VerifierGenerateRequest(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True,
                                                session_id=session, speculation=spec)
     ids, last, times = [], None, []
     for chunk in stub.Generate(req):
-        times.append(time.perf_counter())
+        times.append(time.monotonic())
         ids += list(chunk.token_ids)
         last = chunk
     return ids, last, times
@@ -94,11 +119,14 @@ def test_slow_drafter_trips_the_breaker_output_unchanged_and_speculation_resumes
     labels = {"drafter_version": proposer.card.label, "address": addr}
     try:
         drafter.delay = SLOW_S
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         ids, last, times = timed_generate(v, PROMPT, "slow", spec)
         assert ids == off_ids                     # lossless: identical to speculation off
         assert proposer.breaker.is_open and proposer.breaker.trips == 1
+        assert proposer.breaker.reason == FAILING       # never answered within --draft-timeout
         assert registry.get_sample_value("dflash_spec_decode_drafter_circuit_open", labels) == 1
+        assert registry.get_sample_value("dflash_spec_decode_drafter_circuit_trips_total",
+                                         {**labels, "reason": FAILING}) == 1
         assert last.stats.fallback_steps == N - 1 - 1   # every step with room for a draft
         assert last.stats.drafts == 0
         g = gaps(times)
@@ -124,3 +152,267 @@ def test_slow_drafter_trips_the_breaker_output_unchanged_and_speculation_resumes
         assert last.stats.mean_acceptance_length > 1.0
     finally:
         pool.close()
+
+
+# ---------------------------------------------------------------------- the budget's deadline
+CAP_S = 0.5             # --draft-timeout of these tests
+FLOOR_S = 0.02          # --draft-deadline-floor of these tests
+N_LONG = 80
+
+
+class StepLog:
+    """The engine's decode steps of one session: (time.monotonic(), fallback reason)."""
+
+    def __init__(self, engine, session):
+        self.rows: list[tuple[float, str | None]] = []
+        self.session = session
+        engine.step_listeners.append(self)
+
+    def __call__(self, req, ev):
+        if req.session_id == self.session:
+            self.rows.append((time.monotonic(), ev.fallback))
+
+
+def off_itl(v, prompt, n, warm=True):
+    """Token ids of speculation off and its inter-token gaps (seconds)."""
+    if warm:
+        generate_ids(v, prompt, max_tokens=n, ignore_eos=True)
+    ids, _, times = timed_generate(v, prompt, "", verifier_pb2.SpeculationParams(), n)
+    return ids, gaps(times)
+
+
+def breaker_setup(stack, drafter, label):
+    addr = stack.add_drafter(drafter, label=label)
+    pool = DrafterPool(stack.engine, timeout_s=CAP_S,
+                       breaker=BreakerConfig(failures=3, probe_interval_s=0.1,
+                                             deadline_floor_s=FLOOR_S))
+    stack.verifier.servicer.pool = pool
+    return addr, pool, pool.get(addr)
+
+
+def after_trip(times, opened_at):
+    """Inter-token gaps of the chunks that arrived after the breaker opened."""
+    return gaps([t for t in times if t > opened_at])
+
+
+def wait_closed(proposer, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while proposer.breaker.is_open:
+        assert time.monotonic() < deadline, f"breaker did not close within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def assert_within_twice_off(after, off_runs, what):
+    """The median gap of ``after`` within 2x speculation off's median. ``off_runs``: the gaps
+    of off runs just before and just after (the larger median: this machine is shared, and
+    its load moves every gap)."""
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]   # noqa: E731
+    off_med = max(q(g, 0.5) for g in off_runs)
+    med, p90 = q(after, 0.5), q(after, 0.9)
+    print(f"{what}: ITL after the trip median {1e3 * med:.2f} ms, p90 {1e3 * p90:.2f} ms, max "
+          f"{1e3 * max(after):.2f} ms; speculation off median {1e3 * off_med:.2f} ms")
+    assert med <= 2 * off_med, (med, off_med)
+
+
+def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, target_model):
+    """Every reply 0.4 s, under the 0.5 s --draft-timeout: only the first call (the prompt's
+    upload, not priced by the cost model) waits for it; the next steady calls wait the
+    budget's deadline (the floor here: speculation on this tiny target is worth a few ms), so
+    three steps later the breaker is open ("slow") and the gaps are speculation off's."""
+    v = stack.verifier_stub()
+    off_ids, off_gaps = off_itl(v, PROMPT, N_LONG)
+    drafter = SlowDrafter(ReferenceDrafter(target_model, {s: PROMPT + off_ids for s in
+                                                          ("under", "back")}, block_size=B))
+    addr, pool, proposer = breaker_setup(stack, drafter, "under@1")
+    spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr)
+    registry = CollectorRegistry()
+    BreakerGauges(registry, pool.proposers)
+    labels = {"drafter_version": proposer.card.label, "address": addr}
+    steps = StepLog(stack.engine, "under")
+    try:
+        drafter.delay = 0.8 * CAP_S
+        t0 = time.monotonic()
+        ids, last, times = timed_generate(v, PROMPT, "under", spec, N_LONG)
+        assert ids == off_ids                                   # lossless
+        b = proposer.breaker
+        assert b.is_open and b.trips == 1 and b.reason == SLOW
+        assert registry.get_sample_value("dflash_spec_decode_drafter_circuit_trips_total",
+                                         {**labels, "reason": SLOW}) == 1
+        assert registry.get_sample_value("dflash_spec_decode_drafter_deadline_seconds",
+                                         labels) == pytest.approx(FLOOR_S)
+        assert registry.get_sample_value("dflash_spec_decode_drafter_latency_seconds",
+                                         labels) >= 0.8 * CAP_S
+        reasons = [r for _, r in steps.rows]
+        assert reasons[0] is None and reasons[1:4] == ["slow"] * 3, reasons[:6]
+        # the last step has room for no draft (max_tokens): it asks the drafter nothing
+        assert set(reasons[4:-1]) == {"circuit_open"} and reasons[-1] is None
+        assert last.stats.fallback_steps == len(reasons) - 2   # all but the first and last
+        assert last.stats.drafts == 1
+        trip_s = b.opened_at - t0
+        print(f"just under --draft-timeout ({drafter.delay:.2f} s of {CAP_S} s): tripped "
+              f"{trip_s:.2f} s into the request after 4 decode steps (1 upload answered, "
+              f"3 misses of the {FLOOR_S} s deadline)")
+        assert trip_s < drafter.delay + 3 * FLOOR_S + 0.3
+        assert_within_twice_off(after_trip(times, b.opened_at),
+                                [off_gaps, off_itl(v, PROMPT, N_LONG, warm=False)[1]], "just under")
+
+        drafter.delay = 0.0                        # fast again: the probe re-admits it
+        wait_closed(proposer)
+        ids, last, _ = timed_generate(v, PROMPT, "back", spec, N_LONG)
+        assert ids == off_ids
+        assert last.stats.drafts > 0 and last.stats.fallback_steps == 0
+        assert registry.get_sample_value("dflash_spec_decode_drafter_circuit_open", labels) == 0
+    finally:
+        drafter.resume()
+        pool.close()
+
+
+def test_paused_drafter_trips_within_three_deadlines_output_unchanged(stack, target_model):
+    """The drafter answers the first steps, then blocks (a paused process): three steps wait
+    the budget's deadline each, then none waits; output identical to speculation off; resumed,
+    the probe re-admits it and the next request speculates again."""
+    v = stack.verifier_stub()
+    off_ids, off_gaps = off_itl(v, PROMPT, N_LONG)
+    drafter = SlowDrafter(ReferenceDrafter(target_model, {s: PROMPT + off_ids for s in
+                                                          ("paused", "resumed")}, block_size=B))
+    addr, pool, proposer = breaker_setup(stack, drafter, "paused@1")
+    spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr)
+    steps = StepLog(stack.engine, "paused")
+    try:
+        drafter.pause_after = 4
+        ids, last, times = timed_generate(v, PROMPT, "paused", spec, N_LONG)
+        assert ids == off_ids
+        b = proposer.breaker
+        assert b.is_open and b.reason == SLOW
+        reasons = [r for _, r in steps.rows]
+        assert reasons[:4] == [None] * 4 and reasons[4:7] == ["slow"] * 3, reasons[:8]
+        assert set(reasons[7:-1]) == {"circuit_open"}
+        assert last.stats.drafts == 4 and last.stats.accepted_tokens == 4 * (B - 1)
+        paused_at = steps.rows[3][0]
+        stalls = gaps([t for t, _ in steps.rows[3:8]])
+        print(f"paused: tripped {b.opened_at - paused_at:.3f} s after the pause (3 steps, gaps "
+              f"{[round(1e3 * g, 1) for g in stalls]} ms)")
+        assert b.opened_at - paused_at < 3 * FLOOR_S + 0.2
+        assert_within_twice_off(after_trip(times, b.opened_at),
+                                [off_gaps, off_itl(v, PROMPT, N_LONG, warm=False)[1]], "paused")
+
+        drafter.resume()
+        t_resume = time.monotonic()
+        wait_closed(proposer)
+        print(f"paused: re-admitted {time.monotonic() - t_resume:.2f} s after resuming")
+        ids, last, _ = timed_generate(v, PROMPT, "resumed", spec, N_LONG)
+        assert ids == off_ids and last.stats.drafts > 0 and last.stats.fallback_steps == 0
+    finally:
+        drafter.resume()
+        pool.close()
+
+
+@pytest.mark.slow
+def test_sigstopped_drafter_process_under_default_flags(stack, tiny_target):
+    """The issue's case: a drafter process paused (SIGSTOP) while 4 streams speculate through
+    it, with the default --draft-timeout (2 s) and floor (0.05 s): gaps stay under 0.25 s (they
+    were 5 s), output identical; after SIGCONT the probe re-admits it."""
+    v = stack.verifier_stub()
+    prompts = [PROMPT + [i] for i in range(4)]
+    offs = [generate_ids(v, p, max_tokens=N_LONG, ignore_eos=True)[0] for p in prompts]
+    refs = {f"stop{i}": p + o for i, (p, o) in enumerate(zip(prompts, offs))}
+    refs.update({f"cont{i}": r for i, r in enumerate(refs.values())})
+    with tempfile.TemporaryDirectory() as tmp:
+        refs_path = Path(tmp) / "refs.json"
+        refs_path.write_text(json.dumps(refs))
+        (port,) = free_ports(1)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "oracle_server.py"),
+                                 "--target", str(tiny_target), "--refs", str(refs_path),
+                                 "--port", str(port), "--block-size", str(B)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert wait_healthy(f"127.0.0.1:{port}", 60), "oracle drafter did not start"
+            addr = f"127.0.0.1:{port}"
+            pool = DrafterPool(stack.engine)            # the defaults: 2 s cap, 0.05 s floor
+            stack.verifier.servicer.pool = pool
+            proposer = pool.get(addr)
+            spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr)
+            out: dict = {}
+            speculating = threading.Barrier(5, timeout=60)
+
+            def stream(i):
+                req = verifier_pb2.VerifierGenerateRequest(
+                    prompt_token_ids=prompts[i], max_tokens=N_LONG, ignore_eos=True,
+                    session_id=f"stop{i}", speculation=spec)
+                ids, times, told = [], [], False
+                for chunk in v.Generate(req):
+                    ids += list(chunk.token_ids)
+                    times.append(time.monotonic())
+                    if not told and chunk.accepted:
+                        told = True
+                        speculating.wait()
+                        speculating.wait()      # the drafter is stopped now
+                out[i] = (ids, times)
+
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            speculating.wait()
+            proc.send_signal(signal.SIGSTOP)
+            t_stop = time.monotonic()
+            speculating.wait()
+            for t in threads:
+                t.join(60)
+            proc.send_signal(signal.SIGCONT)
+            t_cont = time.monotonic()
+            b = proposer.breaker
+            assert b.trips == 1 and b.reason == SLOW
+            worst = max(max(gaps([x for x in out[i][1] if x > t_stop])) for i in range(4))
+            print(f"SIGSTOP: tripped {b.opened_at - t_stop:.3f} s after the stop; worst gap "
+                  f"after it {1e3 * worst:.1f} ms")
+            assert worst < 0.25
+            for i in range(4):
+                assert out[i][0] == offs[i], f"stream {i} differs"
+            wait_closed(proposer, 30)
+            print(f"SIGSTOP: re-admitted {time.monotonic() - t_cont:.2f} s after SIGCONT")
+            ids, last = generate_ids(v, prompts[0], max_tokens=N_LONG, ignore_eos=True,
+                                     session_id="cont0", speculation=spec)
+            assert ids == offs[0] and last.stats.drafts > 0
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(30)
+
+
+def test_uploads_and_calls_queued_behind_them_wait_up_to_the_timeout(stack, target_model):
+    """A call that uploads context (from position 0, as a prompt or a resend) is not held to
+    the step's budget, nor is a call queued behind an unanswered upload; a steady call is."""
+    import torch
+
+    from dflash.proposer import ProposalRequest
+    from dflash.sampling import Sampling
+    from verifier_svc.drafter_client import RemoteProposer
+
+    drafter = SlowDrafter(ReferenceDrafter(target_model, {}, block_size=B))
+    addr = stack.add_drafter(drafter, label="uploads@1")
+    p = RemoteProposer(addr, drafter.card, timeout_s=2.0,
+                       breaker=BreakerConfig(failures=3, deadline_floor_s=FLOOR_S))
+    width = target_model.hidden_size
+
+    def req(sid, start, rows, block=B):
+        return ProposalRequest(session_id=sid, context_start=start,
+                               context=torch.zeros(rows, width), anchor_token=1,
+                               block_size=block, sampling=Sampling())
+
+    try:
+        assert len(p.propose([req("warm", 0, 1)])) == 1       # the stream is open
+        drafter.delay = 0.2
+        t0 = time.monotonic()
+        p.send_context([req("a", 0, 5, block=1)], lambda ids: None)   # an upload, unawaited
+        assert p.behind_upload()
+        res = p.propose_within([req("b", 0, 1)], 0.001, lambda ids: None)
+        waited = time.monotonic() - t0
+        # behind the upload: waited for the reply (the double knows no session "b")
+        assert res[0].reason == "unknown_session", res
+        assert waited >= 0.35 and p.breaker.consecutive == 0
+        assert not p.behind_upload()
+        res = p.propose_within([req("b", 1, 1)], 0.001, lambda ids: None)
+        assert isinstance(res[0], DraftError) and res[0].reason == "slow"
+        assert p.last_deadline_s == FLOOR_S and p.breaker.consecutive == 1
+    finally:
+        p.close()

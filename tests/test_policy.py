@@ -7,13 +7,14 @@ import types
 import grpc
 import pytest
 
-from conftest import Stack, generate_ids
 from dflash.sampling import InvalidParam
 from dflash.v1 import verifier_pb2
-from doubles import ReferenceDrafter, chains
-from helpers import PROMPTS, reference
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
+
+from conftest import Stack, generate_ids
+from doubles import ReferenceDrafter, chains
+from helpers import PROMPTS, reference
 
 LABEL = "d@1"
 
@@ -215,9 +216,9 @@ def test_sessions_without_speculation_flush_together(target_model, hf_target):
     real = engine.sync.draft
     calls = []                      # per step with a drafter call: [(unsent, room, sent)] per job
 
-    def draft_all(items):
+    def draft_all(items, *budget):
         before = [(it.cached - it.state.length, it.room) for it in items]
-        out = real(items)
+        out = real(items, *budget)
         sent = [it.state.length == it.cached and u > 0 for it, (u, _) in zip(items, before)]
         if any(sent):
             calls.append([(u, room, s) for (u, room), s in zip(before, sent)])

@@ -19,7 +19,7 @@ How the policy weighs these against step cost: ``verifier_svc/policy.py``.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 from verifier_svc.cost_model import EMA
 
@@ -60,7 +60,7 @@ def session_table(prior: list[float], stats: PositionCounts | None,
             a = acc[p] if p < len(acc) else 0
             r = (a + strength * base) / (n + strength)
         else:
-            r = last * base / last_prior if last_prior else base
+            r = last * base / last_prior if last is not None and last_prior else base
         if last is not None:
             r = min(r, last)      # unconditional rates never rise with the position
         last, last_prior = r, base
@@ -83,7 +83,7 @@ class AcceptanceEstimator:
         # and what they committed beyond the bonus token, EMAs per step
         self._expected_extra = EMA(alpha)
         self._committed_extra = EMA(alpha)
-        self._pending: tuple[list[int], float] | None = None   # (job indices, expected extra)
+        self._pending: dict[int, float] | None = None   # job index -> expected extra tokens
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
 
     # ------------------------------------------------------------------ rates
@@ -154,23 +154,30 @@ class AcceptanceEstimator:
         return {key: e.value for key, e in list(self._trees.items())}
 
     # ------------------------------------------------------------------ calibration
-    def expect(self, indices: list[int], extra: float) -> None:
+    def expect(self, indices: Sequence[int], extra: float | Sequence[float]) -> None:
         """The step about to run is speculative: jobs ``indices`` (positions in the step's job
-        list) are expected to commit ``extra`` drafted tokens in all (uncalibrated)."""
-        self._pending = (indices, extra)
+        list) are expected to commit ``extra`` drafted tokens (uncalibrated): a total spread
+        evenly over them, or one figure per job in the order of ``indices``."""
+        each = [extra / len(indices)] * len(indices) if isinstance(extra, (int, float)) \
+            else list(extra)
+        self._pending = dict(zip(indices, each))
 
     def clear_expectation(self) -> None:
         """The step about to run feeds no calibration (no speculative adaptive job)."""
         self._pending = None
 
-    def observe_outcome(self, committed: Sequence[int]) -> None:
+    def observe_outcome(self, committed: Sequence[int], skip: Collection[int] = ()) -> None:
         """Tokens each job of the step just run emitted (bonus token included), indexed like the
-        step's jobs. Only a step announced by :meth:`expect` counts; the expectation is used up."""
+        step's jobs. Only a step announced by :meth:`expect` counts, without the jobs ``skip``
+        (their drafts never arrived: a failed or cut-off drafter is not a wrong estimate); the
+        expectation is used up."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        idx, expected = pending
-        self._expected_extra.add(expected)
+        idx = [i for i in pending if i not in skip]
+        if not idx:
+            return
+        self._expected_extra.add(sum(pending[i] for i in idx))
         self._committed_extra.add(sum(max(committed[i] - 1, 0) for i in idx))
 
     @property

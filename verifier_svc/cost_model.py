@@ -9,7 +9,10 @@
       step seconds ~ a + per_session * B + per_token * B * (K + 1)
 
   floored by the dearest confirmed cell with no more sessions and no more drafts
-  (:meth:`StepCostModel.fit`, :meth:`StepCostModel.estimate`).
+  (:meth:`StepCostModel.fit`, :meth:`StepCostModel.estimate`);
+* verify cells: ``(bucket(B), K) -> seconds`` of the target's verify alone (no draft), from
+  which :meth:`StepCostModel.draft_budget` derives how long a step may wait for its drafts
+  before speculating costs more than not speculating (the drafter calls' deadline).
 
 How the policy weighs these costs against expected tokens: ``verifier_svc/policy.py``.
 """
@@ -79,6 +82,7 @@ class StepCostModel:
     def __init__(self, alpha: float = 0.05):
         self.alpha = alpha
         self.cells: dict[tuple[int, int], _Cell] = {}   # (bucket, K) -> step seconds
+        self.verify_cells: dict[tuple[int, int], _Cell] = {}   # (bucket, K) -> verify seconds
         self._overhead = EMA(alpha)                    # seconds per cycle outside verify + draft
 
     # ------------------------------------------------------------------ inputs
@@ -86,6 +90,11 @@ class StepCostModel:
         """One step of ``batch`` sessions whose largest block had ``k`` drafts took ``seconds``
         (verify + draft)."""
         self.cells.setdefault((bucket(batch), k), _Cell(self.alpha)).add(seconds)
+
+    def observe_verify(self, batch: int, k: int, seconds: float) -> None:
+        """The target's verify of one step of ``batch`` sessions whose largest block had ``k``
+        drafts took ``seconds`` (no draft time: what the drafter costs is not in it)."""
+        self.verify_cells.setdefault((bucket(batch), k), _Cell(self.alpha)).add(seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """Seconds of one decode cycle (step end to step end, no prefill in between) spent
@@ -100,6 +109,42 @@ class StepCostModel:
     def measured(self, b: int, k: int) -> bool:
         """Whether cell (bucket ``b``, ``k`` drafts) has at least one step."""
         return (b, k) in self.cells
+
+    def verify_seconds(self, b: int, k: int) -> float | None:
+        """Verify seconds of a step at (bucket ``b``, ``k`` drafts): its verify cell; unmeasured,
+        the dearest measured cell of bucket ``b`` with fewer drafts (a lower bound: more drafts
+        never verify faster); None when bucket ``b`` has no verify cell at or below ``k``."""
+        e = self.verify_cells.get((b, k))
+        if e is not None:
+            return e.value
+        return max((c.value for (b2, k2), c in self.verify_cells.items() if b2 == b and k2 < k),
+                   default=None)
+
+    def draft_budget(self, batch: int, k: int, tokens: float) -> float | None:
+        """Seconds the drafter calls of one step may take before the step costs more than the
+        tokens it is expected to commit would cost without speculation::
+
+            budget = tokens * (verify(B, 0) + overhead) - (verify(B, K) + overhead)
+
+        ``batch`` sessions whose largest block has ``k`` verified drafts, ``tokens`` the mean
+        expected committed tokens per session (bonus included; 1 for a session not
+        speculating). A step without speculation emits one token per session for
+        ``verify(B, 0) + overhead`` seconds; a speculative one pays ``verify(B, K) + draft +
+        overhead`` for ``tokens``. Where a verify cell is not measured the budget errs long:
+        ``verify(B, 0)`` is then bounded above by the cheapest cell of the bucket and
+        ``verify(B, K)`` below by :meth:`verify_seconds`. None until the bucket has a verify
+        cell. May be negative (speculating does not pay even with an instant drafter)."""
+        b = bucket(batch)
+        known = [c.value for (b2, _), c in self.verify_cells.items() if b2 == b]
+        if not known:
+            return None
+        v0 = self.verify_seconds(b, 0)
+        if v0 is None:
+            v0 = min(known)
+        vk = self.verify_seconds(b, k)
+        vk = v0 if vk is None else max(vk, v0)
+        over = self._overhead.value
+        return tokens * (v0 + over) - (vk + over)
 
     def cost_table(self) -> dict[tuple[int, int], float]:
         """(batch bucket, drafts) -> EMA step seconds (a copy, for metrics)."""
@@ -145,6 +190,7 @@ class StepCostModel:
         e = self.cells.get((b, k))
         if e is not None and (not e.provisional or model is None):
             return e.value + self._overhead.value
+        assert model is not None, "a cell measured never is priced by the fit"
         a, per_session, per_token = model
         floor = max((c.value for (b2, k2), c in self.cells.items()
                      if b2 <= b and k2 <= k and not c.provisional), default=0.0)

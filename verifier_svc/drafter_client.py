@@ -6,11 +6,24 @@ the reply with that id arrives. Every failure (unreachable, stream broken, deadl
 an error string) becomes a ``DraftError`` for that step, never an exception into the decode
 loop; a broken stream is reopened on a later call after a short back-off.
 
-A :class:`CircuitBreaker` per drafter takes one that keeps failing out of the step path: after
-``failures`` consecutive deadline misses or failed calls it opens, every call fails at once with
-``DraftError("circuit_open")`` (its sessions run without speculation, no step waits for it),
-and a background prober sends one tiny draft every ``probe_interval_s`` until one is answered
-within the deadline; then it closes and the sessions' context is resent.
+A step waits for its drafts at most the step's **deadline**: what speculating is worth this
+step (``budget_s``, from the policy's cost model: ``verifier_svc.cost_model.StepCostModel.
+draft_budget``), at least ``BreakerConfig.deadline_floor_s``, at most ``timeout_s``
+(``--draft-timeout``). A call without a budget (the cost model knows nothing yet) waits
+``timeout_s``, and so does an **upload** (a session's context from position 0, or more than
+``UPLOAD_ROWS`` rows of it: a prompt, a resend), which the cost model does not price, and any
+call queued on the stream behind an upload not yet answered.
+A reply later than a budget-derived deadline would have made the step slower than no
+speculation: the step goes on without it (``DraftError(LATE)``), the batch stays queued on
+the drafter (its context lands; a late error is reported to the caller), and the miss counts.
+
+A :class:`CircuitBreaker` per drafter takes one that is too slow or keeps failing out of the
+step path: after ``failures`` consecutive misses or failed calls it opens, with the reason of
+the last one ("slow": a budget-derived deadline missed; "failing": ``timeout_s`` missed, an
+error, the stream down). Every call then fails at once with ``DraftError("circuit_open")`` (its
+sessions run without speculation, no step waits for it), and a background prober sends one
+tiny draft every ``probe_interval_s`` until one is answered within the deadline it tripped on
+(``timeout_s`` for "failing"); then it closes and the sessions' context is resent.
 """
 
 from __future__ import annotations
@@ -22,47 +35,62 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
+from typing import Protocol, runtime_checkable
 
 import grpc
 
 from dflash import wire
 from dflash.convert import card_from_proto, sampling_to_proto
-from dflash.proposer import DraftError, DrafterCard, Proposal, ProposalRequest
+from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest
 from dflash.server import channel_options
 from dflash.tls import ClientTLS, channel as tls_channel
 from dflash.tracing import inject_context
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+from verifier_svc.cost_model import EMA
+from verifier_svc.drafter_sync import LATE
 
 log = logging.getLogger("dflash.verifier.drafter_client")
 MAX_WIRE_STATS = 4096
 PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter (released)
+# More context rows for one session than a steady step sends (its committed tokens, at most a
+# block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
+UPLOAD_ROWS = 128
+
+
+SLOW, FAILING = "slow", "failing"      # why a breaker opened (metric label)
 
 
 @dataclasses.dataclass(frozen=True)
 class BreakerConfig:
-    """``failures``: consecutive deadline misses / failed calls that open the breaker (0 =
-    never opens); ``probe_interval_s``: seconds between probes while open. Raises ValueError
-    on a negative count or a non-positive interval."""
+    """``failures``: consecutive misses / failed calls that open the breaker (0 = never opens);
+    ``probe_interval_s``: seconds between probes while open; ``deadline_floor_s``: the least a
+    step waits for a drafter whatever its budget (a reply this fast is never held against
+    it: timing noise, a cost model still learning). Raises ValueError on a negative count or
+    a non-positive interval or floor."""
 
     failures: int = 3
     probe_interval_s: float = 1.0
+    deadline_floor_s: float = 0.05
 
     def __post_init__(self):
         if self.failures < 0:
             raise ValueError(f"breaker failures: must be >= 0, got {self.failures}")
         if not self.probe_interval_s > 0:
             raise ValueError(f"breaker probe_interval_s: must be > 0, got {self.probe_interval_s}")
+        if not self.deadline_floor_s > 0:
+            raise ValueError(f"breaker deadline_floor_s: must be > 0, got {self.deadline_floor_s}")
 
 
 class CircuitBreaker:
-    """Consecutive-failure count of one drafter (thread-safe).
+    """Consecutive-miss count of one drafter (thread-safe).
 
-    ``failure`` returns True when that failure opened it; ``success`` resets the count (a
+    ``failure(reason, readmit_s)`` returns True when that miss opened it (``reason`` SLOW or
+    FAILING; a probe must then answer within ``readmit_s``); ``success`` resets the count (a
     reply within the deadline); ``close`` ends an open period (a probe was answered in time).
-    ``trips`` counts openings; ``opened_at`` is the ``time.monotonic()`` of the last one.
+    ``trips`` counts openings, ``trips_by_reason`` per reason; ``reason`` and ``opened_at``
+    (``time.monotonic()``) are the last opening's.
     """
 
     def __init__(self, failures: int):
@@ -71,19 +99,24 @@ class CircuitBreaker:
         self.consecutive = 0
         self.is_open = False
         self.trips = 0
+        self.trips_by_reason: dict[str, int] = {SLOW: 0, FAILING: 0}
+        self.reason = ""
+        self.readmit_s = 0.0
         self.opened_at = 0.0
 
     def success(self) -> None:
         with self._lock:
             self.consecutive = 0
 
-    def failure(self) -> bool:
+    def failure(self, reason: str = FAILING, readmit_s: float = 0.0) -> bool:
         with self._lock:
             self.consecutive += 1
             if self.is_open or not self.limit or self.consecutive < self.limit:
                 return False
             self.is_open, self.opened_at = True, time.monotonic()
+            self.reason, self.readmit_s = reason, readmit_s
             self.trips += 1
+            self.trips_by_reason[reason] = self.trips_by_reason.get(reason, 0) + 1
             return True
 
     def close(self) -> float:
@@ -123,7 +156,8 @@ class RemoteProposer:
     Args:
         address: host:port of a Drafter service.
         card: its card (already checked against the target by the caller).
-        timeout_s: deadline for one draft step; past it the step runs without speculation.
+        timeout_s: the longest a step waits for its drafts (``--draft-timeout``); past it the
+            step runs without speculation. A step with a budget waits less (module docstring).
         reconnect_backoff_s: after a broken stream, calls fail fast for this long.
         wire_dtype: dtype of context features on the wire (float32 keeps tests bit-exact).
         breaker: when the drafter is taken out of the step path (:class:`BreakerConfig`).
@@ -153,8 +187,11 @@ class RemoteProposer:
         self.last_wire_bytes = 0
         self.wire_stats: dict[str, WireStat] = {}   # session id -> last call (take_wire_stat)
         self._in_flight: collections.deque[Future] = collections.deque()   # send_context's
+        self._uploads: list[Future] = []    # unanswered batches that carry an upload
         self.breaker_config = breaker
         self.breaker = CircuitBreaker(breaker.failures)
+        self.latency = EMA(0.1)        # seconds per answered draft call (late replies included)
+        self.last_deadline_s = 0.0     # the last draft call's deadline
         self._closed = threading.Event()
 
     # ------------------------------------------------------------------ stream management
@@ -232,9 +269,10 @@ class RemoteProposer:
         self.last_wire_bytes = nbytes
         return items
 
-    def _send(self, items: list) -> tuple[int, Future] | None:
+    def _send(self, items: list, requests: Sequence[ProposalRequest] = ()) -> tuple[int, Future] | None:
         """Queue one DraftBatch on the stream: (batch id, future of its reply), or None in
-        reconnect back-off."""
+        reconnect back-off. A batch whose ``requests`` upload context is remembered until
+        answered (:meth:`behind_upload`)."""
         bid = next(self._ids)
         fut: Future = Future()
         with self._lock:
@@ -242,23 +280,65 @@ class RemoteProposer:
             if q is None:
                 return None
             self._pending[bid] = fut
+            self._uploads = [f for f in self._uploads if not f.done()]
+            if any(r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests):
+                self._uploads.append(fut)
         q.put(drafter_pb2.DraftBatch(batch_id=bid, items=items))
         return bid, fut
 
+    def behind_upload(self) -> bool:
+        """Whether an upload sent on the stream is still unanswered (a call sent now queues
+        behind it on the drafter)."""
+        with self._lock:
+            return any(not f.done() for f in self._uploads)
+
+    def deadline(self, budget_s: float | None) -> float:
+        """Seconds a draft call waits: ``budget_s`` clamped to [deadline floor, ``timeout_s``];
+        ``timeout_s`` without a budget."""
+        if budget_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, max(self.breaker_config.deadline_floor_s, budget_s))
+
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
+        """``Proposer.propose``: waits up to ``timeout_s``."""
+        return self.propose_within(requests, None, lambda ids: None)
+
+    def propose_within(self, requests: list[ProposalRequest], budget_s: float | None,
+                       on_late_failure: Callable[[list[str]], None]
+                       ) -> list[Proposal | DraftError]:
+        """One draft call waiting at most :meth:`deadline` of ``budget_s`` (seconds this
+        step's drafts are worth; None = not known: ``timeout_s``).
+
+        Past a budget-derived deadline (shorter than ``timeout_s``) every result is
+        ``DraftError(LATE)`` ("slow") and the batch stays on the stream: the drafter still takes in
+        its context, and the sessions whose late reply is an error (or never comes: the stream
+        broke) are passed to ``on_late_failure`` from the reader thread, so the caller resends
+        their context. Past ``timeout_s`` they are ``DraftError("timeout")``, the reply is
+        dropped and the caller must resend. Each miss counts against the breaker (SLOW,
+        FAILING); a reply in time with a budget resets its count."""
         if self.breaker.is_open:
             return [DraftError("circuit_open", f"drafter {self.address} out of the step path")] \
                 * len(requests)
+        if budget_s is not None and (self.behind_upload() or any(
+                r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests)):
+            budget_s = None                      # an upload: the budget does not price it
+        deadline = self.last_deadline_s = self.deadline(budget_s)
+        cut = deadline < self.timeout_s          # the budget, not the cap, set this deadline
         items = self._items(requests)
         t_send = time.perf_counter()
-        sent = self._send(items)
+        sent = self._send(items, requests)
         if sent is None:
             return self._failed(DraftError("unavailable", "drafter stream reconnect back-off"),
                                 len(requests))
         bid, fut = sent
         try:
-            resp = fut.result(timeout=self.timeout_s)
+            resp = fut.result(timeout=deadline)
         except FutureTimeout:
+            if cut:
+                self._late(fut, [r.session_id for r in requests], t_send, on_late_failure)
+                return self._failed(DraftError(LATE, f"no draft within {deadline:.3f}s, what "
+                                               "speculating is worth this step"),
+                                    len(requests), SLOW, deadline)
             with self._lock:
                 self._pending.pop(bid, None)
             return self._failed(DraftError("timeout", f"no draft within {self.timeout_s}s"),
@@ -268,27 +348,59 @@ class RemoteProposer:
         if len(resp.results) != len(requests):
             return self._failed(DraftError("malformed_block", "result count mismatch"),
                                 len(requests))
-        self.breaker.success()   # answered in time; per-session errors are not its health
-        self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
+        seconds = time.perf_counter() - t_send
+        with self._lock:
+            self.latency.add(seconds)
+        if budget_s is not None:
+            # answered in time; per-session errors are not its health. A call without a
+            # budget (a whole-context upload) says nothing about the steady wait.
+            self.breaker.success()
+        self._record_wire(items, seconds, resp.draft_seconds)
         return [self._convert(r) for r in resp.results]
 
+    def _late(self, fut: Future, ids: list[str], t_send: float,
+              on_failed: Callable[[list[str]], None]) -> None:
+        """A reply the step stopped waiting for: its latency still counts, and the sessions it
+        failed (an error, a broken stream) are reported."""
+
+        def done(f: Future) -> None:
+            try:
+                resp = f.result()
+            except Exception:
+                on_failed(ids)
+                return
+            with self._lock:
+                self.latency.add(time.perf_counter() - t_send)
+            if len(resp.results) != len(ids):
+                on_failed(ids)
+                return
+            bad = [r.session_id or sid for r, sid in zip(resp.results, ids) if r.error]
+            if bad:
+                on_failed(bad)
+
+        fut.add_done_callback(done)
+
     # ------------------------------------------------------------------ circuit breaker
-    def _failed(self, e: DraftError, n: int) -> list[DraftError]:
-        """Count a failed call (deadline missed, stream down, bad reply); open the breaker
-        and start the prober when that makes ``failures`` in a row."""
-        if self.breaker.failure():
-            log.warning("drafter %s: %d failed calls in a row (last: %s); circuit open, its "
-                        "sessions run without speculation", self.address,
-                        self.breaker.consecutive, e.reason)
+    def _failed(self, e: DraftError, n: int, reason: str = FAILING,
+                readmit_s: float | None = None) -> list[Proposal | DraftError]:
+        """Count a miss (a deadline missed: ``reason`` SLOW when the budget set it) or a failed
+        call (stream down, bad reply); open the breaker and start the prober when that makes
+        ``failures`` in a row. A probe must then answer within ``readmit_s`` (default
+        ``timeout_s``)."""
+        if self.breaker.failure(reason, self.timeout_s if readmit_s is None else readmit_s):
+            log.warning("drafter %s: %d misses or failed calls in a row (last: %s); circuit open "
+                        "(%s), its sessions run without speculation", self.address,
+                        self.breaker.consecutive, e.reason, reason)
             threading.Thread(target=self._probe_until_healthy, daemon=True,
                              name=f"drafter-prober-{self.address}").start()
         return [e] * n
 
     def _probe_until_healthy(self) -> None:
         """While open: every ``probe_interval_s`` one tiny draft (a one-row zero context, one
-        draft position) on the stream; the first answered within the deadline closes the
-        breaker. Any answer counts, an error one included: it shows the drafter replies in
-        time, and it queues behind every batch still on the stream."""
+        draft position) on the stream; the first answered within the breaker's ``readmit_s``
+        (the deadline it tripped on) closes the breaker. Any answer counts, an error one
+        included: it shows the drafter replies in time, and it queues behind every batch still
+        on the stream."""
         width = len(self.card.target_layer_ids) * self.card.hidden_size
         while not self._closed.wait(self.breaker_config.probe_interval_s):
             import torch
@@ -300,19 +412,21 @@ class RemoteProposer:
                                          context=wire.to_proto(ctx), anchor_token=0, block_size=2)
             if self._queue is None and not self._reachable():
                 continue
+            t0 = time.perf_counter()
             sent = self._send([item])
             ok = False
             if sent is not None:
                 try:
-                    sent[1].result(timeout=self.timeout_s)
+                    sent[1].result(timeout=self.breaker.readmit_s or self.timeout_s)
                     ok = True
                 except (FutureTimeout, DraftError):
                     with self._lock:
                         self._pending.pop(sent[0], None)
                 self.release([PROBE_SESSION])
             if ok:
-                log.warning("drafter %s answered a probe in time after %.2fs open; circuit "
-                            "closed, speculation resumes", self.address, self.breaker.close())
+                log.warning("drafter %s answered a probe in %.3fs after %.2fs open (%s); circuit "
+                            "closed, speculation resumes", self.address, time.perf_counter() - t0,
+                            self.breaker.close(), self.breaker.reason)
                 return
 
     def send_context(self, requests: list[ProposalRequest],
@@ -330,10 +444,15 @@ class RemoteProposer:
         """
         ids = [r.session_id for r in requests]
         while len(self._in_flight) >= self.MAX_IN_FLIGHT and not self.breaker.is_open:
-            try:   # a slow drafter: bound its backlog
-                self._in_flight.popleft().result(timeout=self.timeout_s)
+            # A drafter slower than the steps: bound its backlog, waiting no longer than the
+            # floor (this step drafts nothing, so waiting buys nothing), or than the timeout
+            # behind an upload.
+            wait = self.timeout_s if self.behind_upload() else self.deadline(0.0)
+            try:
+                self._in_flight.popleft().result(timeout=wait)
             except FutureTimeout:
-                self._failed(DraftError("timeout", "context backlog"), 0)
+                self._failed(DraftError(LATE, "context backlog"), 0,
+                             SLOW if wait < self.timeout_s else FAILING, wait)
             except Exception:
                 pass   # its callback reports the failure
         if self.breaker.is_open:   # resent in full once the drafter is back
@@ -341,7 +460,7 @@ class RemoteProposer:
             return
         items = self._items(requests)
         t_send = time.perf_counter()
-        sent = self._send(items)
+        sent = self._send(items, requests)
         if sent is None:
             self._failed(DraftError("unavailable", "drafter stream reconnect back-off"), 0)
             on_failed(ids)

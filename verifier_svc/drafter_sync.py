@@ -11,6 +11,12 @@ A context-only update that nothing waits for (``ContextSender.send_context``) ad
 held length at once; if it fails, the session's epoch says whether the failure is still news
 (a reset since then already resends everything) and the next step resends the whole context.
 A draft request that overtakes the news fails with ``context_gap`` on the drafter and falls back.
+
+A step waits for its drafts no longer than what speculating is worth (``budget_s`` of
+:meth:`DrafterSync.draft`, from ``SpeculationPolicy.draft_budget``), handed to a
+:class:`DeadlineProposer`. A draft the step stopped waiting for (``DraftError("slow")``) is
+still queued on the drafter, which takes in its context: the held length advances as for a
+context-only update, and a late failure is news in the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -36,6 +43,20 @@ class ContextSender(Protocol):
 
     def send_context(self, requests: list[ProposalRequest],
                      on_failed: Callable[[list[str]], None]) -> None: ...
+
+
+@runtime_checkable
+class DeadlineProposer(Protocol):
+    """A proposer whose draft call waits at most what the step's drafts are worth
+    (``verifier_svc.drafter_client.RemoteProposer.propose_within``)."""
+
+    def propose_within(self, requests: list[ProposalRequest], budget_s: float | None,
+                       on_late_failure: Callable[[list[str]], None]
+                       ) -> list[Proposal | DraftError]: ...
+
+
+#: The reason of a draft the step stopped waiting for while the drafter still takes it in.
+LATE = "slow"
 
 
 @dataclasses.dataclass
@@ -105,6 +126,7 @@ class DrafterSync:
         self.context_flush = context_flush
         self._lock = threading.Lock()
         self._failed: set[tuple[str, int]] = set()   # (session, epoch) of failed async updates
+        self.wasted_seconds = 0.0    # of the last draft(): calls that returned no usable draft
 
     # ------------------------------------------------------------------ per session
     def bind(self, session_id: str, state: DrafterState, proposer: Proposer | None) -> bool:
@@ -136,11 +158,17 @@ class DrafterSync:
         state.reset()
 
     # ------------------------------------------------------------------ one step
-    def draft(self, items: list[DraftItem]) -> list[DraftOutcome]:
+    def draft(self, items: list[DraftItem], budget_s: float | None = None) -> list[DraftOutcome]:
         """Per item its drafts; one call per drafter, with every session that has unsent rows.
 
-        A call without any draft goes to a :class:`ContextSender` without waiting."""
+        A call without any draft goes to a :class:`ContextSender` without waiting. ``budget_s``:
+        seconds the step's draft calls may take in all (``SpeculationPolicy.draft_budget``;
+        None = unknown): a :class:`DeadlineProposer` gets what is left of it when its call
+        starts. :attr:`wasted_seconds` is then the time spent in calls that returned no usable
+        draft."""
         out = [NONE] * len(items)
+        self.wasted_seconds = 0.0
+        t0 = time.perf_counter()
         with self._lock:
             failed, self._failed = self._failed, set()
         for it in items:   # an earlier context-only update did not land: resend it all
@@ -159,28 +187,54 @@ class DrafterSync:
                   if any(must for _, must, _ in c)]
         for idx in groups:
             proposer = items[idx[0]].proposer
+            assert proposer is not None            # only items with a drafter are grouped
             if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
                 self._send_context(proposer, [items[i] for i in idx])
                 for i in idx:
                     out[i] = DraftOutcome([], None, None, True)
                 continue
             reqs = [self._request(items[i], items[i].k + 1) for i in idx]
+            t_call = time.perf_counter()
             try:
-                res = proposer.propose(reqs)
+                if isinstance(proposer, DeadlineProposer):
+                    left = None if budget_s is None else budget_s - (t_call - t0)
+                    res = proposer.propose_within(reqs, left, self._resend_on_failure(
+                        [items[i] for i in idx], "late draft"))
+                else:
+                    res = proposer.propose(reqs)
             except Exception as e:  # the drafter must never fail the request
                 res = [DraftError("exception", repr(e))] * len(reqs)
+            if all(isinstance(r, DraftError) for r in res):
+                self.wasted_seconds += time.perf_counter() - t_call
             for i, r in zip(idx, res):
                 it = items[i]
                 reason = self.malformed(r, it.k, it.top_k if it.k else 0)
-                if reason:
+                if reason == LATE:   # still queued on the drafter: its context lands there
+                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
+                    it.state.length = it.cached
+                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
+                elif reason:
                     it.state.reset()  # resend the whole context once the drafter is healthy
                     log.info("session %s: drafter fallback (%s)", it.session_id, reason)
                     out[i] = DraftOutcome([], None, reason if it.k else None, True)
                 else:
+                    assert isinstance(r, Proposal)     # malformed() found nothing wrong
                     it.state.length = it.cached
                     out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True,
                                           top_ids=r.top_ids, top_logprobs=r.top_logprobs)
         return out
+
+    def _resend_on_failure(self, items: list[DraftItem], what: str) -> Callable[[list[str]], None]:
+        """The callback for sessions whose unawaited call (``what``) failed on the drafter (any
+        thread): the next step resends their whole context, unless a reset since made it moot."""
+        epochs = {it.session_id: it.state.epoch for it in items}
+
+        def failed(ids: list[str]) -> None:
+            log.info("%s failed for %d session(s); resending", what, len(ids))
+            with self._lock:
+                self._failed.update((i, epochs[i]) for i in ids if i in epochs)
+
+        return failed
 
     @staticmethod
     def _request(it: DraftItem, block_size: int) -> ProposalRequest:
@@ -194,13 +248,7 @@ class DrafterSync:
     def _send_context(self, proposer: ContextSender, items: list[DraftItem]) -> None:
         """Context-only update nothing this step waits for; the held length advances now."""
         reqs = [self._request(it, 1) for it in items]
-        epochs = {it.session_id: it.state.epoch for it in items}
-
-        def failed(ids: list[str]) -> None:
-            log.info("context update failed for %d session(s); resending", len(ids))
-            with self._lock:
-                self._failed.update((i, epochs[i]) for i in ids if i in epochs)
-
+        failed = self._resend_on_failure(items, "context update")
         try:
             proposer.send_context(reqs, failed)
         except Exception as e:  # the drafter must never fail the request

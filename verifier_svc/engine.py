@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
-from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -34,11 +35,10 @@ from dflash.proposer import MAX_TOP_K
 from dflash.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
 from dflash.speculation import MAX_TREE_BUDGET
 from dflash.stats import AcceptanceCounter
-from verifier_svc.cards import check_drafter_card
-from verifier_svc.drafter_sync import DraftItem, DraftOutcome, DrafterSync
+from verifier_svc.cards import TargetCard, check_drafter_card
+from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
 from verifier_svc.policy import DEFAULT_TREE_BUDGETS, Decision, Shape, SpeculationPolicy, StepFeedback
-from verifier_svc.request import (MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer,
-                                  StepEvent, validate)
+from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
 from verifier_svc.sessions import CacheHandle, Session, SessionStore
 from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
@@ -50,13 +50,17 @@ __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowC
 log = logging.getLogger("dflash.verifier")
 
 
-class Target(Protocol):
+class Target(TargetCard, Protocol):
     """What the engine needs of a target (``verifier_svc.target.TargetModel``, the expert-
-    parallel ``verifier_svc.ep.DistributedTarget``, test doubles)."""
+    parallel ``verifier_svc.ep.DistributedTarget``, test doubles); its card fields are checked
+    against each drafter's (``verifier_svc.cards``)."""
 
     vocab_size: int
     max_positions: int
     eos_token_ids: frozenset[int]
+    failure: str | None                 # why the target can no longer run (expert parallel)
+    path: Path                          # the checkpoint directory (Describe)
+    dtype: torch.dtype
     lock: AbstractContextManager        # serialises forwards and cache changes
     supports_trees: bool                # forward_batch takes ``parents``; ``keep`` compacts
 
@@ -150,7 +154,7 @@ class VerifierEngine:
 
     # ------------------------------------------------------------------ the thread bridge
     def generate(self, req: Request, cancelled: Callable[[], bool] = lambda: False
-                 ) -> Iterator[StepEvent]:
+                 ) -> Generator[StepEvent, None, None]:
         """Run one request; yields one StepEvent per step, the last with ``finish`` set.
 
         The request joins the scheduler's batch after its prefill; this generator only reads
@@ -237,6 +241,7 @@ class VerifierEngine:
                                      logits_to_keep=1)         # only the last row is read
         job.prefill_seconds += time.perf_counter() - t0
         if d.tap_ids:
+            assert taps is not None                 # the target taps the layers it is asked for
             d.taps.append(taps)
         job.prefilled = end
         if end < len(req.prompt):
@@ -271,7 +276,8 @@ class VerifierEngine:
                       and it.state.length == 0 for it in items)
 
         td = time.perf_counter()
-        drafts = self.sync.draft(items)
+        # the drafter calls wait no longer than speculating is worth this step
+        drafts = self.sync.draft(items, self.policy.draft_budget(jobs, shapes))
         draft_s = time.perf_counter() - td
         trees = [_tree(sh, d) for sh, d in zip(shapes, drafts)]
         blocks = [[it.anchor] + (tr.tokens if tr else d.tokens)
@@ -309,7 +315,7 @@ class VerifierEngine:
         """Chains through ``verify_batch``, trees through ``verify_trees``, results in job order."""
         params = [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted) for j in jobs]
         chain = [i for i, tr in enumerate(trees) if tr is None]
-        tree = [i for i, tr in enumerate(trees) if tr is not None]
+        tree = [(i, tr) for i, tr in enumerate(trees) if tr is not None]
         out: list[Verified | None] = [None] * len(jobs)
         for i, v in zip(chain, verify_batch(
                 [torch.tensor(drafts[i].tokens, dtype=torch.int64, device="cpu") for i in chain],
@@ -317,10 +323,10 @@ class VerifierEngine:
                 [params[i] for i in chain])):
             out[i] = v
         if tree:
-            for i, v in zip(tree, verify_trees([trees[i] for i in tree], [logits[i] for i in tree],
-                                               [params[i] for i in tree])):
+            for (i, _), v in zip(tree, verify_trees([tr for _, tr in tree], [logits[i] for i, _ in tree],
+                                                    [params[i] for i, _ in tree])):
                 out[i] = v
-        return out  # type: ignore[return-value]  (every index filled above)
+        return out  # type: ignore[return-value]  # every index is filled above
 
     def _commit(self, j: Job, n: int, v: Verified, logits: torch.Tensor, taps: torch.Tensor | None,
                 d: DraftOutcome, draft_s: float, verify_s: float, batch: int,
@@ -340,6 +346,7 @@ class VerifierEngine:
             nodes = v.nodes
         self.target.crop(s.cache, n + len(new))
         if s.drafter.tap_ids:
+            assert taps is not None                 # the target taps the layers it is asked for
             s.drafter.taps.append(taps[:len(new)])
         s.tokens.extend(new)
         if j.processor:
@@ -384,11 +391,15 @@ class VerifierEngine:
         overhead = None if plan.fresh_cycle or not last else now - last - verify_s - draft_s
         # Ramp steps (prompts waiting: no speculation whatever the cells say) and steps that
         # carry a joining session's prompt to the drafter are not what a steady step costs.
+        # Waiting on calls that brought no draft is the drafter's failure (the circuit
+        # breaker's business), not the price of the block the step ended up verifying.
         self.policy.observe(StepFeedback(
             batch=len(jobs), k=max(len(b) for b in blocks) - 1, verify_seconds=verify_s,
-            draft_seconds=draft_s if any(d.called for d in drafts) else 0.0,
+            draft_seconds=max(0.0, draft_s - self.sync.wasted_seconds)
+            if any(d.called for d in drafts) else 0.0,
             record_cost=not (plan.waiting or joining), blocks=by_label, trees=trees,
-            committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead))
+            committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead,
+            fell_back=frozenset(i for i, d in enumerate(drafts) if d.fallback)))
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
             log.debug("step batch=%d waiting=%d joining=%s k=%d explored=%s expected=%.2f "
@@ -402,9 +413,10 @@ class VerifierEngine:
         self.scheduler.stop()
 
     @staticmethod
-    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
         if sampling.greedy:
             return int(logits[-1].argmax())
+        assert gen is not None                      # a sampled request's job has its generator
         return int(sample_from(probs_from_logits(logits[-1], sampling), gen))
 
 

@@ -20,8 +20,7 @@ import dataclasses
 import threading
 import time
 
-from opentelemetry import propagate
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.convert import FINISH_NAME

@@ -46,11 +46,10 @@ metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 from dflash.speculation import MODES
-from verifier_svc.acceptance import (SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts,
-                                     session_table)
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
 
 __all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
@@ -109,6 +108,9 @@ class StepFeedback:
     # drafter label -> (node budget, committed tokens) per verified tree (kept out of ``blocks``:
     # a tree's depth acceptance is not a chain's position acceptance)
     trees: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    # jobs (indices) whose wanted block is missing (the drafter failed, or its circuit is open):
+    # they say nothing about how well the expectations predict acceptance
+    fell_back: frozenset[int] = frozenset()
 
 
 class _Card(Protocol):
@@ -160,19 +162,22 @@ class SpeculationPolicy:
         self.costs = StepCostModel(alpha)
         self._steps = 0
         self.last_decision: Decision | None = None
+        self._last_expectations: tuple[Sequence[PolicyJob], _Expectations] | None = None
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
-        """Everything one step teaches: its cost (if ``record_cost``), each drafter's acceptance,
-        the calibration outcome, the cycle overhead (if known). Through the ``observe_*``
-        methods, so a wrapper on one of them sees the step."""
+        """Everything one step teaches: its verify seconds (always: the drafters' deadline is
+        derived from them), its cost (if ``record_cost``), each drafter's acceptance, the
+        calibration outcome, the cycle overhead (if known). Through the ``observe_*`` methods,
+        so a wrapper on one of them sees the step."""
+        self.observe_verify(fb.batch, fb.k, fb.verify_seconds)
         if fb.record_cost:
             self.observe_step(fb.batch, fb.k, fb.verify_seconds, fb.draft_seconds)
         for label, label_blocks in fb.blocks.items():
             self.observe_acceptance(label, label_blocks)
         for label, rows in fb.trees.items():
             self.acceptance.observe_trees(label, rows)
-        self.observe_outcome(fb.committed)
+        self.observe_outcome(fb.committed, fb.fell_back)
         if fb.cycle_overhead is not None:
             self.observe_overhead(fb.cycle_overhead)
 
@@ -184,15 +189,20 @@ class SpeculationPolicy:
         """One step of ``batch`` sessions whose largest block had ``k`` drafts (seconds)."""
         self.costs.observe_step(batch, k, verify_s + draft_s)
 
+    def observe_verify(self, batch: int, k: int, verify_s: float) -> None:
+        """The target's verify of one step of ``batch`` sessions, largest block ``k`` drafts."""
+        self.costs.observe_verify(batch, k, verify_s)
+
     def observe_overhead(self, seconds: float) -> None:
         """Seconds of one decode cycle (step end to step end, no prefill in between) spent
         outside verify and draft."""
         self.costs.observe_overhead(seconds)
 
-    def observe_outcome(self, committed: Sequence[int]) -> None:
+    def observe_outcome(self, committed: Sequence[int], fell_back: Collection[int] = ()) -> None:
         """Tokens each job of the step just chosen emitted (bonus token included). Speculative
-        adaptive steps feed the calibration :attr:`accuracy`; other steps are ignored."""
-        self.acceptance.observe_outcome(committed)
+        adaptive steps feed the calibration :attr:`accuracy`; other steps are ignored, and so
+        are the jobs ``fell_back`` (indices) whose drafts never arrived."""
+        self.acceptance.observe_outcome(committed, fell_back)
 
     # ------------------------------------------------------------------ figures
     @property
@@ -245,7 +255,8 @@ class SpeculationPolicy:
         """Each job's block this step (same order as ``jobs``). ``waiting``: requests whose
         prompts wait for prefill behind this step."""
         self.acceptance.clear_expectation()
-        limits = [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+        self._last_expectations = None
+        limits = _limits(jobs)
         modes = [j.mode if j.req.proposer is not None else "off" for j in jobs]
         # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
         budgets = [getattr(j, "tree_budget", 0) for j in jobs]
@@ -267,39 +278,11 @@ class SpeculationPolicy:
         # tree arms: only when every adaptive job may verify that budget (one shape per step)
         tree_cap = min(budgets[i] for i in adaptive)
         arms = [n for n in self.tree_budgets if n <= tree_cap] if top else []
-        top_all = max(limits)
-        priors: dict[str, list[float]] = {}   # drafter label -> its E table
-        tables: dict[int, list[float]] = {}   # job index -> the request's E table
-        accuracy = self.accuracy
+        ex = self._expectations(jobs, limits)
+        e, e_tree, raw, label = ex.chain, ex.tree, ex.raw, ex.label
         costs = self.costs
 
-        def label(i: int) -> str:
-            proposer = jobs[i].req.proposer
-            assert proposer is not None       # adaptive jobs have a drafter
-            return proposer.card.label
-
-        def raw(i: int, k: int) -> float:
-            if i not in tables:
-                lb = label(i)
-                if lb not in priors:
-                    priors[lb] = self.acceptance.expected_table(lb, top_all)
-                # tolerant: test doubles of a job (SimpleNamespace) may carry no stats
-                tables[i] = session_table(priors[lb], getattr(jobs[i], "stats", None))
-            return tables[i][k]
-
-        def e(i: int, k: int) -> float:
-            return 1.0 + accuracy * (raw(i, k) - 1.0)
-
-        def e_tree(i: int, n: int) -> float:
-            if not limits[i]:
-                return 1.0
-            measured = self.acceptance.tree_expected(label(i), n)
-            return measured if measured is not None else e(i, min(n, limits[i]))
-
-        fixed_tokens = sum(e(i, shapes[i].k) for i in range(len(jobs)) if modes[i] == "fixed") + \
-            sum(e_tree(i, shapes[i].budget) if shapes[i].budget else e(i, shapes[i].k)
-                for i in range(len(jobs)) if modes[i] == "tree") + \
-            sum(1.0 for m in modes if m == "off")
+        fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != "adaptive")
 
         # an arm: (k, 0) = a chain of k drafts; (0, n) = a tree of n nodes
         def gain(arm: tuple[int, int]) -> float:
@@ -352,5 +335,85 @@ class SpeculationPolicy:
             shapes[i] = Shape(limits[i], n_best) if n_best and limits[i] else \
                 Shape(0 if n_best else min(k_best, limits[i]))
         if k_best > 0 and not n_best:
-            self.acceptance.expect(adaptive, sum(raw(i, shapes[i].k) - 1.0 for i in adaptive))
+            self.acceptance.expect(adaptive, [raw(i, shapes[i].k) - 1.0 for i in adaptive])
         return shapes
+
+    def _expectations(self, jobs: Sequence[PolicyJob], limits: list[int]) -> _Expectations:
+        """The step's :class:`_Expectations`, kept for :meth:`draft_budget` of the same jobs."""
+        ex = _Expectations(self, jobs, limits)
+        self._last_expectations = (jobs, ex)
+        return ex
+
+    # ------------------------------------------------------------------ the drafters' deadline
+    def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape]) -> float | None:
+        """Seconds this step's drafter calls may take before speculating costs more than not
+        speculating: :meth:`StepCostModel.draft_budget` at the step's batch and largest block,
+        with each job's expected committed tokens for its shape (1 for a job not speculating),
+        as the choice of blocks values them. None when the step drafts nothing or the cost
+        model has no verify cell for the batch's bucket yet (the caller then waits up to its
+        own cap)."""
+        k = max((sh.verified for sh in shapes), default=0)
+        if not jobs or not k:
+            return None
+        last = self._last_expectations
+        # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
+        # tables alone: a per-request table for every session would cost ~1 ms a step at 64
+        ex = last[1] if last is not None and last[0] is jobs else \
+            _Expectations(self, jobs, _limits(jobs), per_request=False)
+        tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
+        return self.costs.draft_budget(len(jobs), k, tokens)
+
+
+def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
+    """Most drafts each job may verify this step (its block size, and its tokens left)."""
+    return [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+
+
+class _Expectations:
+    """Expected committed tokens (bonus included) of one step's jobs, per block shape:
+
+    ``raw(i, k)``: the request's table (the drafter's, moved towards the request's own counts,
+    :func:`session_table`) at ``k`` drafts; ``chain(i, k)``: that scaled by the policy's
+    calibration, ``1 + accuracy * (raw - 1)``; ``tree(i, n)``: a tree of ``n`` nodes, measured
+    per drafter and budget, else the chain of ``min(n, limit)`` drafts. Tables are built once
+    per drafter and job (``per_request`` False: the drafter's table for every job). The
+    policy's choice of blocks and the drafters' deadline (:meth:`SpeculationPolicy.
+    draft_budget`) both read them."""
+
+    def __init__(self, policy: SpeculationPolicy, jobs: Sequence[PolicyJob], limits: list[int],
+                 per_request: bool = True):
+        self.acceptance, self.accuracy = policy.acceptance, policy.accuracy
+        self.jobs, self.limits, self.per_request = jobs, limits, per_request
+        self.top = max(limits, default=0)
+        self._priors: dict[str, list[float]] = {}   # drafter label -> its E table
+        self._tables: dict[int, list[float]] = {}   # job index -> the request's E table
+
+    def label(self, i: int) -> str:
+        proposer = self.jobs[i].req.proposer
+        assert proposer is not None       # a speculating job has a drafter
+        return proposer.card.label
+
+    def raw(self, i: int, k: int) -> float:
+        if i not in self._tables:
+            lb = self.label(i)
+            if lb not in self._priors:
+                self._priors[lb] = self.acceptance.expected_table(lb, self.top)
+            # tolerant: test doubles of a job (SimpleNamespace) may carry no stats
+            stats = getattr(self.jobs[i], "stats", None) if self.per_request else None
+            self._tables[i] = session_table(self._priors[lb], stats)
+        return self._tables[i][k]
+
+    def chain(self, i: int, k: int) -> float:
+        return 1.0 + self.accuracy * (self.raw(i, k) - 1.0)
+
+    def tree(self, i: int, n: int) -> float:
+        if not self.limits[i]:
+            return 1.0
+        measured = self.acceptance.tree_expected(self.label(i), n)
+        return measured if measured is not None else self.chain(i, min(n, self.limits[i]))
+
+    def shape(self, i: int, sh: Shape) -> float:
+        """Job ``i``'s expected tokens with block ``sh`` (1 without drafts)."""
+        if not sh.k:
+            return 1.0
+        return self.tree(i, sh.budget) if sh.budget else self.chain(i, sh.k)
