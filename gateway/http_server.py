@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -117,6 +118,7 @@ class HttpServer:
     def __init__(self, app, bind: str, *, tls=None, on_stop=None):
         host, port = _host_port(bind)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.front: Any = None       # the OpenAIFront serving ``app`` (gateway.server.build sets it)
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

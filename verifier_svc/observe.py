@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
@@ -30,6 +31,9 @@ from dflash.telemetry import Telemetry
 from dflash.tracing import abort_status, metadata_context, set_error
 from verifier_svc.drafter_client import WireStats
 from verifier_svc.servicer import VerifierServicer
+
+if TYPE_CHECKING:
+    from verifier_svc.policy import Decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +47,7 @@ class StepView:
     wire_s: float | None           # draft round trip minus drafter compute
     context_bytes: int | None
     batch_size: int = 1
-    policy: object = None          # verifier_svc.policy.Decision
+    policy: Decision | None = None
     mode: str = ""
 
 
@@ -53,7 +57,7 @@ class VerifierObserver:
         self.speclog = SpecDecodingLogger()
         self.tracer = telemetry.tracer
         self.steps = telemetry.trace_steps
-        self.engine = None
+        self.engine: Any = None            # verifier_svc.engine.VerifierEngine, once bound
         SessionGauges(telemetry.registry, "dflash_verifier", lambda: self.engine)
         PolicyGauges(telemetry.registry, lambda: self.engine)
 
@@ -70,6 +74,7 @@ class VerifierObserver:
         proposer = req.proposer
         label = proposer.card.label if proposer is not None else NO_DRAFTER
         wire = proposer.take_wire_stat(req.session_key) if isinstance(proposer, WireStats) else None
+        draft_s: float | None
         if wire is not None:
             draft_s, wire_s = wire.drafter_seconds, max(0.0, ev.draft_seconds - wire.drafter_seconds)
         else:
@@ -136,9 +141,11 @@ class RequestSpans:
         self.o, self.server_ctx, self.prompt_tokens = observer, server_ctx, prompt_tokens
         self.view: StepView | None = None    # the last decode step's (VerifierObserver.on_step)
         self._lock = threading.Lock()
-        self._prefill = self._prefill_t0 = None
-        self._decode = self._decode_ctx = None
-        self._step = None
+        self._prefill: Any = None          # opentelemetry spans (SDK or no-op)
+        self._prefill_t0: float | None = None
+        self._decode: Any = None
+        self._decode_ctx: Any = None
+        self._step: Any = None
         self._step_t0_ns = 0
 
     def prefill_started(self) -> None:
@@ -162,7 +169,7 @@ class RequestSpans:
     def event(self, req, ev) -> None:
         with self._lock:
             if ev.step < 0 and self._prefill is not None:
-                if ev.finish != "cancelled":
+                if ev.finish != "cancelled" and self._prefill_t0 is not None:
                     self.o.metrics.prefill(prompt_tokens=self.prompt_tokens,
                                            seconds=time.perf_counter() - self._prefill_t0)
                 self._prefill.end()
@@ -260,6 +267,7 @@ class ObservedVerifierServicer(VerifierServicer):
     def __init__(self, engine, pool, observer: VerifierObserver):
         super().__init__(engine, pool, metrics=observer.metrics)
         self.observer = observer
+        self.admission_metrics: Any = None     # dflash.metrics.AdmissionMetrics, set by server.build
         observer.bind(engine)
 
     def Generate(self, request, context):

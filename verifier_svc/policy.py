@@ -114,16 +114,20 @@ class StepFeedback:
 
 
 class _Card(Protocol):
-    label: str                      # drafter version, the key of its acceptance rates
+    @property
+    def label(self) -> str: ...     # drafter version, the key of its acceptance rates
 
 
 class _Proposer(Protocol):
-    card: _Card
+    @property
+    def card(self) -> _Card: ...
 
 
 class _Request(Protocol):
     max_tokens: int
-    proposer: _Proposer | None      # None: no drafter, the job never speculates
+
+    @property
+    def proposer(self) -> _Proposer | None: ...     # None: no drafter, the job never speculates
 
 
 class PolicyJob(Protocol):
@@ -132,8 +136,12 @@ class PolicyJob(Protocol):
     mode: str                       # one of MODES
     block_limit: int                # the request's block size (drafts + 1)
     emitted: int                    # tokens emitted so far
-    req: _Request
-    stats: PositionCounts | None    # the request's acceptance counts (session_table)
+    @property
+    def req(self) -> _Request: ...                  # read-only: a Job's is a full Request
+
+    @property
+    def stats(self) -> PositionCounts | None: ...   # the request's acceptance counts (session_table)
+
     tree_budget: int                # largest tree it may verify (0: chains only)
 
 
