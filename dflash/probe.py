@@ -1,8 +1,10 @@
-"""Live acceptance probes for ``dflash diagnose``: tau over a few prompts, a verdict, and the
-target_layer_ids offset probe.
+"""Live acceptance probes for ``dflash diagnose``: tau over a few prompts, in process or through a gateway.
 
-In process: the real decode loop (``verifier_svc.engine.VerifierEngine``) with the real drafter
-(``drafter_svc.engine.DrafterEngine``), greedy; or against a running gateway.
+In process: the models as the services load them, the real decode loop
+(``verifier_svc.engine.VerifierEngine``) with the real drafter (``drafter_svc.engine.DrafterEngine``),
+greedy; or against a running gateway. The precise, teacher-forced measurement of the wiring is
+``dflash.diagnose_tf`` / ``dflash.diagnose_wiring``; the thresholds below decide "broken" (and
+"degraded" where no step costs are known) in ``dflash.diagnose``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dflash.stats import AcceptanceCounter
 
 BROKEN_TAU, DEGRADED_TAU = 1.1, 1.5          # tau below these (with p1 below the rates below)
 BROKEN_P1, DEGRADED_P1 = 0.1, 0.4            # acceptance rate at draft position 1
-OFFSET_MARGIN = 0.25                         # a shift must beat the saved ids by this much tau
 
 
 @dataclasses.dataclass
@@ -37,112 +38,68 @@ class ProbeResult:
                 f"per-position [{rates}]; fallback steps {s.fallback_steps}")
 
 
-@dataclasses.dataclass
-class Verdict:
-    verdict: str            # "healthy" | "degraded" | "broken"
-    causes: list[str]
-
-
-def judge(r: ProbeResult, static_issues: list[str] = ()) -> Verdict:
-    """healthy / degraded / broken from tau and the first-position rate, with likely causes."""
-    s = r.stats
-    steps = s.drafts + s.fallback_steps
-    p1 = s.per_position_rate[0] if s.per_position_rate else 0.0
-    causes = list(static_issues)
-    if steps and s.fallback_steps > steps / 2:
-        return Verdict("broken", causes + ["the drafter failed most steps (unreachable, timeouts or "
-                                           "errors): see its log and dflash_spec_decode_fallback_steps"])
-    if r.tau < BROKEN_TAU or p1 < BROKEN_P1:
-        verdict = "broken"
-    elif r.tau < DEGRADED_TAU or p1 < DEGRADED_P1:
-        verdict = "degraded"
-    else:
-        return Verdict("healthy", causes)
-    causes += [
-        "target_layer_ids shifted by one (output of layer i vs hidden_states[i]): run the offset probe",
-        "the drafter was trained for another target or tokenizer (dflash_serve.target_fingerprint)",
-        "mask_token_id differs from the one used in training",
-        "rope_theta / rope scaling or dtype differ from training",
-    ]
-    if verdict == "degraded":
-        causes.append("prompts far from the drafter's training data (try prompts of that domain)")
-    if s.fallback_steps:
-        causes.append(f"{s.fallback_steps} steps fell back (drafter errors or timeouts)")
-    return Verdict(verdict, causes)
-
-
 class InProcessProbe:
-    """Target + drafter in this process. ``layer_ids`` overrides the drafter's taps (same
-    weights), which is how the offset probe tries a shift."""
+    """Target + drafter in this process, loaded as the services load them (``TargetModel``;
+    ``DrafterEngine.from_pretrained``, with the checkpoint's draft vocabulary).
+
+    ``run``: the real greedy decode loop over some prompts (``VerifierEngine``);
+    ``collect``: the teacher-forced probe's continuations (``dflash.diagnose_tf.collect``);
+    ``costs``: step costs at each block length (``dflash.diagnose_cost.measure_costs``)."""
 
     def __init__(self, target_dir: str | Path, drafter_dir: str | Path, *, dtype: str = "float32"):
-        from dflash.checkpoint import load_drafter, load_target_head, torch_dtype
+        from drafter_svc.engine import DrafterEngine
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.target import TargetModel
 
         self.target = TargetModel(target_dir, dtype=dtype)
         self.verifier = VerifierEngine(self.target)
-        self.drafter = load_drafter(drafter_dir, dtype=torch_dtype(dtype))
-        self.head = load_target_head(target_dir, dtype=torch_dtype(dtype))
+        self.engine = DrafterEngine.from_pretrained(drafter_dir, target_dir, dtype=dtype,
+                                                    context_threads=0)
+        self.drafter, self.head = self.engine.drafter, self.engine.head
         self.layer_ids = tuple(self.drafter.cfg.target_layer_ids)
 
+    @property
+    def block_size(self) -> int:
+        return self.drafter.cfg.block_size
+
     def run(self, prompts: list[list[int]], *, max_tokens: int = 64,
-            layer_ids: tuple[int, ...] | None = None, ignore_eos: bool = False) -> ProbeResult:
-        from drafter_svc.engine import DrafterEngine
+            ignore_eos: bool = False) -> ProbeResult:
+        """Greedy generation of each prompt with blocks of the drafter's size (fixed mode)."""
         from verifier_svc.engine import Request
 
-        saved = self.drafter.cfg
-        self.drafter.cfg = dataclasses.replace(saved, target_layer_ids=tuple(layer_ids or self.layer_ids))
-        try:
-            engine = DrafterEngine(self.drafter, self.head)   # reads the card from drafter.cfg
-        finally:
-            self.drafter.cfg = saved
         total, t0 = AcceptanceCounter(), time.perf_counter()
         for i, p in enumerate(prompts):
             last = None
-            for last in self.verifier.generate(Request(request_id=f"diagnose-{i}", prompt=list(p),
-                                                       max_tokens=max_tokens, proposer=engine,
-                                                       ignore_eos=ignore_eos)):
-                pass
+            for ev in self.verifier.generate(Request(request_id=f"diagnose-{i}", prompt=list(p),
+                                                     max_tokens=max_tokens, proposer=self.engine,
+                                                     ignore_eos=ignore_eos)):
+                last = ev
             total.merge(last.stats)
-        return ProbeResult(total, engine.card.block_size, len(prompts), time.perf_counter() - t0)
+        return ProbeResult(total, self.block_size, len(prompts), time.perf_counter() - t0)
 
-    def offsets(self, prompts: list[list[int]], *, max_tokens: int = 64, shifts=(-1, 0, 1),
-                ignore_eos: bool = False, base: ProbeResult | None = None
-                ) -> list[tuple[int, tuple[int, ...], ProbeResult | None]]:
-        """tau with every id shifted by each of ``shifts`` (None where a shift leaves the range).
-        ``base``: an already measured run of the saved ids on the same prompts (reused for 0)."""
-        out = []
-        n = self.target.num_layers
-        for d in shifts:
-            ids = tuple(i + d for i in self.layer_ids)
-            if d == 0 and base is not None:
-                out.append((d, ids, base))
-            elif all(0 <= i < n for i in ids):
-                out.append((d, ids, self.run(prompts, max_tokens=max_tokens, layer_ids=ids,
-                                             ignore_eos=ignore_eos)))
-            else:
-                out.append((d, ids, None))
-        return out
+    def collect(self, prompts: list[list[int]], domains: list[str], *, max_new_tokens: int):
+        from dflash.diagnose_tf import collect
 
+        eos = self.target.eos_token_ids
+        pad = self.target.config.pad_token_id
+        pad = pad if pad is not None else (min(eos) if eos else 0)
+        return collect(self.target.model, prompts, domains, max_new_tokens=max_new_tokens,
+                       eos_ids=eos, pad_id=pad)
 
-def offset_conclusion(rows) -> tuple[int, str]:
-    """(best shift, sentence). Shift 0 unless another beats the saved ids clearly."""
-    base = next(r for d, _, r in rows if d == 0)
-    best_d, best_ids, best = max(((d, ids, r) for d, ids, r in rows if r is not None),
-                                 key=lambda x: (x[2].tau, x[0] == 0))
-    if best_d != 0 and best.tau >= base.tau + max(OFFSET_MARGIN, 0.1 * base.tau):
-        why = (" (the drafter was trained on hidden_states[id], i.e. the output of layer id - 1)"
-               if best_d == -1 else "")
-        return best_d, (f"target_layer_ids look shifted by {best_d:+d}: {list(best_ids)} give tau "
-                        f"{best.tau:.2f} vs {base.tau:.2f} with the saved ids{why}. Fix: set "
-                        f"dflash_config.target_layer_ids to {list(best_ids)} (or retrain).")
-    return 0, f"no shift does better than the saved ids (tau {base.tau:.2f})"
+    def costs(self, prompt: list[int]):
+        from dflash.diagnose_cost import measure_costs
+
+        return measure_costs(self.target, self.engine, prompt, self.block_size)
+
+    def close(self) -> None:
+        self.verifier.close()
+        self.engine.close()
 
 
-def gateway_probe(address: str, prompts: list[str], *, max_tokens: int = 64, drafter: str = "",
+def gateway_probe(address: str, prompts: list, *, max_tokens: int = 64, drafter: str = "",
                   raw: bool = False) -> ProbeResult:
-    """Same measurement against a running gateway (greedy, speculation on)."""
+    """Same measurement against a running gateway (greedy, speculation on). ``prompts``: text
+    (a user message, or raw text with ``raw``) or chat message lists."""
     from dflash.client import GatewayClient, build_request
     from dflash.convert import stats_from_proto
 
@@ -150,9 +107,10 @@ def gateway_probe(address: str, prompts: list[str], *, max_tokens: int = 64, dra
     total, t0, block = AcceptanceCounter(), time.perf_counter(), 0
     try:
         for p in prompts:
-            req = (build_request(p, max_tokens=max_tokens, drafter=drafter) if raw else
-                   build_request(messages=[{"role": "user", "content": p}], max_tokens=max_tokens,
-                                 drafter=drafter))
+            msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
+            req = (build_request(p, max_tokens=max_tokens, drafter=drafter) if raw and
+                   isinstance(p, str) else
+                   build_request(messages=msgs, max_tokens=max_tokens, drafter=drafter))
             c = client.complete(req)
             total.merge(stats_from_proto(c.acceptance))
             block = max(block, len(c.acceptance.accepted_per_position) + 1)

@@ -112,3 +112,82 @@ def make_tap_drafter(path: str | Path, target_dir: str | Path, *, tapped_layer: 
 
 def letter_prompt(letter: str, n: int = 12) -> list[int]:
     return [ord(letter)] * n
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters whose acceptance depends on the mask token, on RoPE, or on a sliding window, for the
+# planted-fault tests of ``dflash diagnose`` (tests/test_diagnose_faults.py).
+#
+# * mask: the target's MASK row also holds a flag dim (the target never reads it: MASK never
+#   occurs in its input). The drafter's fc leaves the letter one step short and its MLP, gated
+#   on the flag, rotates it the last step: only blocks whose masks are MASK draft the letter.
+# * recent: the block's query and the context keys meet on a fast RoPE pair, so a block
+#   position attends to the most recent context rows; under another rope_theta the pair turns
+#   at another speed and the attention spreads to older rows.
+# * sliding: the drafter's one layer slides (window ``sliding_window``); on a prompt whose
+#   older part is another letter, full attention over the whole context drafts that letter.
+
+MASK_FLAG = 18               # residual dim set only in the MASK token's embedding
+FAST_PAIR = 5                # RoPE pair of the "recent" drafter (theta 10000: ~0.056 rad/pos)
+
+
+def make_mask_target(path: str | Path) -> Path:
+    """:func:`make_tap_target` with ``MASK_FLAG`` set in the MASK row of the embedding (its
+    outputs are the tap target's: no prompt contains MASK)."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tap_target(path)
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    state["model.embed_tokens.weight"][MASK, MASK_FLAG] = 1.0
+    save_file(state, str(f), metadata={"format": "pt"})
+    return path
+
+
+def make_probe_drafter(path: str | Path, target_dir: str | Path, *, tapped_layer: int = 1,
+                       saved_layer_ids: list[int] | None = None, block_size: int = 8,
+                       mask_gated: bool = False, recent: bool = False,
+                       sliding_window: int | None = None) -> Path:
+    """:func:`make_tap_drafter`, then rewired to depend on the mask token (``mask_gated``, needs
+    :func:`make_mask_target`), on RoPE (``recent``) or on a sliding window of
+    ``sliding_window`` positions. Saved with its true config."""
+    import dataclasses
+
+    from dflash.checkpoint import load_drafter, save_drafter
+    from dflash.modeling import DFlashDrafter
+
+    make_tap_drafter(path, target_dir, tapped_layer=tapped_layer,
+                     saved_layer_ids=saved_layer_ids or [tapped_layer], block_size=block_size)
+    base = load_drafter(path)
+    cfg = base.cfg
+    if sliding_window:
+        cfg = dataclasses.replace(cfg, layer_types=("sliding_attention",),
+                                  sliding_window=sliding_window)
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(base.state_dict(), strict=False)
+    undo = sum(SHIFTS[:tapped_layer + 1])
+    with torch.no_grad():
+        layer = model.layers[0]
+        if mask_gated:
+            # After attention a MASK row holds CONST 1, MASK_FLAG 1 and the letter at 40 (fc ->
+            # hidden_norm gives 4, o_proj 10x); post-norm that is 0.141 / 0.141 / 5.65: a gate
+            # of 141 * 0.141 = 20 (silu ~ 20) times 5.65 times 0.354 adds 40 (R - I) letter.
+            model.fc.weight[:LETTERS, :LETTERS] = _rotation(sum(SHIFTS) - undo - 1)
+            layer.mlp.gate_proj.weight[:, MASK_FLAG] = 141.5
+            layer.mlp.up_proj.weight[:LETTERS, :LETTERS] = torch.eye(LETTERS)
+            layer.mlp.down_proj.weight[:LETTERS, :LETTERS] = 0.354 * (_rotation(1) - torch.eye(LETTERS))
+        if recent:
+            attn = layer.self_attn
+            slow = H // 2 - 1
+            attn.q_proj.weight[slow] = 0.0
+            attn.k_proj.weight[slow] = 0.0
+            attn.q_proj.weight[FAST_PAIR, CONST] = 1.0
+            attn.k_proj.weight[FAST_PAIR, FLAG] = 1.0
+    save_drafter(model, path)
+    return Path(path)
+
+
+def mixed_prompt(old: str = "b", new: str = "a", n_old: int = 30, n_new: int = 12) -> list[int]:
+    """``old`` x n_old then ``new`` x n_new: the target continues ``new``; a drafter that
+    attends to the whole context sees mostly ``old``."""
+    return [ord(old)] * n_old + [ord(new)] * n_new

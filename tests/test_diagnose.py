@@ -1,20 +1,25 @@
-"""``dflash diagnose``: static findings name their field; the live probe and the layer-offset
-probe catch a drafter saved with its target_layer_ids shifted by one (tests/tap_models.py)."""
+"""``dflash diagnose``: static findings name their field (and the fix); the teacher-forced probe
+measures exactly what the greedy decode loop measures; the CLI names a drafter saved with its
+target_layer_ids shifted by one and the fix, passes the correctly wired one, and reads a running
+deployment's counters and cost cells (tests/tap_models.py builds drafters that depend on their
+taps). Planted faults of other kinds: tests/test_diagnose_faults.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 
 import pytest
+import torch
 
 from dflash.drafter_check import check
-from dflash.probe import InProcessProbe, judge, offset_conclusion
-from tap_models import letter_prompt, make_tap_drafter, make_tap_target
+
+from tap_models import letter_prompt, make_probe_drafter, make_tap_drafter, make_tap_target, mixed_prompt
 
 B = 8
-MAX_NEW = 1 + B                         # prefill token + one full block
-PROMPTS = [letter_prompt("a"), letter_prompt("k", 9)]
+MAX_NEW = 1 + 3 * B                     # prefill token + three full blocks
 TAPPED = 1                              # the drafter really reads the output of layer 1
 
 
@@ -44,11 +49,22 @@ def fields(findings, level):
     return {f.field for f in findings if f.level == level}
 
 
+def diagnose_json(*args) -> tuple[int, dict]:
+    from dflash.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["diagnose", *map(str, args), "--json"])
+    return rc, json.loads(out.getvalue())
+
+
+# ---------------------------------------------------------------------- static
 def test_static_check_clean_pair(tiny_target, make_drafter):
     findings = check(make_drafter(block_size=8), tiny_target)
     assert not fields(findings, "error") and not fields(findings, "warning")
     assert {"hidden_size", "vocab_size", "dflash_config.target_layer_ids", "rope_theta",
-            "block_size", "model.safetensors"} <= fields(findings, "ok")
+            "block_size", "model.safetensors", "card", "dflash_serve.target_fingerprint",
+            "dflash_config.mask_token_id"} <= fields(findings, "ok")
 
 
 @pytest.mark.parametrize("changes,level,field", [
@@ -56,14 +72,25 @@ def test_static_check_clean_pair(tiny_target, make_drafter):
     ({"rope_theta": 500000.0}, "warning", "rope_theta"),
     ({"block_size": 100}, "error", "block_size"),
     ({"dflash_config__mask_token_id": 258}, "warning", "dflash_config.mask_token_id"),   # = eos
+    ({"dflash_config__mask_token_id": 97}, "warning", "dflash_config.mask_token_id"),    # 'a'
     ({"layer_types": ["sliding_attention"], "sliding_window": 4, "use_sliding_window": True},
      "error", "sliding_window"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 16, "use_sliding_window": False},
+     "warning", "use_sliding_window"),
     ({"num_target_layers": 8}, "warning", "num_target_layers"),
+    ({"dflash_serve__target_fingerprint": "sha256:0000000000000000"}, "warning",
+     "dflash_serve.target_fingerprint"),
     ({"dflash_config__mask_token_id": 9999}, "error", "dflash_config.mask_token_id"),  # config error
 ])
 def test_static_check_names_the_field(tiny_target, make_drafter, tmp_path, changes, level, field):
     d = _edited(make_drafter(block_size=8), tmp_path / "d", **changes)
     assert field in fields(check(d, tiny_target), level)
+
+
+def test_static_findings_carry_the_fix(tiny_target, make_drafter, tmp_path):
+    d = _edited(make_drafter(block_size=8), tmp_path / "d", rope_theta=500000.0)
+    rope = next(f for f in check(d, tiny_target) if f.field == "rope_theta")
+    assert "set rope_theta to 10000" in rope.fix and "Fix:" in str(rope)
 
 
 def test_static_check_hidden_size_and_vocab(tiny_target, tmp_path):
@@ -86,54 +113,146 @@ def test_static_check_spots_a_shifted_default_spread(tmp_path):
     assert any(f.field == "dflash_config.target_layer_ids" and "shifted by +1" in f.message for f in warn)
 
 
-def test_live_probe_healthy_and_shift_is_found(tap):
+@pytest.mark.parametrize("own", ["copy", "trained"])
+def test_static_check_names_a_drafter_with_its_own_lm_head(tiny_target, make_drafter, tmp_path, own):
+    from safetensors.torch import load_file, save_file
+
+    from dflash.checkpoint import load_target_head
+
+    d = tmp_path / "d"
+    shutil.copytree(make_drafter(block_size=8), d)
+    head = load_target_head(tiny_target).lm_head
+    state = load_file(str(d / "model.safetensors"))
+    state["lm_head.weight"] = head.clone() if own == "copy" else torch.randn_like(head)
+    save_file(state, str(d / "model.safetensors"))
+    f = next(f for f in check(d, tiny_target) if f.field == "model.safetensors:lm_head.weight")
+    assert f.level == "error"
+    assert ("drop lm_head.weight" in f.fix) == (own == "copy")
+    assert ("fine-tune" in f.fix) == (own == "trained")
+
+
+# ---------------------------------------------------------------------- the probe is exact
+def test_teacher_forced_walk_is_the_decode_loop(tap, tmp_path):
+    """Walking the teacher-forced anchors gives the decode loop's own counts, block by block
+    (a drafter with partial acceptance: the wrong rope spreads its attention)."""
+    from dflash.diagnose_tf import Head, counter, score, walk
+    from dflash.probe import InProcessProbe
+
+    target, _ = tap
+    d = make_probe_drafter(tmp_path / "recent", target, recent=True, block_size=B)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_theta"] = 1e8
+    (d / "config.json").write_text(json.dumps(cfg))
+    probe = InProcessProbe(target, d)
+    try:
+        prompts = [mixed_prompt(), mixed_prompt("c", "d", 28, 14), letter_prompt("k", 9)]
+        live = probe.run(prompts, max_tokens=MAX_NEW)
+        seqs = probe.collect(prompts, ["x"] * 3, max_new_tokens=MAX_NEW)
+        sc = score(probe.drafter, probe.head, Head.of(probe.head.lm_head, None), seqs,
+                   layer_ids=probe.layer_ids, mask_token_id=probe.drafter.cfg.mask_token_id)
+        c = counter(walk(sc, seqs)["all"])
+    finally:
+        probe.close()
+    assert 1.2 < live.tau < B - 1                       # neither nothing nor everything accepted
+    assert (c.drafts, c.accepted_tokens) == (live.stats.drafts, live.stats.accepted_tokens)
+    assert c.accepted_per_position == live.stats.accepted_per_position
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_cli_names_the_shifted_drafter_and_its_fix(tap):
     target, dirs = tap
-    good = InProcessProbe(target, dirs[TAPPED]).run(PROMPTS, max_tokens=MAX_NEW)
-    assert good.tau == pytest.approx(B) and good.stats.per_position_rate == [1.0] * (B - 1)
-    assert judge(good).verdict == "healthy"
-    for saved, fix in ((TAPPED + 1, -1), (TAPPED - 1, +1)):   # off by one either way
-        probe = InProcessProbe(target, dirs[saved])
-        live = probe.run(PROMPTS[1:], max_tokens=MAX_NEW)
-        v = judge(live)
-        assert live.tau == pytest.approx(1.0) and v.verdict == "broken"
-        assert any("target_layer_ids" in c for c in v.causes)
-        rows = probe.offsets(PROMPTS[1:], max_tokens=MAX_NEW, base=live)
-        taus = {d: (r.tau if r else None) for d, _, r in rows}
-        assert taus[fix] == pytest.approx(B) and taus[0] == pytest.approx(1.0)
-        best, sentence = offset_conclusion(rows)
-        assert best == fix and f"shifted by {fix:+d}" in sentence and f"[{TAPPED}]" in sentence
+    for saved, fix in ((TAPPED + 1, -1), (TAPPED - 1, +1)):     # off by one either way
+        rc, r = diagnose_json("--target", target, "--drafter", dirs[saved], "--raw", "--prompt",
+                              "a" * 12, "--prompt", "k" * 9, "--max-tokens", MAX_NEW, "--no-cost")
+        assert rc == 1 and r["verdict"] == "mis-wired"
+        assert r["fixes"][0]["edit"] == {"dflash_config.target_layer_ids": [TAPPED]}
+        assert r["causes"][0].startswith(f"target_layer_ids are off by {-fix:+d}")
+        rows = {s["name"]: s for s in r["probe"]["settings"]}
+        assert rows["saved"]["tau"] == pytest.approx(1.0)
+        assert rows[f"shift {fix:+d}"]["tau"] == pytest.approx(B)
+        assert rows[f"shift {fix:+d}"]["significant"]
+        assert rows[f"shift {fix:+d}"]["vs_saved_sign"]["p_below"] < 0.01
 
 
-def test_cli_flags_the_shifted_drafter(tap, capsys):
+def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
     from dflash.cli import main
 
     target, dirs = tap
-    rc = main(["diagnose", "--target", str(target), "--drafter", str(dirs[TAPPED + 1]), "--raw",
-               "--prompt", "aaaaaaaaaaaa", "--max-tokens", str(MAX_NEW), "--offset-probe", "--json"])
-    report = json.loads(capsys.readouterr().out)
-    assert rc == 2 and report["verdict"] == "broken"
-    assert report["live"]["tau"] == pytest.approx(1.0)
-    assert report["offsets"]["best_shift"] == -1
-    assert report["causes"][0].startswith("target_layer_ids look shifted by -1")
-    assert main(["diagnose", "--target", str(target), "--drafter", str(dirs[TAPPED]), "--raw",
-                 "--prompt", "pppppppppp", "--max-tokens", str(MAX_NEW)]) == 0
+    rc = main(["diagnose", "--target", str(target), "--drafter", str(dirs[TAPPED]), "--raw",
+               "--prompt", "pppppppppp", "--prompt", "cccccccccccc", "--max-tokens", str(MAX_NEW)])
     text = capsys.readouterr().out
-    assert "verdict: healthy" in text and "live probe: tau 8.00" in text
+    assert rc == 0 and "verdict: healthy" in text
+    assert "all: tau 8.00" in text and "<- fits better" not in text
+    assert "speculation (all): speculation at block 8 is" in text and "adaptive chooses k = 7" in text
 
 
-def test_gateway_probe_of_a_running_stack(tap):
+def test_cli_refuses_bad_arguments(tap, capsys):
+    from dflash.cli import main
+
+    target, dirs = tap
+    with pytest.raises(SystemExit, match="--target and --drafter, or --gateway"):
+        main(["diagnose", "--target", str(target)])
+    with pytest.raises(SystemExit, match="--threads"):
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--threads", "0"])
+    with pytest.raises(SystemExit, match="--max-tokens"):
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--max-tokens", "1"])
+    with pytest.raises(SystemExit, match="--prompts"):
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--prompts", "nope"])
+    with pytest.raises(SystemExit, match="--metrics"):
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--metrics", "x:1"])
+
+
+def test_gateway_mode_reads_the_deployment(tap):
+    """--gateway: live tau on the prompts; --metrics: the verifier's counters and the policy's
+    cost cells, from which the verdict on speculation is made."""
     from transformers import AutoTokenizer
 
-    from conftest import Stack
-    from dflash.probe import gateway_probe
+    from dflash.telemetry import Telemetry, serve_metrics
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.target import TargetModel
 
+    from conftest import Stack
+
     target, dirs = tap
-    s = Stack(TargetModel(target), AutoTokenizer.from_pretrained(target))
+    tele = {name: Telemetry(service=name) for name in ("gateway", "verifier", "drafter")}
+    s = Stack(TargetModel(target), AutoTokenizer.from_pretrained(target), telemetry=tele.get,
+              spec_mode="adaptive")
+    server = serve_metrics(tele["verifier"].registry, 0, "127.0.0.1")
     try:
         s.add_drafter(DrafterEngine.from_pretrained(dirs[TAPPED], target))
-        r = gateway_probe(s.gateway_addr, ["aaaaaaaaaaaa", "kkkkkkkkk"], max_tokens=MAX_NEW, raw=True)
+        rc, r = diagnose_json("--gateway", s.gateway_addr, "--metrics",
+                              f"127.0.0.1:{server.server_port}", "--raw", "--prompt", "a" * 12,
+                              "--prompt", "k" * 9, "--max-tokens", MAX_NEW)
     finally:
+        server.shutdown()
         s.close()
-    assert r.tau == pytest.approx(B) and r.block_size == B and judge(r).verdict == "healthy"
+    assert r["live"]["tau"] > 2 and r["live"]["block_size"] == B
+    dep = r["deployment"]
+    assert dep["drafter_version"] == "tap-drafter@L1" and dep["drafts"] > 0
+    assert dep["tau"] == pytest.approx(r["live"]["tau"])          # the only traffic so far
+    assert r["costs"]["source"].startswith("reported by http://127.0.0.1:")
+    assert r["costs"]["cells_ms"]                                 # the policy's own cells
+    assert set(r["speculation"]) == {"all", "deployment (lifetime)"}
+    assert r["verdict"] in ("healthy", "degraded") and rc == {"healthy": 0, "degraded": 1}[r["verdict"]]
+
+
+def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_drafter, tmp_path):
+    """--prompts humaneval,chat,FILE: each set is a domain of its own (its own tau and
+    speculation verdict); --seed draws other prompts."""
+    from argparse import Namespace
+
+    from dflash.diagnose import draw_prompts
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')
+    a = Namespace(prompt=None, prompts=f"humaneval,chat,{f}", num_prompts=7, seed=0)
+    drawn = draw_prompts(a)
+    assert [d for d, _ in drawn].count("humaneval") == 3 and [d for d, _ in drawn].count("mine.jsonl") == 2
+    assert draw_prompts(a) == drawn and draw_prompts(Namespace(**{**vars(a), "seed": 1})) != drawn
+    rc, r = diagnose_json("--target", tiny_target, "--drafter", make_drafter(block_size=4),
+                          "--prompts", "humaneval,chat", "--num-prompts", 4, "--max-tokens", 12)
+    doms = r["probe"]["domains"]
+    assert set(doms) == {"all", "humaneval", "chat"}
+    assert doms["humaneval"]["prompts"] == doms["chat"]["prompts"] == 2
+    assert doms["all"]["drafts"] == doms["humaneval"]["drafts"] + doms["chat"]["drafts"]
+    assert set(r["speculation"]) == {"all", "humaneval", "chat"}
