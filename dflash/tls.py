@@ -118,6 +118,19 @@ class TLSFiles:
         return bool(self.cert or self.key or self.ca)
 
 
+def file_stamps(paths: list[str]) -> tuple:
+    """(mtime, size, inode) of each file, None when missing: an atomic rename over the old file
+    changes the inode even within one mtime tick."""
+    out: list[tuple[int, int, int] | None] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 class ServerTLS:
     """Reloading server credentials from ``files`` (cert + key required, CA = require clients).
 
@@ -145,16 +158,7 @@ class ServerTLS:
         return [p for p in (self.files.cert, self.files.key, self.files.ca) if p]
 
     def _stamps(self) -> tuple:
-        # mtime, size and inode: an atomic rename over the old file changes the inode even
-        # within one mtime tick.
-        out = []
-        for p in self._paths():
-            try:
-                st = os.stat(p)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return file_stamps(self._paths())
 
     def _load(self):
         f = self.files

@@ -10,7 +10,6 @@ them (:class:`ReloadingTLS`).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -21,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from dflash.tls import TLSConfigError, check_pair
+from dflash.tls import TLSConfigError, check_pair, file_stamps
 
 log = logging.getLogger("dflash.gateway.http")
 
@@ -33,19 +32,6 @@ def _host_port(bind: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"--http-host: expected host:port, got {bind!r}")
     return host.strip("[]"), int(port)
-
-
-def _stamps(paths: list[str]) -> tuple:
-    """(mtime, size, inode) of each file, None when missing: an atomic rename over the old file
-    changes the inode even within one mtime tick (as dflash.tls.ServerTLS checks)."""
-    out: list[tuple[int, int, int] | None] = []
-    for p in paths:
-        try:
-            st = os.stat(p)
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
 
 
 class ReloadingTLS:
@@ -64,7 +50,7 @@ class ReloadingTLS:
         self.tls, self.files = tls, tls.files
         self._paths = [p for p in (self.files.cert, self.files.key, self.files.ca) if p]
         self._lock = threading.Lock()
-        self._stamp = _stamps(self._paths)
+        self._stamp = file_stamps(self._paths)
         self._requests = tls.reload_requests
         self._build: Callable[[], ssl.SSLContext] | None = None
         self.first: ssl.SSLContext | None = None      # what uvicorn listens with
@@ -86,7 +72,7 @@ class ReloadingTLS:
 
     def _reload_if_changed(self) -> ssl.SSLContext | None:
         with self._lock:
-            stamp, requests = _stamps(self._paths), self.tls.reload_requests
+            stamp, requests = file_stamps(self._paths), self.tls.reload_requests
             if self._build is None or (stamp == self._stamp and requests == self._requests):
                 return self.current
             self._stamp, self._requests = stamp, requests

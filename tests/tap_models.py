@@ -191,3 +191,21 @@ def mixed_prompt(old: str = "b", new: str = "a", n_old: int = 30, n_new: int = 1
     """``old`` x n_old then ``new`` x n_new: the target continues ``new``; a drafter that
     attends to the whole context sees mostly ``old``."""
     return [ord(old)] * n_old + [ord(new)] * n_new
+
+
+def edited_drafter(src, dst, **changes):
+    """Copy drafter directory ``src`` to ``dst`` with ``config.json`` edited: ``a__b=v`` sets
+    ``cfg["a"]["b"] = v``. Returns ``dst``."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        node = cfg
+        *path, last = k.split("__")
+        for p in path:
+            node = node[p]
+        node[last] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

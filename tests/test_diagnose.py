@@ -16,7 +16,14 @@ import torch
 
 from dflash.drafter_check import check
 
-from tap_models import letter_prompt, make_probe_drafter, make_tap_drafter, make_tap_target, mixed_prompt
+from tap_models import (
+    edited_drafter,
+    letter_prompt,
+    make_probe_drafter,
+    make_tap_drafter,
+    make_tap_target,
+    mixed_prompt,
+)
 
 B = 8
 MAX_NEW = 1 + 3 * B                     # prefill token + three full blocks
@@ -30,19 +37,6 @@ def tap(tmp_path_factory):
     dirs = {ids: make_tap_drafter(root / f"drafter{ids}", target, tapped_layer=TAPPED,
                                   saved_layer_ids=[ids], block_size=B) for ids in (0, 1, 2)}
     return target, dirs
-
-
-def _edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for k, v in changes.items():
-        node = cfg
-        *path, last = k.split("__")
-        for p in path:
-            node = node[p]
-        node[last] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def fields(findings, level):
@@ -83,12 +77,12 @@ def test_static_check_clean_pair(tiny_target, make_drafter):
     ({"dflash_config__mask_token_id": 9999}, "error", "dflash_config.mask_token_id"),  # config error
 ])
 def test_static_check_names_the_field(tiny_target, make_drafter, tmp_path, changes, level, field):
-    d = _edited(make_drafter(block_size=8), tmp_path / "d", **changes)
+    d = edited_drafter(make_drafter(block_size=8), tmp_path / "d", **changes)
     assert field in fields(check(d, tiny_target), level)
 
 
 def test_static_findings_carry_the_fix(tiny_target, make_drafter, tmp_path):
-    d = _edited(make_drafter(block_size=8), tmp_path / "d", rope_theta=500000.0)
+    d = edited_drafter(make_drafter(block_size=8), tmp_path / "d", rope_theta=500000.0)
     rope = next(f for f in check(d, tiny_target) if f.field == "rope_theta")
     assert "set rope_theta to 10000" in rope.fix and "Fix:" in str(rope)
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 
 import pytest
 
-from tap_models import MASK, make_mask_target, make_probe_drafter, mixed_prompt
+from tap_models import MASK, edited_drafter, make_mask_target, make_probe_drafter, mixed_prompt
 
 B = 8
 MAX_NEW = 1 + 3 * B
@@ -28,19 +27,6 @@ def built(tmp_path_factory):
         "mask": make_probe_drafter(root / "mask", target, mask_gated=True, block_size=B),
         "recent": make_probe_drafter(root / "recent", target, recent=True, block_size=B),
         "sliding": make_probe_drafter(root / "sliding", target, sliding_window=16, block_size=B)}
-
-
-def _edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for k, v in changes.items():
-        node = cfg
-        *path, last = k.split("__")
-        for p in path:
-            node = node[p]
-        node[last] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def diagnose(target, drafter, prompts) -> tuple[int, dict]:
@@ -74,7 +60,7 @@ def test_the_correctly_wired_drafter_passes(built, kind, prompts):
 ])
 def test_a_planted_fault_is_named_with_its_fix(built, tmp_path, kind, prompts, changes, edit, words):
     _, target, d = built
-    bad = _edited(d[kind], tmp_path / "bad", **changes)
+    bad = edited_drafter(d[kind], tmp_path / "bad", **changes)
     rc, r = diagnose(target, bad, prompts)
     assert rc == 1 and r["verdict"] == "mis-wired"
     assert len(r["fixes"]) == 1 and r["fixes"][0]["edit"] == edit
@@ -89,8 +75,8 @@ def test_static_check_points_at_the_planted_rope_and_window(built, tmp_path):
     from dflash.drafter_check import check
 
     _, target, d = built
-    rope = _edited(d["recent"], tmp_path / "rope", rope_theta=100.0)
-    window = _edited(d["sliding"], tmp_path / "window", use_sliding_window=False)
+    rope = edited_drafter(d["recent"], tmp_path / "rope", rope_theta=100.0)
+    window = edited_drafter(d["sliding"], tmp_path / "window", use_sliding_window=False)
     assert any(f.field == "rope_theta" and f.level == "warning" for f in check(rope, target))
     assert any(f.field == "use_sliding_window" and f.level == "warning" for f in check(window, target))
 
