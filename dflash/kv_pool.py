@@ -302,6 +302,32 @@ class KVPool:
         rec.row = -1
         self._collect()
 
+    def fork(self, src: PoolSeq, dst: PoolSeq, length: int) -> None:
+        """Make ``dst`` a copy of ``src``'s first ``length`` positions (``dst``'s own entries are
+        dropped): shared prompt prefill. The copy is kept out of the pool, as a spilled
+        sequence, until ``dst``'s next forward loads it into a row.
+
+        Raises:
+            ValueError: ``length`` outside ``[0, src's length]``, or ``src is dst``.
+        """
+        self._collect()
+        s, d = src._rec, dst._rec
+        if s is d:
+            raise ValueError("dst: must be another sequence than src")
+        if not 0 <= length <= s.length:
+            raise ValueError(f"length: {length} outside the source's [0, {s.length}] positions")
+        if s.row >= 0:
+            kv = [(self.k[i][s.row:s.row + 1, :, :length], self.v[i][s.row:s.row + 1, :, :length])
+                  for i in range(self.num_layers)]
+        else:
+            assert s.spilled is not None            # a sequence is resident or spilled
+            kv = [(k[:, :, :length], v[:, :, :length]) for k, v in s.spilled]
+        if d.row >= 0:
+            self._rows[d.row] = None
+            d.row = -1
+        d.spilled = [(k.clone(), v.clone()) for k, v in kv]
+        d.length = length
+
     def set_length(self, seq: PoolSeq, length: int) -> None:
         """Crop ``seq`` to ``length`` positions (never lengthens)."""
         rec = seq._rec

@@ -59,15 +59,27 @@ def _logprobs(chunk: verifier_pb2.VerifierGenerateChunk) -> list | None:
 
 
 def sample_stream(verifier, tokenizer, vreq: verifier_pb2.VerifierGenerateRequest, *,
-                  stop: list[str], index: int, cancel: Cancel, t0: float
+                  stop: list[str], index: int, cancel: Cancel, t0: float,
+                  prefilled: threading.Event | None = None
                   ) -> Generator[gateway_pb2.GenerateResponse, None, None]:
     """The responses of one sample: deltas (text, the ids whose text completed in it and, when
     the verifier sent them, one TokenLogprob per id: a stop string cuts both where it cuts the
     ids), then the final message (finish reason, usage, acceptance statistics of what the
     client received, ``ttft_seconds`` since ``t0``, a ``perf_counter`` time).
 
+    ``prefilled`` is set at the verifier's first chunk (its prompt is in its cache) and when the
+    stream ends, whichever comes first.
+
     Returns quietly when ``cancel`` was cancelled; raises UpstreamError when the verifier
     refuses or fails."""
+    try:
+        yield from _sample_stream(verifier, tokenizer, vreq, stop, index, cancel, t0, prefilled)
+    finally:
+        if prefilled is not None:
+            prefilled.set()
+
+
+def _sample_stream(verifier, tokenizer, vreq, stop, index, cancel, t0, prefilled):
     call = verifier.Generate(vreq)
     cancel.add(call.cancel)
     detok = IncrementalDetokenizer(tokenizer, stop)
@@ -78,6 +90,8 @@ def sample_stream(verifier, tokenizer, vreq: verifier_pb2.VerifierGenerateReques
         for chunk in call:
             if ttft is None:
                 ttft = time.perf_counter() - t0
+                if prefilled is not None:
+                    prefilled.set()
             before = detok.num_tokens
             d = detok.push(list(chunk.token_ids), _logprobs(chunk))
             emitted.step(detok.num_tokens - before, chunk.accepted, chunk.drafted)
@@ -115,10 +129,13 @@ def sample_stream(verifier, tokenizer, vreq: verifier_pb2.VerifierGenerateReques
 _DONE = object()
 
 
-def merge(streams: list[Generator], cancel: Cancel) -> Generator:
+def merge(streams: list[Generator], cancel: Cancel, lead: threading.Event | None = None
+          ) -> Generator:
     """The messages of ``streams`` as they come; one stream is iterated in the caller's thread,
     several each in a thread of its own (started with the caller's OpenTelemetry context, so
-    their verifier calls join the request's trace).
+    their verifier calls join the request's trace). With ``lead``, streams 1.. start once it is
+    set (stream 0's prompt is in the verifier's cache: the others copy it instead of prefilling
+    it again, ``sample_stream``'s ``prefilled``) or the request is cancelled.
 
     The first exception of any stream cancels the others and is raised here; closing this
     generator early (the client went away) cancels them all."""
@@ -131,9 +148,14 @@ def merge(streams: list[Generator], cancel: Cancel) -> Generator:
     q: queue.Queue = queue.Queue()
     ctx = otel_context.get_current()
 
+    if lead is not None:
+        cancel.add(lead.set)
+
     def pump(s: Generator) -> None:
         token = otel_context.attach(ctx)
         try:
+            if lead is not None and s is not streams[0]:
+                lead.wait()
             for item in s:
                 q.put(item)
                 if cancel.cancelled:

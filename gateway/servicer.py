@@ -272,16 +272,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # ------------------------------------------------------------------ the Generate core
     def _verifier_request(self, r: gateway_pb2.GenerateRequest, prompt: list[int],
-                          sampling: Sampling, entry, index: int
+                          sampling: Sampling, entry, index: int, group: str = ""
                           ) -> verifier_pb2.VerifierGenerateRequest:
         """Sample ``index``'s verifier request: its seed is the request's + ``index`` (mod
-        2**64; without a seed each sample draws its own from the OS)."""
+        2**64; without a seed each sample draws its own from the OS). ``group``: the request's
+        prefix group (its samples share the prompt's prefill; empty for one sample)."""
         if sampling.seed is not None and index:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
         return verifier_pb2.VerifierGenerateRequest(
             request_id=uuid.uuid4().hex, session_id=r.session_id, prompt_token_ids=prompt,
             sampling=sampling_to_proto(sampling), max_tokens=r.max_tokens,
-            stop_token_ids=list(r.stop_token_ids),
+            stop_token_ids=list(r.stop_token_ids), prefix_group=group,
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
                 block_size=r.block_size, mode=r.speculation_mode, tree_budget=r.tree_budget))
@@ -324,11 +325,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._claim(request.session_id, label, owner)
         entry = self.registry.get(label) if label else None
         stop = list(request.stop)
+        # one group per request, never per client: another client's prompt never shares
+        group = uuid.uuid4().hex if request.n > 1 else ""
+        lead = threading.Event() if group else None    # sample 0 prefills, the others copy
         samples = [sample_stream(self.verifier, self.tok,
-                                 self._verifier_request(request, prompt, sampling, entry, i),
-                                 stop=stop, index=i, cancel=cancel, t0=t0)
+                                 self._verifier_request(request, prompt, sampling, entry, i, group),
+                                 stop=stop, index=i, cancel=cancel, t0=t0,
+                                 prefilled=lead if i == 0 else None)
                    for i in range(max(1, request.n))]
-        merged = merge(samples, cancel)
+        merged = merge(samples, cancel, lead)
         try:
             for r in merged:
                 if r.HasField("usage"):

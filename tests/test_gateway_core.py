@@ -18,8 +18,9 @@ TEXT = "héllo 😀 世界 and more"
 
 
 class BarrierVerifier(ScriptedVerifier):
-    """Each Generate waits until ``parties`` of them are running: sequential samples would
-    time out; ``fail_index``: the request with that seed offset fails instead."""
+    """Each Generate sends its first chunk (the gateway starts samples 1.. once sample 0's
+    prompt is in), then waits until ``parties`` of them are running: sequential samples would
+    time out; ``fail_seed``: the request with that seed fails instead of going on."""
 
     def __init__(self, ids, parties, fail_seed=None):
         super().__init__(ids)
@@ -27,10 +28,12 @@ class BarrierVerifier(ScriptedVerifier):
         self.fail_seed = fail_seed
 
     def Generate(self, request, context):
+        chunks = super().Generate(request, context)
+        yield next(chunks)
         self.barrier.wait()
         if self.fail_seed is not None and request.sampling.seed == self.fail_seed:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "seed: refused by the script")
-        yield from super().Generate(request, context)
+        yield from chunks
 
 
 @pytest.fixture
@@ -87,9 +90,11 @@ def test_a_failing_sample_fails_the_request_and_cancels_the_others(gateway, toke
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "refused by the script" in e.value.details()
     deadline = time.monotonic() + 5
-    while fake.cancelled < 1 and time.monotonic() < deadline:   # sample 0's stream
+    # both streams end before their last chunk: sample 1's refused after its first, and
+    # sample 0's, cancelled by the gateway (otherwise it would complete after ~10 s)
+    while fake.cancelled < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert (fake.cancelled, fake.completed) == (1, 0)
+    assert (fake.cancelled, fake.completed) == (2, 0)
     assert time.monotonic() - t0 < 5
 
 

@@ -224,11 +224,46 @@ class VerifierEngine:
             if self.trees and job.mode in ("tree", "adaptive"):
                 job.tree_budget = req.tree_budget or (
                     self.tree_budget if job.mode == "tree" else max(self.policy.tree_budgets, default=0))
+        s.prefix_group = ""                  # this turn changes the cache: lends nothing now
         with t.lock:
             t.crop(s.cache, job.reuse)
         self.sync.truncate(s.drafter, job.reuse)
+        self._share_prefix(job)
         if req.trace is not None:
             req.trace.prefill_started()
+
+    def _share_prefix(self, job: Job) -> None:
+        """Shared prompt prefill: copy the longest prompt prefix that another session of the
+        request's prefix group holds (the n samples of one request: the first prefills, the
+        others copy its KV entries and taps, then run the last prompt token), when it is longer
+        than what this session reuses of its own. Only sessions whose prompt is fully in their
+        cache lend (``Session.prefix_group``); a target without ``fork`` (expert parallel)
+        prefills every sample."""
+        s, req, t = job.session, job.req, self.target
+        fork = getattr(t, "fork", None)
+        want = len(req.prompt) - 1               # the last prompt token runs: its logits are read
+        if not req.prefix_group or fork is None or job.reuse >= want:
+            return
+        best, best_len = None, job.reuse
+        for other in self._sessions.values():
+            if other is s or other.prefix_group != req.prefix_group:
+                continue
+            n = min(_common_prefix(other.tokens, req.prompt), other.cached, want)
+            if s.drafter.tap_ids:   # the drafter needs this prefix's taps: the same layers'
+                if other.drafter.tap_ids != s.drafter.tap_ids:
+                    continue
+                n = min(n, len(other.drafter.taps))
+            if n > best_len:
+                best, best_len = other, n
+        if best is None:
+            return
+        with t.lock:
+            fork(best.cache, s.cache, best_len)
+        if s.drafter.tap_ids:
+            s.drafter.taps.truncate(job.reuse)
+            s.drafter.taps.append(best.drafter.taps.rows(job.reuse)[:best_len - job.reuse])
+        job.shared = best_len - job.reuse
+        job.prefilled = best_len
 
     def prefill_chunk(self, job: Job, budget: int) -> StepEvent | None:
         """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in."""
@@ -247,6 +282,7 @@ class VerifierEngine:
         if end < len(req.prompt):
             return None
         s.tokens = list(req.prompt)
+        s.prefix_group = req.prefix_group        # cache, taps and tokens agree on the prompt
         raw = logits[-1:]                                       # [1, V]
         first = self._sample(job.processor.apply(raw) if job.processor else raw,
                              req.sampling, job.gen)
@@ -259,7 +295,7 @@ class VerifierEngine:
             d.proposer = req.proposer
         return StepEvent(tokens=[first], finish=finish, verify_seconds=job.prefill_seconds,
                          stats=job.stats, prompt_tokens=len(req.prompt),
-                         cached_prompt_tokens=job.reuse,
+                         cached_prompt_tokens=job.reuse + job.shared,
                          logprobs=token_logprobs(raw, [0], [first], req.sampling.top_logprobs)
                          if req.sampling.logprobs else None)
 

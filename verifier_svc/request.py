@@ -61,6 +61,7 @@ class Request:
     block_size: int = 0                 # 0 = the drafter's block size
     spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive" | "tree"
     tree_budget: int = 0                # largest tree in nodes (0 = the engine's tree budget)
+    prefix_group: str = ""              # may share prompt KV with this group's sessions ("" = none)
     trace: RequestTrace | None = None
 
     @property
@@ -82,7 +83,8 @@ class StepEvent:
     fallback: str | None = None        # reason this step ran without speculation
     stats: AcceptanceCounter | None = None   # the request's counts so far (same object each step)
     prompt_tokens: int = 0             # set on the prefill event (the first)
-    cached_prompt_tokens: int = 0      # prompt tokens reused from the session's KV cache
+    cached_prompt_tokens: int = 0      # prompt tokens not prefilled: reused from the session's
+    #                                    cache or copied from another session of its prefix group
     batch_size: int = 1                # sessions verified in this step's target forward
     policy: Decision | None = None     # the speculation policy's choice for this step
     tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)
@@ -112,6 +114,9 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
     bad = next((t for t, _ in req.sampling.logit_bias if not t < vocab_size), None)
     if bad is not None:   # ids are >= 0 (Sampling checks)
         raise InvalidParam("logit_bias", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if len(req.prefix_group) > MAX_SESSION_ID_CHARS:
+        raise InvalidParam("prefix_group", f"{len(req.prefix_group)} characters, more than "
+                           f"{MAX_SESSION_ID_CHARS}")
     if len(req.session_id) > MAX_SESSION_ID_CHARS:
         raise InvalidParam("session_id", f"{len(req.session_id)} characters, more than "
                            f"{MAX_SESSION_ID_CHARS}")

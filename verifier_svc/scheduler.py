@@ -88,6 +88,7 @@ class Job:
     gone: threading.Event = dataclasses.field(default_factory=threading.Event)
     started: bool = False
     reuse: int = 0                           # prompt positions reused from the session's cache
+    shared: int = 0                          # prompt positions copied from a group's session
     prefilled: int = 0
     prefill_seconds: float = 0.0
     gen: torch.Generator | None = None

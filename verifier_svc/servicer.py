@@ -178,7 +178,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        prompt=list(m.prompt_token_ids), sampling=sampling_from_proto(m.sampling),
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
                        block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
-                       tree_budget=m.speculation.tree_budget)
+                       tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group)
 
     def _proposer(self, m, context):
         spec = m.speculation

@@ -27,6 +27,9 @@ class Session:
     drafter: DrafterState = dataclasses.field(default_factory=DrafterState)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     busy: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # set once a prompt is fully in the cache (then tokens, cache and taps agree), cleared when
+    # a turn starts changing them: only such a session lends its prompt to its group's others
+    prefix_group: str = ""
 
     @property
     def cached(self) -> int:

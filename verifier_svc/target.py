@@ -255,6 +255,11 @@ class TargetModel:
         turn moves it back: one copy per turn, none per step)."""
         self.pool.spill(cache)
 
+    def fork(self, src: PoolSeq, dst: PoolSeq, length: int) -> None:
+        """``dst`` takes a copy of ``src``'s first ``length`` KV positions (shared prompt
+        prefill, ``KVPool.fork``). Raises ValueError for a ``length`` past ``src``'s."""
+        self.pool.fork(src, dst, length)
+
     def close(self) -> None:
         """Nothing to stop (``DistributedTarget.close`` stops its ranks)."""
 

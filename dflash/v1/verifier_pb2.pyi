@@ -49,7 +49,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class VerifierGenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -66,7 +67,8 @@ class VerifierGenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     speculation: SpeculationParams
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+    prefix_group: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ...) -> None: ...
 
 class VerifierGenerateChunk(_message.Message):
     __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs")
