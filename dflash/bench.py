@@ -45,7 +45,7 @@ def mode_list(text: str) -> str:
     """argparse ``type`` of ``--spec-modes``: a non-empty comma-separated list of distinct
     ``dflash.speculation.MODES``, a tree mode optionally with its node budget (``tree:8``);
     returns it normalised."""
-    from dflash.server import choice_list
+    from dflash.argtypes import choice_list
     from dflash.speculation import MAX_TREE_BUDGET, MODES
 
     items = [x.strip() for x in text.split(",") if x.strip()]
@@ -358,8 +358,8 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
 
 def add_parser(sub) -> None:
+    from dflash.argtypes import at_least, int_list
     from dflash.cli import _add_stack_args
-    from dflash.server import at_least, int_list
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")

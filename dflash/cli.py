@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash.server import positive_float
+from dflash.argtypes import positive_float
 
 if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
     from dflash.launcher import StackConfig
@@ -160,7 +160,7 @@ def _client_tls(a):
 
 
 def cmd_generate(a) -> int:
-    from dflash.client import GatewayClient, build_request, summary_line
+    from dflash.client import GatewayClient, GenerateError, build_request, summary_line
 
     msgs = None if a.raw else [{"role": "user", "content": a.prompt}]
     req = build_request(a.prompt if a.raw else None, msgs, max_tokens=a.max_tokens,
@@ -168,15 +168,49 @@ def cmd_generate(a) -> int:
                         stop=a.stop, speculation=not a.no_spec, drafter=a.use_drafter,
                         session_id=a.session or "", block_size=a.block_size)
     client = GatewayClient(a.gateway, tls=_client_tls(a))
-    c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+    try:
+        c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+    except GenerateError as e:
+        print(f"dflash generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
     print()
     print(summary_line(c), file=sys.stderr)
     return 0
 
 
+def _http_demo(stack, max_tokens: int) -> None:
+    """One chat completion through the OpenAI-compatible HTTP API (standard library only):
+    the answer and vLLM's per-request speculation statistics."""
+    import json
+    import ssl
+    import urllib.request
+
+    ctx = None
+    if stack.cfg.tls:   # the stack's development CA and client certificate (mTLS)
+        d = stack.tls_dir
+        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        ctx.load_cert_chain(str(d / "client.pem"), str(d / "client-key.pem"))
+    with urllib.request.urlopen(f"{stack.http_url}/models", timeout=30, context=ctx) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}
+    req = urllib.request.Request(f"{stack.http_url}/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300, context=ctx) as r:
+        out = json.load(r)
+    print(out["choices"][0]["message"]["content"])
+    spec = (out.get("metrics") or {}).get("speculative_decoding") or {}
+    print(f"[HTTP] {out['usage']['completion_tokens']} tokens, finish={out['choices'][0]['finish_reason']}, "
+          f"mean acceptance length {spec.get('mean_acceptance_length', 1.0):.2f}, "
+          f"draft acceptance rate {100 * spec.get('draft_acceptance_rate', 0.0):.1f}%", flush=True)
+
+
 def cmd_demo(a) -> int:
     """The main job: stack up, a few HumanEval completions streamed, acceptance summary."""
     from dflash.client import GatewayClient, build_request, summary_line
+    from dflash.convert import stats_from_proto
     from dflash.humaneval import format_prompt, load_problems
     from dflash.launcher import LocalStack
     from dflash.stats import AcceptanceCounter
@@ -196,10 +230,12 @@ def cmd_demo(a) -> int:
             req = build_request(messages=format_prompt(prompt), max_tokens=a.max_tokens)
             c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
             print("\n" + summary_line(c), flush=True)
-            from dflash.convert import stats_from_proto
-
             total.merge(stats_from_proto(c.acceptance))
         client.close()
+        if stack.http_url:
+            print(f"\n=== the same stack through the OpenAI-compatible HTTP API, {stack.http_url} ===",
+                  flush=True)
+            _http_demo(stack, a.max_tokens)
     rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
     print(f"\nacceptance over {a.num_prompts} prompts: tau {total.mean_acceptance_length:.2f}, "
           f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
@@ -243,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_stack_args(d)
     d.add_argument("--tls", action="store_true",
                    help="mTLS on every link, with certificates made in <run-dir>/tls")
+    d.add_argument("--http-port", type=int, default=8000,
+                   help="the gateway's OpenAI-compatible HTTP API port (one chat completion is "
+                        "sent through it at the end); 0 = off")
     d.add_argument("--num-prompts", type=int, default=3)
     d.add_argument("--max-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
@@ -262,13 +301,29 @@ def main(argv: list[str] | None = None) -> int:
     from dflash import diagnose
 
     diagnose.add_parser(sub)
-    from dflash import moe_convert
-
     m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
-    moe_convert.add_args(m)
-    m.set_defaults(func=moe_convert.run)
+    try:
+        from dflash import moe_convert
+    except ModuleNotFoundError as e:   # torch: the client-only install (`dflash-serve[client]`)
+        m.set_defaults(func=lambda a, e=e: _needs_serve("convert-moe", e))
+    else:
+        moe_convert.add_args(m)
+        m.set_defaults(func=moe_convert.run)
     a = p.parse_args(argv)
-    return a.func(a)
+    try:
+        return a.func(a)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("dflash", "gateway", "verifier_svc", "drafter_svc"):
+            raise                          # our own module missing: a bug, not an extra
+        return _needs_serve(a.cmd, e)
+
+
+def _needs_serve(cmd: str, e: ModuleNotFoundError) -> int:
+    """A command that needs the server stack, run where only the client is installed."""
+    print(f"dflash {cmd}: needs the server stack, which is not installed here ({e}); "
+          "install it with: pip install 'dflash-serve[serve]' (`dflash generate` needs only "
+          "the client)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

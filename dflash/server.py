@@ -26,6 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dflash.argtypes import at_least
+
 if typing.TYPE_CHECKING:
     from dflash.tls import ClientTLS, ServerTLS
 
@@ -282,85 +284,6 @@ def upstream_tls_from_args(a: argparse.Namespace) -> "ClientTLS | None":
 
     return ClientTLS.from_files(TLSFiles(a.upstream_tls_cert, a.upstream_tls_key,
                                          a.upstream_tls_ca, prefix="--upstream-tls"))
-
-
-def at_least(low: int):
-    """argparse ``type`` for an int flag with a lower bound: a smaller value is refused with an
-    error naming the flag (argparse adds the name)."""
-    def parse(text: str) -> int:
-        n = int(text)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
-        return n
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """argparse ``type`` for a float flag that must be > 0 (refused naming the flag)."""
-    x = float(text)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return x
-
-
-def in_range(low: int, high: int):
-    """argparse ``type`` for an int flag within ``[low, high]`` (refused naming the flag)."""
-    def parse(text: str) -> int:
-        n = int(text)
-        if not low <= n <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
-        return n
-    return parse
-
-
-def one_of(choices: tuple[str, ...]):
-    """argparse ``type`` for a string flag with fixed choices. Unlike ``choices=``, argparse
-    also runs it on a string default (an environment variable's value), so a bad value there
-    is refused naming the flag too."""
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got {text!r}")
-        return text
-    return parse
-
-
-def int_list(low: int = 1, high: int | None = None):
-    """argparse ``type`` for a comma-separated list of distinct ints, each ``>= low`` and, when
-    given, ``<= high`` (e.g.
-    ``--concurrency 1,2,4``); returns it normalised (``"1,2,4"``; ``""`` stays empty: the flag
-    unset). A bad item is refused with an error naming the flag (argparse adds the name)."""
-    def parse(text: str) -> str:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        try:
-            values = [int(x) for x in items]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if v < low]
-        if bad:
-            raise argparse.ArgumentTypeError(f"every value must be >= {low}, got {bad[0]}")
-        bad = [v for v in values if high is not None and v > high]
-        if bad:
-            raise argparse.ArgumentTypeError(f"every value must be <= {high}, got {bad[0]}")
-        if len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
-        return ",".join(map(str, values))
-    return parse
-
-
-def choice_list(choices: tuple[str, ...]):
-    """argparse ``type`` for a non-empty comma-separated list of distinct ``choices`` (e.g.
-    ``--spec-modes off,adaptive``); returns it normalised (``"off,adaptive"``)."""
-    def parse(text: str) -> str:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"must name at least one of {', '.join(choices)}")
-        bad = [x for x in items if x not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad[0]!r} not one of {', '.join(choices)}")
-        if len(set(items)) != len(items):
-            raise argparse.ArgumentTypeError(f"values must be distinct, got {text!r}")
-        return ",".join(items)
-    return parse
 
 
 def add_compute_args(p, thread: str) -> None:

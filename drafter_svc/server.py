@@ -6,14 +6,13 @@ import argparse
 import logging
 import os
 
+from dflash.argtypes import at_least, one_of
 from dflash.device import DeviceError, add_device_args
 from dflash.server import (
     add_common_args,
     add_compute_args,
     add_health_listener,
-    at_least,
     create_server,
-    one_of,
     run_until_signal,
     server_tls_from_args,
 )

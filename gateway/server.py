@@ -13,15 +13,14 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dflash.argtypes import at_least, in_range
 from dflash.server import (
     ServiceRuntime,
     add_common_args,
     add_health_listener,
     add_upstream_tls_args,
-    at_least,
     channel_options,
     create_server,
-    in_range,
     run_until_signal,
     server_tls_from_args,
     tie_server,

@@ -155,7 +155,7 @@ def test_bench_refuses_bad_flags_naming_them(flags, flag, capsys):
 
 
 def test_bench_flag_lists_are_normalised():
-    from dflash.server import choice_list, int_list
+    from dflash.argtypes import choice_list, int_list
 
     assert int_list(1)(" 1, 2,4 ") == "1,2,4" and int_list(1)("") == ""
     assert choice_list(bench_load.MODES)("off, adaptive") == "off,adaptive"

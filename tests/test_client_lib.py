@@ -219,3 +219,39 @@ def test_pip_install_the_wheel_with_client_into_a_fresh_venv_generates(wheel, se
     assert got["heavy"] == [] and got["finish"] == "length" and got["drafters"] == ["tiny-drafter"]
     want = served.gateway_stub().Generate(gateway_pb2.GenerateRequest(prompt="Hello", max_tokens=12))
     assert got["ids"] == [t for m in want for t in m.token_ids]
+
+
+CLI_PROBE = """
+import importlib.abc, sys
+BLOCKED = {"torch", "transformers", "numpy", "tokenizers", "safetensors", "cryptography",
+           "grpc_health", "grpc_reflection", "fastapi", "uvicorn", "opentelemetry",
+           "prometheus_client"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from dflash.cli import main
+rc = main(sys.argv[2:])
+print("RC", rc, sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+"""
+
+
+def test_the_cli_generates_with_the_client_alone_and_names_the_extra_otherwise(served):
+    """``pip install dflash-serve[client]`` gives a working ``dflash generate``; a command that
+    needs the server stack says which extra to install instead of a traceback."""
+    r = subprocess.run([sys.executable, "-c", CLI_PROBE, "x", "generate", "--gateway",
+                        served.gateway_addr, "--raw", "--max-tokens", "6", "Hello"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("RC 0 []")
+    assert "tau" in r.stderr                       # the summary line
+    r = subprocess.run([sys.executable, "-c", CLI_PROBE, "x", "up", "--tiny"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RC 2" in r.stdout
+    assert "dflash up: needs the server stack" in r.stderr and "dflash-serve[serve]" in r.stderr
+    r = subprocess.run([sys.executable, "-c", CLI_PROBE, "x", "generate", "--gateway",
+                        "127.0.0.1:1", "Hello"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "RC 1" in r.stdout and "dflash generate: UNAVAILABLE" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 
+from dflash.argtypes import at_least, in_range, int_list, one_of, positive_float
 from dflash.device import DeviceError, add_device_args
 from dflash.metrics import AdmissionMetrics, BreakerGauges
 from dflash.server import (
@@ -14,12 +15,7 @@ from dflash.server import (
     add_compute_args,
     add_health_listener,
     add_upstream_tls_args,
-    at_least,
     create_server,
-    in_range,
-    int_list,
-    one_of,
-    positive_float,
     run_until_signal,
     server_tls_from_args,
     upstream_tls_from_args,
