@@ -5,7 +5,7 @@ Tensors go through :mod:`dflash.wire`; everything else that two services both sp
 
 from __future__ import annotations
 
-from dflash.proposer import DrafterCard
+from dflash.proposer import DrafterCard, DraftError
 from dflash.sampling import InvalidParam, Sampling
 from dflash.stats import AcceptanceCounter
 from dflash.v1 import common_pb2, drafter_pb2
@@ -17,6 +17,32 @@ FINISH = {
     "cancelled": common_pb2.FINISH_REASON_CANCELLED,
 }
 FINISH_NAME = {v: k for k, v in FINISH.items()}
+
+# a drafter's refusal of one session: DraftError.reason <-> the wire's DraftErrorCode
+DRAFT_ERROR = {
+    "bad_request": drafter_pb2.DRAFT_ERROR_BAD_REQUEST,
+    "context_gap": drafter_pb2.DRAFT_ERROR_CONTEXT_GAP,
+    "no_context": drafter_pb2.DRAFT_ERROR_NO_CONTEXT,
+}
+DRAFT_ERROR_NAME = {v: k for k, v in DRAFT_ERROR.items()}
+
+
+def draft_error_to_proto(session_id: str, e: DraftError) -> drafter_pb2.DraftResult:
+    """The DraftResult of a refused session: its code (``DRAFT_ERROR_INTERNAL`` for a reason
+    without one) and the message."""
+    return drafter_pb2.DraftResult(session_id=session_id, error=str(e) or e.reason,
+                                   error_code=DRAFT_ERROR.get(e.reason, drafter_pb2.DRAFT_ERROR_INTERNAL))
+
+
+def draft_error_from_proto(r: drafter_pb2.DraftResult) -> DraftError | None:
+    """The refusal a DraftResult carries (None on success): its reason from the code, never
+    from the message; ``"error"`` from a drafter that sends no code, ``"internal"`` for
+    DRAFT_ERROR_INTERNAL or a code this version does not know."""
+    if not r.error and not r.error_code:
+        return None
+    if not r.error_code:
+        return DraftError("error", r.error)
+    return DraftError(DRAFT_ERROR_NAME.get(r.error_code, "internal"), r.error)
 
 
 def card_to_proto(c: DrafterCard) -> drafter_pb2.DrafterCard:

@@ -8,7 +8,7 @@ import time
 import grpc
 
 from dflash import wire
-from dflash.convert import card_to_proto, sampling_from_proto
+from dflash.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
 from dflash.proposer import DraftError, Proposal, ProposalRequest
 from dflash.sampling import InvalidParam
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
@@ -46,8 +46,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         reqs.append((i, _request(item)))
                         seen.add(item.session_id)
                     except (wire.WireError, InvalidParam) as e:
-                        results[i] = drafter_pb2.DraftResult(session_id=item.session_id,
-                                                             error=f"bad_request: {e}")
+                        results[i] = draft_error_to_proto(item.session_id,
+                                                          DraftError("bad_request", str(e)))
                 if reqs:
                     outs = self.engine.propose([r for _, r in reqs])
                     for (i, r), out in zip(reqs, outs):
@@ -71,7 +71,7 @@ def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
 
 def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:
     if isinstance(out, DraftError):
-        return drafter_pb2.DraftResult(session_id=session_id, error=str(out))
+        return draft_error_to_proto(session_id, out)
     r = drafter_pb2.DraftResult(session_id=session_id, tokens=out.tokens.tolist())
     if out.probs is not None:
         r.probs.CopyFrom(wire.to_proto(out.probs.float()))

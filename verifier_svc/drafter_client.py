@@ -42,7 +42,7 @@ from typing import Protocol, runtime_checkable
 import grpc
 
 from dflash import wire
-from dflash.convert import card_from_proto, sampling_to_proto
+from dflash.convert import card_from_proto, draft_error_from_proto, sampling_to_proto
 from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest
 from dflash.server import channel_options
 from dflash.tls import ClientTLS, channel as tls_channel
@@ -502,9 +502,9 @@ class RemoteProposer:
     def _convert(r: drafter_pb2.DraftResult) -> Proposal | DraftError:
         import torch
 
-        if r.error:
-            reason = r.error.split(":", 1)[0] or "error"
-            return DraftError(reason if reason.isidentifier() else "error", r.error)
+        refused = draft_error_from_proto(r)
+        if refused is not None:
+            return refused
         try:
             probs = wire.from_proto(r.probs, "probs") if r.HasField("probs") else None
         except wire.WireError as e:

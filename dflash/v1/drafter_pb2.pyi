@@ -1,11 +1,25 @@
 from dflash.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_ERROR_UNSPECIFIED: _ClassVar[DraftErrorCode]
+    DRAFT_ERROR_BAD_REQUEST: _ClassVar[DraftErrorCode]
+    DRAFT_ERROR_CONTEXT_GAP: _ClassVar[DraftErrorCode]
+    DRAFT_ERROR_NO_CONTEXT: _ClassVar[DraftErrorCode]
+    DRAFT_ERROR_INTERNAL: _ClassVar[DraftErrorCode]
+DRAFT_ERROR_UNSPECIFIED: DraftErrorCode
+DRAFT_ERROR_BAD_REQUEST: DraftErrorCode
+DRAFT_ERROR_CONTEXT_GAP: DraftErrorCode
+DRAFT_ERROR_NO_CONTEXT: DraftErrorCode
+DRAFT_ERROR_INTERNAL: DraftErrorCode
 
 class DescribeDrafterRequest(_message.Message):
     __slots__ = ()
@@ -75,20 +89,22 @@ class DraftItem(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("session_id", "tokens", "probs", "error", "top_ids", "top_logprobs")
+    __slots__ = ("session_id", "tokens", "probs", "error", "error_code", "top_ids", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _common_pb2.Tensor
     error: str
+    error_code: DraftErrorCode
     top_ids: _common_pb2.Tensor
     top_logprobs: _common_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., error: _Optional[str] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., error: _Optional[str] = ..., error_code: _Optional[_Union[DraftErrorCode, str]] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBatchResult(_message.Message):
     __slots__ = ("batch_id", "results", "draft_seconds")
