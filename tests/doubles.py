@@ -68,7 +68,7 @@ class ReferenceDrafter:
             self.lengths[r.session_id] = pos
             ref = self.refs.get(r.session_id)
             if ref is None:
-                out.append(DraftError("unknown_session"))
+                out.append(DraftError("no_context"))
                 continue
             k = max(r.block_size - 1, 0)
             toks = (ref[pos + 1:pos + 1 + k] + [0] * k)[:k]

@@ -408,7 +408,7 @@ def test_uploads_and_calls_queued_behind_them_wait_up_to_the_timeout(stack, targ
         res = p.propose_within([req("b", 0, 1)], 0.001, lambda ids: None)
         waited = time.monotonic() - t0
         # behind the upload: waited for the reply (the double knows no session "b")
-        assert res[0].reason == "unknown_session", res
+        assert res[0].reason == "no_context", res
         assert waited >= 0.35 and p.breaker.consecutive == 0
         assert not p.behind_upload()
         res = p.propose_within([req("b", 1, 1)], 0.001, lambda ids: None)

@@ -196,10 +196,10 @@ def test_errors_set_span_status(tstack, traced, target_model):
     spans = traced.spans(until=lambda x: any(y.name == "verifier.decode" for y in x))
     steps = [x for x in spans if x.name == "verifier.step" and "dflash.fallback" in x.attributes]
     assert steps and all(x.status.status_code == StatusCode.ERROR for x in steps)
-    assert all(x.attributes["dflash.fallback"] == "unknown_session" for x in steps)
+    assert all(x.attributes["dflash.fallback"] == "no_context" for x in steps)
     m = scrape(traced.by_service["verifier"][0].registry)
     key = ("dflash_spec_decode_fallback_steps_total",
-           (("drafter_version", "broken@1"), ("reason", "unknown_session")))
+           (("drafter_version", "broken@1"), ("reason", "no_context")))
     assert m[key] == len(steps)
 
 
