@@ -94,7 +94,7 @@ def _sample_stream(verifier, tokenizer, vreq, stop, index, cancel, t0, prefilled
                     prefilled.set()
             before = detok.num_tokens
             d = detok.push(list(chunk.token_ids), _logprobs(chunk))
-            emitted.step(detok.num_tokens - before, chunk.accepted, chunk.drafted)
+            emitted.chunk(detok.num_tokens - before, chunk)
             if d.text or d.token_ids:
                 yield gateway_pb2.GenerateResponse(text=d.text, token_ids=d.token_ids,
                                                    logprobs=d.extras, index=index)

@@ -6,7 +6,10 @@ generation calls the same path as the gRPC ``Generate`` (:meth:`GatewayServicer.
 ``observed_stream``: one validation, one detokenizer, one drafter choice), in a worker thread;
 what it raises maps to HTTP statuses through :mod:`gateway.status` and comes back in OpenAI's
 error shape, 400s naming the parameter. API keys (``gateway.auth.ClientAuth``) are the gRPC
-port's: ``Authorization: Bearer <key>``, the same rate and stream limits and session owners.
+port's: ``Authorization: Bearer <key>``, the same rate and stream limits and session owners;
+the per-client stream bound (``gateway.auth.ClientStreams``) counts a client's streams on both
+ports together, the client being its key or its address (uvicorn's: the TCP peer's, or the
+``X-Forwarded-For`` a proxy on loopback sends; never ``x-dflash-client``).
 A client that disconnects cancels its generation (the verifier calls with it), whether it was
 waiting for a JSON response, for the first event of a stream, or reading the stream.
 """
@@ -28,12 +31,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash.errors import FieldError
-from gateway.auth import AuthError, ClientAuth, bearer_value
+from gateway.auth import AuthError, ClientAuth, ClientStreams, address_identity, bearer_value
 from gateway.generation import Cancel
 from gateway.inputs import http_identity
 from gateway.openai_convert import Assembler, Prepared, TokenText, chat_request, completion_request, http_param
 from gateway.openai_models import ChatRequest, CompletionRequest, DrafterInfo, ModelCard, ModelList
-from gateway.status import TABLE, error_body, retry_after_ms, status_of
+from gateway.status import error_body, retry_after_ms, status_of
 
 log = logging.getLogger("dflash.gateway.http")
 BUSY_RETRY_MS = 200      # hint of a request refused because every stream slot is taken
@@ -200,14 +203,16 @@ class OpenAIFront:
         serving: what ``/health`` reports (the gRPC health: the gateway's and its verifier's).
         api_keys: client API keys (None: no key needed).
         max_streams: generations at once (each holds a worker thread); one more gets 429.
+        client_streams: the per-client Generate stream bound shared with the gRPC port (None:
+            none); one more than a client's bound gets 429.
         max_request_bytes: largest request body; a larger one gets 413.
     """
 
     def __init__(self, servicer, *, model_name: str, max_positions: int, serving: Callable[[], bool],
                  api_keys: ClientAuth | None = None, max_streams: int = 512,
-                 max_request_bytes: int = 8 << 20):
+                 client_streams: ClientStreams | None = None, max_request_bytes: int = 8 << 20):
         self.servicer, self.model_name, self.max_positions = servicer, model_name, max_positions
-        self.serving, self.api_keys = serving, api_keys
+        self.serving, self.api_keys, self.client_streams = serving, api_keys, client_streams
         self.max_streams, self.max_request_bytes = max_streams, max_request_bytes
         self.token_text = TokenText(servicer.tok)
         self.pool = ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="http-generate")
@@ -224,6 +229,31 @@ class OpenAIFront:
             return http_identity(request.headers, request.client.host if request.client else ""), None
         admitted = self.api_keys.admit(bearer_value(request.headers.get("authorization")), limited)
         return admitted.identity, admitted.release
+
+    def _admit_stream(self, request: Request):
+        """(identity, release) of a generation: the key's slot, the client's and the server's,
+        all or none (``release`` gives back those taken). Raises AuthError: UNAUTHENTICATED,
+        or RESOURCE_EXHAUSTED with a retry hint."""
+        owner, release_key = self._admit_key(request, limited=True)
+        releases = [release_key] if release_key else []
+        try:
+            if self.client_streams is not None:
+                address = address_identity(request.client.host if request.client else "")
+                token = bearer_value(request.headers.get("authorization"))
+                releases.append(self.client_streams.acquire(self.client_streams.client(token, address)))
+            if not self._take_slot():
+                raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server busy: {self.max_streams} generations running", BUSY_RETRY_MS)
+        except BaseException:
+            for release in releases:
+                release()
+            raise
+        releases.append(self._release_slot)
+
+        def release_all() -> None:
+            for release in releases:
+                release()
+        return owner, release_all
 
     def _take_slot(self) -> bool:
         with self._lock:
@@ -278,21 +308,9 @@ class OpenAIFront:
                           f"{self.model_name!r})", "not_found_error", "model", "model_not_found")
         try:
             prepared = chat_request(body) if chat else completion_request(body)
-            owner, release_key = self._admit_key(request, limited=True)
+            owner, on_close = self._admit_stream(request)
         except (FieldError, AuthError) as e:
             return _core_error(e, prepared, chat)
-        if not self._take_slot():
-            if release_key:
-                release_key()
-            s = TABLE[grpc.StatusCode.RESOURCE_EXHAUSTED]
-            return _error(429, f"server busy: {self.max_streams} generations running", s.type,
-                          code=s.code, retry_ms=BUSY_RETRY_MS)
-
-        def on_close():
-            self._release_slot()
-            if release_key:
-                release_key()
-
         cancel = Cancel()
         headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
         run = _Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(

@@ -31,7 +31,16 @@ from dflash.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_chan
 from dflash.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
-from gateway.auth import AdminAuth, ClientAuth, check_admin_bind, check_secret, load_api_keys, read_secret
+from gateway.auth import (
+    DEFAULT_STREAMS_PER_CLIENT,
+    AdminAuth,
+    ClientAuth,
+    ClientStreams,
+    check_admin_bind,
+    check_secret,
+    load_api_keys,
+    read_secret,
+)
 from gateway.inputs import DecodeGuard, InputLimits
 from gateway.observe import ObservedGatewayServicer
 from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, load_config, parse_spec
@@ -87,6 +96,7 @@ class GatewayRuntime(ServiceRuntime):
     drafter_allow: DrafterAllowlist | None = None   # addresses drafters may register at
     verifier_watch: VerifierHealthWatch | None = None
     http: HttpServer | None = None                  # the OpenAI-compatible HTTP API, if bound
+    client_streams: ClientStreams | None = None     # the per-client stream bound, both ports
 
 
 def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
@@ -96,7 +106,8 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           upstream_tls: "ClientTLS | None" = None, admin_bind: str = "127.0.0.1:0",
           admin_token: str | None = None, drafter_allow: DrafterAllowlist | None = None,
           api_keys: ClientAuth | None = None, http_bind: str | None = None,
-          model_name: str = "dflash", http_max_streams: int = 512) -> GatewayRuntime:
+          model_name: str = "dflash", max_streams: int = 512,
+          max_streams_per_client: int = DEFAULT_STREAMS_PER_CLIENT) -> GatewayRuntime:
     """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
     ``verifier_address`` (over TLS when ``upstream_tls``).
 
@@ -111,8 +122,15 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     loopback. ``drafter_allow`` restricts the addresses drafters may be registered at;
     ``api_keys`` requires client API keys on the client port (``gateway.auth``).
 
-    Raises ValueError naming --admin-bind for a non-loopback admin bind without a token,
-    RuntimeError when an address cannot be bound.
+    ``max_streams``: response streams open at once on the gRPC port, and generations on the
+    HTTP port (each counts its own: each has its own worker threads); one more is refused at
+    once (RESOURCE_EXHAUSTED, HTTP 429). ``max_streams_per_client``: Generate streams one
+    client (its API key, else its IP address) may have open over both ports together, 0 =
+    unbounded (``gateway.auth.ClientStreams``, ``rt.client_streams``).
+
+    Raises ValueError naming --admin-bind for a non-loopback admin bind without a token, or
+    for ``max_streams`` < 1 or ``max_streams_per_client`` < 0; RuntimeError when an address
+    cannot be bound.
     """
     from gateway.http_server import HttpServer
     from gateway.openai_api import OpenAIFront
@@ -135,11 +153,15 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     def add_admin(server):
         gateway_pb2_grpc.add_GatewayAdminServicer_to_server(admin, server)
 
-    # ClientAuth first: an unauthenticated request is refused before anything else reads it.
-    auth = [api_keys] if api_keys is not None else []
+    # ClientAuth first: an unauthenticated request is refused before anything else reads it
+    # (and takes no per-client slot).
+    auth: list[grpc.ServerInterceptor] = [api_keys] if api_keys is not None else []
+    per_client = ClientStreams(max_streams_per_client, api_keys)
     # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
-    rt = cast(GatewayRuntime, create_server(bind, add, (SERVICE,), interceptors=auth + [DecodeGuard()],
+    rt = cast(GatewayRuntime, create_server(bind, add, (SERVICE,), max_streams=max_streams,
+                                            interceptors=auth + [per_client, DecodeGuard()],
                                             max_message_mb=max_request_mb, tls=tls, runtime=GatewayRuntime))
+    rt.client_streams = per_client
     rt.admin = admin_rt = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
                                         interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
     admin_rt.servicer = admin
@@ -152,7 +174,8 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     if http_bind is not None:
         front = OpenAIFront(servicer, model_name=model_name, max_positions=max_positions,
                             serving=lambda: rt.serving, api_keys=api_keys,
-                            max_streams=http_max_streams, max_request_bytes=max_request_mb << 20)
+                            max_streams=max_streams, client_streams=per_client,
+                            max_request_bytes=max_request_mb << 20)
         rt.http = http = HttpServer(front.app, http_bind, tls=tls, on_stop=front.close)
         http.front = front
         tie_server(rt.server, http)
@@ -266,6 +289,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="client API keys, one a line: 'key [name [max_concurrency "
                         "[rate_per_s]]]'; clients then need 'authorization: Bearer <key>' "
                         "[DFLASH_API_KEYS_FILE]")
+    # Overload: streams open at once, in all and per client (gateway.auth.ClientStreams).
+    p.add_argument("--max-streams", type=at_least(1), default=env("DFLASH_MAX_STREAMS", "512"),
+                   help="Generate streams open at once on the gRPC port, and generations on the "
+                        "HTTP port (each its own count); more are refused at once with "
+                        "RESOURCE_EXHAUSTED / HTTP 429 and a retry hint, and health and unary "
+                        "RPCs keep their own threads [DFLASH_MAX_STREAMS]")
+    p.add_argument("--max-streams-per-client", type=at_least(0),
+                   default=env("DFLASH_MAX_STREAMS_PER_CLIENT", str(DEFAULT_STREAMS_PER_CLIENT)),
+                   help="Generate streams one client may have open, both ports together; the "
+                        "client is its API key, else its IP address; more are refused at once "
+                        "like --max-streams; 0 = unbounded; default "
+                        f"{DEFAULT_STREAMS_PER_CLIENT} [DFLASH_MAX_STREAMS_PER_CLIENT]")
     # Input bounds, checked before tokenisation (gateway.inputs.InputLimits).
     d = InputLimits()
     for flag, var, default, what in [
@@ -365,7 +400,8 @@ def main(argv=None) -> None:
                vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
                upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
                drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
-               model_name=served_model_name(a))
+               model_name=served_model_name(a), max_streams=a.max_streams,
+               max_streams_per_client=a.max_streams_per_client)
     add_health_listener(rt, a.health_bind)
     rt.server.start()
     assert rt.admin is not None                       # build always binds the admin plane

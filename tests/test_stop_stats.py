@@ -3,7 +3,8 @@
 A stop string ends the request at the gateway, which cancels the verifier stream, so the
 verifier's own final statistics never arrive (or count the discarded tail). The gateway rebuilds
 them from the chunks up to the cut (``gateway.emitted.EmittedStats``): a step cut after ``c``
-tokens accepted ``min(accepted, c)`` emitted drafts.
+tokens accepted ``min(accepted, c)`` emitted drafts; the work of each emitted step (fallback,
+tree nodes, draft and verify seconds) comes with its chunk and counts whole.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.proposer import DraftError, Proposal
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 from gateway.emitted import EmittedStats
 
@@ -51,6 +53,22 @@ def test_emitted_stats_without_drafts():
     p = e.to_proto(None)
     assert (p.drafts, p.accepted_tokens) == (0, 0)
     assert p.mean_acceptance_length == 1.0
+
+
+def test_emitted_stats_count_the_work_of_emitted_steps_only():
+    e = EmittedStats()
+    e.chunk(1, verifier_pb2.VerifierGenerateChunk(token_ids=[5]))       # prefill: no work
+    e.chunk(1, verifier_pb2.VerifierGenerateChunk(token_ids=[6], fallback=True, draft_seconds=0.25,
+                                                  verify_seconds=0.5))
+    e.chunk(2, verifier_pb2.VerifierGenerateChunk(token_ids=[7, 8, 9, 10], accepted=3, drafted=4,
+                                                  tree_nodes=9, draft_seconds=0.125,
+                                                  verify_seconds=0.25))    # cut after 2 tokens
+    e.chunk(0, verifier_pb2.VerifierGenerateChunk(token_ids=[11], fallback=True, tree_nodes=5,
+                                                  verify_seconds=4.0))     # after the cut
+    p = e.to_proto(None)
+    assert (p.drafts, p.draft_tokens, p.accepted_tokens) == (1, 4, 2)
+    assert (p.fallback_steps, p.tree_drafts, p.tree_nodes) == (1, 1, 9)
+    assert (p.draft_seconds, p.verify_seconds) == (0.375, 0.75)
 
 
 # ---------------------------------------------------------------------------- through the stack
@@ -165,3 +183,105 @@ def test_without_a_stop_string_the_verifier_statistics_pass_through(oracle, toke
     assert (a.drafts, a.draft_tokens, a.accepted_tokens) == (drafts, draft_tokens, accepted)
     assert list(a.accepted_per_position) == per_pos
     assert a.verify_seconds > 0        # the verifier's own figures, not a rebuild
+
+
+# ---------------------------------------------------------------------------- fallback and trees
+FAIL_EVERY = 3      # the planted drafter fails every third draft of a session
+
+
+class PlantedFailures(ReferenceDrafter):
+    """The oracle, but every ``FAIL_EVERY``-th draft (the third, sixth...) of a session in
+    ``sessions`` is a per-session error: that step runs without speculation (a fallback step),
+    and an answered call never trips the breaker. Counted per session, so two generations of
+    the same reference fail at the same steps."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.sessions: set[str] = set()
+        self.calls: dict[str, int] = {}
+
+    def propose(self, requests):
+        out = super().propose(requests)
+        for j, r in enumerate(requests):
+            if r.session_id not in self.sessions or not isinstance(out[j], Proposal):
+                continue
+            n = self.calls[r.session_id] = self.calls.get(r.session_id, 0) + 1
+            if n % FAIL_EVERY == 0:
+                out[j] = DraftError("planted")
+        return out
+
+
+@pytest.fixture(scope="module")
+def planted(target_model, tokenizer):
+    s = Stack(target_model, tokenizer)
+    drafter = PlantedFailures(target_model, {}, block_size=B)
+    addr = s.add_drafter(drafter, label="planted@1", default=True)
+    yield s, drafter, addr
+    s.close()
+
+
+def _stop_at(tokenizer, cont: list[int], i: int) -> str | None:
+    """A stop string (1-3 characters) that first appears with token ``i``, or None."""
+    text = _decode(tokenizer, cont[:i + 1])
+    for k in (1, 2, 3):
+        stop = text[-k:]
+        if len(stop) == k and "\ufffd" not in stop and _first_completion(tokenizer, cont, stop) == i:
+            return stop
+    return None
+
+
+@pytest.mark.parametrize("mode", ["fixed", "tree"])
+def test_stop_string_statistics_count_fallback_steps_and_trees_of_the_emitted_steps(
+        planted, tokenizer, hf_target, mode):
+    """A stop string cuts the stream before the verifier's last chunk: the fallback steps, tree
+    counts and seconds are those of the steps up to the cut, as the verifier's own chunks of
+    the same generation say (they were 0 before the chunks carried them)."""
+    stack, drafter, addr = planted
+    gw, vf = stack.gateway_stub(), stack.verifier_stub()
+    spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr, mode=mode)
+    checked = with_fallback = 0
+    for prompt in PROMPTS:
+        cont = _continuation(tokenizer, hf_target, prompt)
+        if cont is None:
+            continue
+        ids = tokenizer.encode(prompt)
+        # The whole generation on the verifier: per-chunk work, summed, is its statistics.
+        full = f"full-{mode}-{prompt}"
+        drafter.refs[full] = ids + cont
+        drafter.sessions.add(full)
+        chunks = list(vf.Generate(verifier_pb2.VerifierGenerateRequest(
+            prompt_token_ids=ids, max_tokens=len(cont), session_id=full, speculation=spec,
+            ignore_eos=True), timeout=60))
+        assert [t for c in chunks for t in c.token_ids] == cont
+        st = chunks[-1].stats
+        assert sum(c.fallback for c in chunks) == st.fallback_steps > 0
+        assert sum(c.tree_nodes for c in chunks) == st.tree_nodes
+        assert sum(c.tree_nodes > 0 for c in chunks) == st.tree_drafts
+        assert (st.tree_drafts > 0) == (mode == "tree")
+        assert sum(c.verify_seconds for c in chunks) == pytest.approx(st.verify_seconds)
+        assert sum(c.draft_seconds for c in chunks) == pytest.approx(st.draft_seconds)
+        ends = [sum(len(c.token_ids) for c in chunks[:k + 1]) for k in range(len(chunks))]
+        for i in range(4, len(cont) - B, 5):
+            stop = _stop_at(tokenizer, cont, i)
+            if stop is None:
+                continue
+            k = next(k for k, end in enumerate(ends) if end > i)    # the chunk holding token i
+            kept = chunks[:k + 1]
+            sid = f"cut-{mode}-{prompt}-{i}"
+            drafter.refs[sid] = drafter.refs[full]
+            drafter.sessions.add(sid)
+            resps = list(gw.Generate(gateway_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=len(cont), stop=[stop], session_id=sid,
+                speculation_mode=mode), timeout=60))
+            last, where = resps[-1], f"{mode}: prompt {prompt!r}, stop {stop!r} at token {i}"
+            assert last.finish_reason == common_pb2.FINISH_REASON_STOP, where
+            assert last.usage.completion_tokens == i + 1 and k < len(chunks) - 1, where
+            a = last.acceptance
+            assert a.fallback_steps == sum(c.fallback for c in kept), where
+            assert a.tree_nodes == sum(c.tree_nodes for c in kept), where
+            assert a.tree_drafts == sum(c.tree_nodes > 0 for c in kept), where
+            assert a.drafts == sum(c.drafted > 0 for c in kept), where
+            assert a.drafts > 0 and a.verify_seconds > 0 and a.draft_seconds > 0, where
+            checked += 1
+            with_fallback += a.fallback_steps > 0
+    assert checked >= 4 and with_fallback >= 2, (checked, with_fallback)

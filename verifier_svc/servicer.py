@@ -15,7 +15,7 @@ from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.cards import check_drafter_card
 from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
-from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer
+from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer, StepEvent
 from verifier_svc.scheduler import Overloaded
 from verifier_svc.target import TargetUnavailable
 
@@ -155,6 +155,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for ev in _chain(first, events):
                 chunk = verifier_pb2.VerifierGenerateChunk(token_ids=ev.tokens, accepted=ev.accepted,
                                                            drafted=ev.drafted)
+                _add_step_work(chunk, ev)
                 if ev.logprobs:
                     chunk.logprobs.extend(common_pb2.TokenLogprob(
                         token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
@@ -203,6 +204,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if self.metrics:
                 self.metrics.fallback("unavailable", "unknown")
             return None
+
+
+def _add_step_work(chunk: verifier_pb2.VerifierGenerateChunk, ev: StepEvent) -> None:
+    """The step's share of the request's statistics (what ``engine`` adds to ``ev.stats`` for
+    it), so a stream cut early still counts the work of the steps it received. The prefill
+    event's seconds are not in the statistics and are left out here too."""
+    if ev.step < 0:
+        return
+    chunk.fallback = bool(ev.fallback)           # as the engine counts fallback_steps
+    chunk.tree_nodes = ev.tree_nodes
+    chunk.draft_seconds = ev.draft_seconds
+    chunk.verify_seconds = ev.verify_seconds
 
 
 def _chain(first, rest):

@@ -71,7 +71,7 @@ class VerifierGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ...) -> None: ...
 
 class VerifierGenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs")
+    __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs", "fallback", "tree_nodes", "draft_seconds", "verify_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,10 @@ class VerifierGenerateChunk(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
     finish_reason: _common_pb2.FinishReason
@@ -88,7 +92,11 @@ class VerifierGenerateChunk(_message.Message):
     cached_prompt_tokens: int
     drafted: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    fallback: bool
+    tree_nodes: int
+    draft_seconds: float
+    verify_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., fallback: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckDrafterRequest(_message.Message):
     __slots__ = ("card", "address")
