@@ -64,7 +64,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && pip install -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 USER 10001:10001
-CMD ["python", "-m", "dflash.target_setup"]
+CMD ["python", "-m", "dflash.tools.target_setup"]
 
 FROM runtime AS drafter
 ENV DFLASH_DRAFTER_BIND=0.0.0.0:50061 \
@@ -72,7 +72,7 @@ ENV DFLASH_DRAFTER_BIND=0.0.0.0:50061 \
 EXPOSE 50061 9461
 # hadolint ignore=DL3025
 HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
-  CMD python -m dflash.healthcheck "$DFLASH_DRAFTER_BIND" dflash.v1.Drafter
+  CMD python -m dflash.serving.healthcheck "$DFLASH_DRAFTER_BIND" dflash.v1.Drafter
 CMD ["python", "-m", "drafter_svc"]
 
 FROM runtime AS verifier
@@ -81,7 +81,7 @@ ENV DFLASH_VERIFIER_BIND=0.0.0.0:50051 \
 EXPOSE 50051 9451
 # hadolint ignore=DL3025
 HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
-  CMD python -m dflash.healthcheck "$DFLASH_VERIFIER_BIND" dflash.v1.Verifier
+  CMD python -m dflash.serving.healthcheck "$DFLASH_VERIFIER_BIND" dflash.v1.Verifier
 CMD ["python", "-m", "verifier_svc"]
 
 # gRPC on 50050, the OpenAI-compatible HTTP API on 8000 (on the gRPC bind's host), /metrics on 9450
@@ -92,5 +92,5 @@ ENV DFLASH_GATEWAY_BIND=0.0.0.0:50050 \
 EXPOSE 50050 8000 9450
 # hadolint ignore=DL3025
 HEALTHCHECK --interval=5s --timeout=5s --start-period=180s --retries=5 \
-  CMD python -m dflash.healthcheck "$DFLASH_GATEWAY_BIND" dflash.v1.Gateway
+  CMD python -m dflash.serving.healthcheck "$DFLASH_GATEWAY_BIND" dflash.v1.Gateway
 CMD ["python", "-m", "gateway"]

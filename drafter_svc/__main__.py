@@ -1,4 +1,4 @@
-from dflash.omp import default_spin_count
+from dflash.serving.omp import default_spin_count
 
 default_spin_count()   # before torch is imported (libgomp reads it once, on load)
 

@@ -2,7 +2,7 @@
 
 Pure torch; never imports generated protobuf. Per session it keeps each layer's context K/V for
 positions ``[0, cached)`` (z-lab's draft cache after its crop, i.e. context only) on one row of
-a batch KV pool (``dflash.kv_pool``), receives only the newly committed positions' taps each
+a batch KV pool (``dflash.core.kv_pool``), receives only the newly committed positions' taps each
 step, and drafts ``[anchor, MASK x (B-1)]`` at positions ``cached .. cached + B - 1``
 (z-lab/dflash ``dflash_generate`` step 2).
 """
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import load_drafter, load_target_head, target_fingerprint
-from dflash.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
-from dflash.draft_vocab import load_draft_vocab
-from dflash.kv_pool import KVPool, PoolSeq
-from dflash.modeling import DFlashDrafter, TargetHead
-from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
-from dflash.sampling import probs_from_logits, sample_from
-from dflash.threads import claim
+from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
+from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
+from dflash.core.draft_vocab import load_draft_vocab
+from dflash.core.kv_pool import KVPool, PoolSeq
+from dflash.core.modeling import DFlashDrafter, TargetHead
+from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
+from dflash.core.sampling import probs_from_logits, sample_from
+from dflash.serving.threads import claim
 from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
 
 log = logging.getLogger("dflash.drafter")
@@ -55,19 +55,19 @@ class DrafterEngine:
     """Holds a drafter plus the target's embedding/LM head; implements ``Proposer``.
 
     Args:
-        drafter: the network (``dflash.modeling.DFlashDrafter``), eval mode, on the device it
+        drafter: the network (``dflash.core.modeling.DFlashDrafter``), eval mode, on the device it
             runs on; the head, the draft vocabulary and the context K/V pool follow it there.
             Requests' context rows arrive on the host (the wire) and are copied there once per
             call; proposals return on the host, all of a call's in one synchronisation.
         head: the target's frozen embedding and LM head.
         max_sessions: LRU bound on kept session contexts.
-        draft_vocab: int64 [N] target ids the drafter may propose (``dflash.draft_vocab``);
+        draft_vocab: int64 [N] target ids the drafter may propose (``dflash.core.draft_vocab``);
             None = the full vocabulary. Its LM head is then ``N x H`` instead of ``V x H``.
         skinny_max_rows: linear layers and the LM head with 2..N rows use the transposed
             product (``kernels.skinny_linear``); 0 = plain ``F.linear``.
         threads: torch threads of the engine's compute thread, which runs every draft (calls
             come from any gRPC thread); it then is the process's only multi-threaded torch
-            thread (``dflash.threads.claim``). 0 = leave torch's threads alone.
+            thread (``dflash.serving.threads.claim``). 0 = leave torch's threads alone.
         context_threads: torch threads of a second thread that runs every call whose items all
             only carry context (block size 1, no draft): the verifier does not wait for those
             (its context updates on steps without speculation), so they run beside its forward
@@ -142,12 +142,12 @@ class DrafterEngine:
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
-        0 = the full vocabulary, N = its first N ids (``dflash.draft_vocab.load_draft_vocab``).
-        ``device`` / ``dtype``: ``dflash.device.resolve_device`` / ``resolve_dtype`` (``auto``
+        0 = the full vocabulary, N = its first N ids (``dflash.core.draft_vocab.load_draft_vocab``).
+        ``device`` / ``dtype``: ``dflash.core.device.resolve_device`` / ``resolve_dtype`` (``auto``
         = the drafter checkpoint's dtype on a GPU, float32 on a CPU).
 
         Raises:
-            dflash.device.DeviceError: naming ``--device`` / ``--dtype``.
+            dflash.core.device.DeviceError: naming ``--device`` / ``--dtype``.
         """
         dev = resolve_device(device)
         td = resolve_dtype(dtype, checkpoint_dtype(drafter_dir), dev)
@@ -178,7 +178,7 @@ class DrafterEngine:
         ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
         compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
         and without the transposed product; ``kernels.skinny_linear.tune_max_rows``)."""
-        from dflash.sampling import Sampling
+        from dflash.core.sampling import Sampling
 
         def req(block: int, rows: int = 2) -> ProposalRequest:
             return ProposalRequest(session_id="__warmup__", context_start=0,

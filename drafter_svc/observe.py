@@ -12,9 +12,9 @@ import time
 
 from opentelemetry.trace import SpanKind
 
-from dflash.metrics import DrafterMetrics, SessionGauges
-from dflash.telemetry import Telemetry
-from dflash.tracing import extract_context, set_error
+from dflash.serving.metrics import DrafterMetrics, SessionGauges
+from dflash.serving.telemetry import Telemetry
+from dflash.serving.tracing import extract_context, set_error
 from drafter_svc.servicer import DrafterServicer
 
 

@@ -6,9 +6,9 @@ import argparse
 import logging
 import os
 
-from dflash.argtypes import at_least, one_of
-from dflash.device import DeviceError, add_device_args
-from dflash.server import (
+from dflash.core.device import DeviceError, add_device_args
+from dflash.serving.argtypes import at_least, one_of
+from dflash.serving.server import (
     add_common_args,
     add_compute_args,
     add_health_listener,
@@ -16,8 +16,8 @@ from dflash.server import (
     run_until_signal,
     server_tls_from_args,
 )
-from dflash.telemetry import Telemetry, serve_metrics
-from dflash.tls import TLSConfigError
+from dflash.serving.telemetry import Telemetry, serve_metrics
+from dflash.serving.tls import TLSConfigError
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import CONTEXT_SCHED
 from drafter_svc.observe import ObservedDrafterServicer
@@ -27,7 +27,7 @@ SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
     """An unstarted server for ``engine`` bound to ``bind`` (tests use "127.0.0.1:0"); TLS when
-    ``tls`` (``dflash.tls.ServerTLS``)."""
+    ``tls`` (``dflash.serving.tls.ServerTLS``)."""
     servicer = ObservedDrafterServicer(engine, telemetry)
     rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                        (SERVICE,), tls=tls)
@@ -67,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    from dflash.device import resolve_device
-    from dflash.threads import reserve
+    from dflash.core.device import resolve_device
+    from dflash.serving.threads import reserve
     from drafter_svc.engine import DrafterEngine
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),

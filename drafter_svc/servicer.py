@@ -7,10 +7,10 @@ import time
 
 import grpc
 
-from dflash import wire
-from dflash.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
-from dflash.proposer import DraftError, Proposal, ProposalRequest
-from dflash.sampling import InvalidParam
+from dflash.core import wire
+from dflash.core.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
+from dflash.core.proposer import DraftError, Proposal, ProposalRequest
+from dflash.core.sampling import InvalidParam
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("dflash.drafter")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from dflash.sampling import InvalidParam
+from dflash.core.sampling import InvalidParam
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.registry import DrafterEntry, DrafterRegistry, NotAllowed
 

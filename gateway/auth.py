@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from dflash.server import RETRY_AFTER_KEY
+from dflash.serving.server import RETRY_AFTER_KEY
 
 log = logging.getLogger("dflash.gateway")
 

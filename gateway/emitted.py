@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dflash.convert import stats_to_proto
-from dflash.stats import AcceptanceCounter
+from dflash.core.convert import stats_to_proto
+from dflash.core.stats import AcceptanceCounter
 from dflash.v1 import common_pb2, verifier_pb2
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from dflash.tls import TLSConfigError, check_pair, file_stamps
+from dflash.serving.tls import TLSConfigError, check_pair, file_stamps
 
 log = logging.getLogger("dflash.gateway.http")
 
@@ -35,7 +35,7 @@ def _host_port(bind: str) -> tuple[str, int]:
 
 
 class ReloadingTLS:
-    """The HTTPS side of a ``dflash.tls.ServerTLS``: uvicorn's ``ssl_context_factory``, whose
+    """The HTTPS side of a ``dflash.serving.tls.ServerTLS``: uvicorn's ``ssl_context_factory``, whose
     context re-reads the files as the gRPC port does.
 
     At every new handshake (the TLS ClientHello: ``SSLContext.sni_callback``, called with or
@@ -43,7 +43,7 @@ class ReloadingTLS:
     (SIGHUP), a context is built from them with uvicorn's own builder and the handshake goes on
     with it (``SSLObject.context``), so the next connection gets the renewed certificate and
     open ones keep theirs. A replacement that does not load (half written, the key not matching,
-    expired: ``dflash.tls.check_pair``) is refused with a warning and the previous one stays.
+    expired: ``dflash.serving.tls.check_pair``) is refused with a warning and the previous one stays.
     """
 
     def __init__(self, tls):
@@ -98,7 +98,7 @@ class ReloadingTLS:
 
 class HttpServer:
     """Args: the ASGI app, ``bind`` ("host:port"; port 0 = any free one), ``tls`` (a
-    ``dflash.tls.ServerTLS``, reloaded through :class:`ReloadingTLS` (``.tls``); None = plain
+    ``dflash.serving.tls.ServerTLS``, reloaded through :class:`ReloadingTLS` (``.tls``); None = plain
     HTTP). Raises RuntimeError when ``bind`` cannot be bound, ValueError when it is malformed."""
 
     def __init__(self, app, bind: str, *, tls=None, on_stop=None):

@@ -13,8 +13,8 @@ import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
 
-from dflash.errors import FieldError
-from dflash.sampling import InvalidParam
+from dflash.core.errors import FieldError
+from dflash.core.sampling import InvalidParam
 
 ROLES = ("system", "user", "assistant", "tool")
 SESSION_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")

@@ -13,10 +13,10 @@ import time
 from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import SpanKind
 
-from dflash.convert import FINISH_NAME
-from dflash.metrics import NO_DRAFTER, GatewayMetrics
-from dflash.telemetry import Telemetry
-from dflash.tracing import abort_status, metadata_context, set_error
+from dflash.core.convert import FINISH_NAME
+from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics
+from dflash.serving.telemetry import Telemetry
+from dflash.serving.tracing import abort_status, metadata_context, set_error
 from gateway.servicer import GatewayServicer
 from gateway.status import grpc_code
 
@@ -138,7 +138,7 @@ def _request_attrs(r) -> dict:
              "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
              "gen_ai.request.n": max(1, r.n),
              "dflash.session_id": r.session_id, "dflash.block_size": r.block_size,
-             "dflash.speculation": r.speculation if r.HasField("speculation") else True,
+             "dflash.core.speculation": r.speculation if r.HasField("speculation") else True,
              "dflash.drafter_requested": r.drafter}
     if s.HasField("seed"):
         attrs["gen_ai.request.seed"] = s.seed

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash.errors import FieldError
+from dflash.core.errors import FieldError
 from gateway.auth import AuthError, ClientAuth, ClientStreams, address_identity, bearer_value
 from gateway.generation import Cancel
 from gateway.inputs import http_identity

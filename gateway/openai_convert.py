@@ -11,8 +11,8 @@ import re
 import time
 import uuid
 
-from dflash.convert import FINISH_NAME
-from dflash.sampling import InvalidParam
+from dflash.core.convert import FINISH_NAME
+from dflash.core.sampling import InvalidParam
 from dflash.v1 import common_pb2, gateway_pb2
 from gateway.openai_models import (
     ChatChoice,

@@ -18,8 +18,8 @@ import random
 import threading
 from pathlib import Path
 
-from dflash.errors import FieldError
-from dflash.sampling import InvalidParam
+from dflash.core.errors import FieldError
+from dflash.core.sampling import InvalidParam
 
 
 @dataclasses.dataclass(frozen=True)

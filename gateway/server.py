@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.argtypes import at_least, in_range
-from dflash.server import (
+from dflash.serving.argtypes import at_least, in_range
+from dflash.serving.server import (
     ServiceRuntime,
     add_common_args,
     add_health_listener,
@@ -26,9 +26,9 @@ from dflash.server import (
     tie_server,
     upstream_tls_from_args,
 )
-from dflash.telemetry import Telemetry, serve_metrics
-from dflash.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
-from dflash.tracing import InjectTraceContext
+from dflash.serving.telemetry import Telemetry, serve_metrics
+from dflash.serving.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
+from dflash.serving.tracing import InjectTraceContext
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
 from gateway.auth import (
@@ -374,7 +374,7 @@ def input_limits(a: argparse.Namespace) -> InputLimits:
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
-    from dflash.server import wait_healthy
+    from dflash.serving.server import wait_healthy
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import grpc
 from jinja2 import TemplateError
 
-from dflash.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
-from dflash.errors import FieldError
-from dflash.sampling import InvalidParam, Sampling
-from dflash.speculation import MAX_TREE_BUDGET, MODES
+from dflash.core.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
+from dflash.core.errors import FieldError
+from dflash.core.sampling import InvalidParam, Sampling
+from dflash.core.speculation import MAX_TREE_BUDGET, MODES
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.generation import Cancel, merge, sample_stream
 from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short

@@ -13,8 +13,8 @@ import re
 
 import grpc
 
-from dflash.errors import FieldError
-from dflash.sampling import InvalidParam
+from dflash.core.errors import FieldError
+from dflash.core.sampling import InvalidParam
 from gateway.auth import AuthError
 from gateway.inputs import NotOwner
 

@@ -49,7 +49,7 @@ def start(tree: Path, base_port: int, run_dir: Path) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "up.log", "w")
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from dflash.cli import main; sys.exit(main())", "up",
+        [sys.executable, "-c", "import sys; from dflash.tools.cli import main; sys.exit(main())", "up",
          "--gateway-port", str(base_port), "--verifier-port", str(base_port + 1),
          "--drafter-port", str(base_port + 2), "--run-dir", str(run_dir)],
         cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -84,7 +84,7 @@ def main() -> None:
                 for name in order:
                     cell = out / name / f"r{rep}-c{c}"
                     subprocess.run(
-                        [sys.executable, "-c", "import sys; from dflash.cli import main; sys.exit(main())",
+                        [sys.executable, "-c", "import sys; from dflash.tools.cli import main; sys.exit(main())",
                          "bench", "--gateway", f"127.0.0.1:{sides[name][1]}", "--concurrency", str(c),
                          "--spec-modes", a.spec_modes, "--repeats", "1", "--max-tokens", str(a.max_tokens),
                          "--requests", str(a.requests), "--requests-per-client", str(a.requests_per_client),

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))     # the oracle test double
 def _timed(fn, *, iters: int, device) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs after one warm-up, the device
     synchronised before and after each."""
-    from dflash.device import synchronize
+    from dflash.core.device import synchronize
 
     fn()
     times = []
@@ -66,10 +66,10 @@ def _timed(fn, *, iters: int, device) -> float:
 def step(a) -> dict:
     import torch
 
-    from dflash import wire
-    from dflash.device import to_device
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core import wire
+    from dflash.core.device import to_device
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
     from dflash.v1 import drafter_pb2
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.tap_buffer import TapRows
@@ -226,7 +226,7 @@ def e2e(a) -> dict:
     import grpc
     import torch
 
-    from dflash.server import wait_healthy
+    from dflash.serving.server import wait_healthy
     from dflash.v1 import verifier_pb2_grpc
     from drafter_svc.server import build as build_drafter
 
@@ -401,7 +401,7 @@ def _markdown(res: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from dflash.device import device_flag
+    from dflash.core.device import device_flag
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -58,7 +58,7 @@ def target_config(dims: dict, dtype: torch.dtype):
 
 
 def drafter_config(dims: dict, dtype: torch.dtype):
-    from dflash.config import DrafterConfig
+    from dflash.core.config import DrafterConfig
 
     return DrafterConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
                          num_hidden_layers=dims["drafter_layers"],
@@ -130,7 +130,7 @@ def write_drafter(out: Path, dims: dict, *, dtype, device, seed: int, std: float
     """``out`` in the z-lab layout (one model.safetensors); returns {"params", "bytes"}."""
     from safetensors.torch import save_file
 
-    from dflash.modeling import DFlashDrafter
+    from dflash.core.modeling import DFlashDrafter
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = drafter_config(dims, dtype)
@@ -146,7 +146,7 @@ def write_drafter(out: Path, dims: dict, *, dtype, device, seed: int, std: float
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from dflash.device import device_flag
+    from dflash.core.device import device_flag
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for target/ and drafter/")
@@ -164,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from dflash.device import resolve_device
+    from dflash.core.device import resolve_device
 
     a = parse_args(argv)
     device = resolve_device(a.device)

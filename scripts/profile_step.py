@@ -28,10 +28,10 @@ def timed(fn, reps):
 
 
 def main():
-    from dflash.cli import DEFAULT_DRAFTER
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
-    from dflash.target_setup import setup_target
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
+    from dflash.tools.cli import DEFAULT_DRAFTER
+    from dflash.tools.target_setup import setup_target
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.target import TargetModel
 

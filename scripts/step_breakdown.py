@@ -25,8 +25,8 @@ import torch
 
 
 def main() -> None:
-    from dflash.sampling import Sampling
-    from dflash.target_setup import setup_target
+    from dflash.core.sampling import Sampling
+    from dflash.tools.target_setup import setup_target
     from verifier_svc.target import TargetModel
 
     p = argparse.ArgumentParser()

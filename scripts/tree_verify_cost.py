@@ -17,12 +17,12 @@ drift and other load on the machine fall on every shape alike:
 Each forward is followed by a crop back to ``--context`` (not timed). Printed: a table of the
 median ms, each median over decode's and, per size, the median of the per-round ratio tree /
 chain (paired, so drift between rounds cancels); ``--json`` also writes every sample. The target is
-``dflash.target_setup``'s SmolLM2 unless ``--target`` names another directory.
+``dflash.tools.target_setup``'s SmolLM2 unless ``--target`` names another directory.
 """
 
 from __future__ import annotations
 
-from dflash.omp import default_spin_count
+from dflash.serving.omp import default_spin_count
 
 default_spin_count()   # as the verifier does, before torch loads libgomp
 
@@ -75,7 +75,7 @@ def main() -> None:
     if a.target:
         path = a.target
     else:
-        from dflash.target_setup import setup_target
+        from dflash.tools.target_setup import setup_target
 
         path = setup_target()
     t = TargetModel(path, skinny_max_rows=a.skinny_max_rows)

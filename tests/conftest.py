@@ -19,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
-    from dflash.testing import make_tiny_target
+    from dflash.tools.testing import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("target"))
 
@@ -48,7 +48,7 @@ def tokenizer(tiny_target):
 @pytest.fixture(scope="session")
 def make_drafter(tiny_target, tmp_path_factory):
     """make_drafter(block_size=8, **kw) -> drafter directory (cached per arguments)."""
-    from dflash.testing import make_tiny_drafter
+    from dflash.tools.testing import make_tiny_drafter
 
     cache = {}
 
@@ -65,7 +65,7 @@ def make_drafter(tiny_target, tmp_path_factory):
 class Stack:
     """In-process verifier + drafters + gateway on loopback with real gRPC.
 
-    ``telemetry``: optional ``service name -> dflash.telemetry.Telemetry`` (tracer, registry).
+    ``telemetry``: optional ``service name -> dflash.serving.telemetry.Telemetry`` (tracer, registry).
     """
 
     def __init__(self, target_model, tokenizer, telemetry=None, **engine_kw):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
+from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
 
 
 class ReferenceDrafter:

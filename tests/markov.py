@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from dflash.proposer import DrafterCard, Proposal
+from dflash.core.proposer import DrafterCard, Proposal
 
 HIDDEN = 8
 

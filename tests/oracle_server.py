@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.server import run_until_signal  # noqa: E402
+from dflash.serving.server import run_until_signal  # noqa: E402
 from drafter_svc.server import build  # noqa: E402
 
 from doubles import ReferenceDrafter  # noqa: E402

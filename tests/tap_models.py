@@ -45,7 +45,7 @@ def _rotation(k: int) -> torch.Tensor:
 def make_tap_target(path: str | Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash.testing import write_byte_tokenizer
+    from dflash.tools.testing import write_byte_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -80,9 +80,9 @@ def make_tap_target(path: str | Path) -> Path:
 def make_tap_drafter(path: str | Path, target_dir: str | Path, *, tapped_layer: int,
                      saved_layer_ids: list[int], block_size: int = 8) -> Path:
     """A drafter that reads the output of ``tapped_layer``, saved with ``saved_layer_ids``."""
-    from dflash.checkpoint import load_target_head, save_drafter, target_fingerprint
-    from dflash.config import DrafterConfig
-    from dflash.modeling import DFlashDrafter
+    from dflash.core.checkpoint import load_target_head, save_drafter, target_fingerprint
+    from dflash.core.config import DrafterConfig
+    from dflash.core.modeling import DFlashDrafter
 
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = DrafterConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1,
@@ -153,8 +153,8 @@ def make_probe_drafter(path: str | Path, target_dir: str | Path, *, tapped_layer
     ``sliding_window`` positions. Saved with its true config."""
     import dataclasses
 
-    from dflash.checkpoint import load_drafter, save_drafter
-    from dflash.modeling import DFlashDrafter
+    from dflash.core.checkpoint import load_drafter, save_drafter
+    from dflash.core.modeling import DFlashDrafter
 
     make_tap_drafter(path, target_dir, tapped_layer=tapped_layer,
                      saved_layer_ids=saved_layer_ids or [tapped_layer], block_size=block_size)

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from dflash.telemetry import serve_metrics
+from dflash.serving.telemetry import serve_metrics
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.registry import DrafterAllowlist
 

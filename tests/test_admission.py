@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.server import RETRY_AFTER_KEY, create_server
+from dflash.serving.server import RETRY_AFTER_KEY, create_server
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.scheduler import Admission
 
@@ -27,7 +27,7 @@ class Verifier:
     """An in-process verifier on port 0 with the given engine and admission bounds."""
 
     def __init__(self, target_model, *, max_batch: int, admission: Admission, streams: int = 0):
-        from dflash.telemetry import Telemetry
+        from dflash.serving.telemetry import Telemetry
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.server import build
 

@@ -13,7 +13,7 @@ import math
 import grpc
 import pytest
 
-from dflash.convert import card_to_proto
+from dflash.core.convert import card_to_proto
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 
 from conftest import Stack, generate_ids

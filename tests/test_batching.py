@@ -249,7 +249,7 @@ def test_pool_rows_are_reused_with_no_growth_over_1000_join_leave_cycles():
     buffers for the next request)."""
     import random
 
-    from dflash.kv_pool import KVPool
+    from dflash.core.kv_pool import KVPool
 
     rng = random.Random(0)
     pool = KVPool(2, 2, 4, room=32, keep_idle_bytes=0)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash.bench_prompts import CHAT_EVAL, load_jsonl, prompt_set
+from dflash.tools.bench_prompts import CHAT_EVAL, load_jsonl, prompt_set
 
 
 def test_named_sets():
@@ -38,7 +38,7 @@ def test_jsonl_file(tmp_path):
 
 
 def test_bench_refuses_an_unknown_set_naming_the_flag(capsys):
-    from dflash.cli import main
+    from dflash.tools.cli import main
 
     with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--prompts", "nope", "--gateway", "127.0.0.1:1"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash import wire
+from dflash.core import wire
 from drafter_svc.engine import DrafterEngine
 
 from conftest import Stack, generate_ids
@@ -70,8 +70,8 @@ def test_bf16_greedy_speculation_equals_speculation_off(bf16_stack, bf16_target,
 def test_bf16_taps_travel_as_bf16_by_default(bf16_target):
     """``--wire-dtype`` unset: a bf16 target's taps go to the drafter as raw bf16 words (the
     drafter client's request items, built from the session's tap rows)."""
-    from dflash.proposer import DrafterCard, ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import DrafterCard, ProposalRequest
+    from dflash.core.sampling import Sampling
     from verifier_svc.drafter_client import RemoteProposer
     from verifier_svc.drafter_sync import DrafterState
 

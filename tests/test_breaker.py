@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dflash.metrics import BreakerGauges
-from dflash.proposer import DraftError
-from dflash.server import wait_healthy
+from dflash.core.proposer import DraftError
+from dflash.serving.metrics import BreakerGauges
+from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2
 from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker
 from verifier_svc.servicer import DrafterPool
@@ -384,8 +384,8 @@ def test_uploads_and_calls_queued_behind_them_wait_up_to_the_timeout(stack, targ
     the step's budget, nor is a call queued behind an unanswered upload; a steady call is."""
     import torch
 
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
     from verifier_svc.drafter_client import RemoteProposer
 
     drafter = SlowDrafter(ReferenceDrafter(target_model, {}, block_size=B))

@@ -231,7 +231,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-from dflash.cli import main
+from dflash.tools.cli import main
 rc = main(sys.argv[2:])
 print("RC", rc, sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
 """

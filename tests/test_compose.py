@@ -6,8 +6,8 @@
 3. every service's command, module, ports, DFLASH_*/OTEL_* variables, health check, volumes and
    mounted config files match what the code reads (argparse run with the service's
    environment), the Dockerfile targets, deploy/prometheus.yml and the Grafana provisioning;
-plus the image's health probe (``python -m dflash.healthcheck``) against a real gRPC server, and
-``dflash up --prometheus`` (dflash/local_prometheus.py), the same topology without Docker.
+plus the image's health probe (``python -m dflash.serving.healthcheck``) against a real gRPC server, and
+``dflash up --prometheus`` (dflash/tools/local_prometheus.py), the same topology without Docker.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _module_file(mod: str) -> Path | None:
 
 def env_names_in_source(package: str) -> set[str]:
     """DFLASH_* string constants in ``package``'s files and the repository modules they import,
-    transitively (e.g. DFLASH_LOG_LEVEL in main(), DFLASH_TRACE_FILE in dflash/tracing.py)."""
+    transitively (e.g. DFLASH_LOG_LEVEL in main(), DFLASH_TRACE_FILE in dflash/serving/tracing.py)."""
     names, seen = set(), set()
     todo = list((ROOT / package).glob("*.py"))
     while todo:
@@ -334,9 +334,9 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
         assert bind_host in ("0.0.0.0", "[::]"), f"{name} binds {ns.bind}: unreachable from other containers"
         assert 0 < ns.metrics_port != port, f"{name}: metrics port {ns.metrics_port}"
         server = importlib.import_module(f"{mod}.server")
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "dflash.healthcheck",
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "dflash.serving.healthcheck",
                                               f"127.0.0.1:{port}", server.SERVICE], name
-        assert importlib.util.find_spec("dflash.healthcheck") is not None
+        assert importlib.util.find_spec("dflash.serving.healthcheck") is not None
         for published in container_ports(svc):
             # the gateway's OpenAI-compatible HTTP API (--http-port) is its third
             assert published in (port, ns.metrics_port, getattr(ns, "http_port", None)), \
@@ -408,11 +408,11 @@ def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatc
 
 
 def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
-    from dflash import target_setup
+    from dflash.tools import target_setup
 
     services = active(doc, "cpu")
     ts = services["target-setup"]
-    assert ts["command"] == ["python", "-m", "dflash.target_setup"] and ts["restart"] == "no"
+    assert ts["command"] == ["python", "-m", "dflash.tools.target_setup"] and ts["restart"] == "no"
     rec = RecordingEnviron({k: str(v) for k, v in ts["environment"].items()})
     monkeypatch.setattr(os, "environ", rec)
     out = str(target_setup.target_dir())
@@ -426,7 +426,7 @@ def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
 
 
 def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
-    from dflash.cli import DEFAULT_DRAFTER
+    from dflash.tools.cli import DEFAULT_DRAFTER
 
     services = active(doc, "cpu")
     for name in ("drafter-v1", "drafter-v2"):
@@ -443,7 +443,7 @@ def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
 
 
 def test_committed_drafter_checkpoint_is_present():
-    from dflash.cli import DEFAULT_DRAFTER
+    from dflash.tools.cli import DEFAULT_DRAFTER
 
     if not DEFAULT_DRAFTER.exists():
         pytest.skip(f"{DEFAULT_DRAFTER.relative_to(ROOT)} is not committed yet (being trained); the "
@@ -541,7 +541,7 @@ def test_dockerfile_targets_match_the_compose_services(doc, monkeypatch):
         assert host == "0.0.0.0" and st["expose"] == {port, ns.metrics_port} | http, target
         # HEALTHCHECK probes the address the service binds, via the env var its parse_args reads
         probe = st["healthcheck"]
-        assert probe[:3] == ["python", "-m", "dflash.healthcheck"] and probe[4] == server.SERVICE
+        assert probe[:3] == ["python", "-m", "dflash.serving.healthcheck"] and probe[4] == server.SERVICE
         var = probe[3].strip("${}")
         assert var in read and st["env"][var] == ns.bind, probe
         # the image defaults are the compose defaults of the service's first instance
@@ -692,7 +692,7 @@ def test_validation_tools_are_in_the_dev_extra():
 
 @pytest.fixture
 def health_server():
-    from dflash.server import create_server
+    from dflash.serving.server import create_server
 
     rt = create_server("127.0.0.1:0", lambda s: None, ("dflash.v1.Verifier",))
     rt.server.start()
@@ -701,7 +701,7 @@ def health_server():
 
 
 def test_healthcheck_exit_code_follows_serving_status(health_server, capsys):
-    from dflash import healthcheck
+    from dflash.serving import healthcheck
 
     addr = f"127.0.0.1:{health_server.port}"
     assert healthcheck.main([addr, "dflash.v1.Verifier"]) == 1  # NOT_SERVING while loading
@@ -714,7 +714,7 @@ def test_healthcheck_exit_code_follows_serving_status(health_server, capsys):
 
 
 def test_healthcheck_unreachable_and_bad_address(capsys):
-    from dflash import healthcheck
+    from dflash.serving import healthcheck
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -731,7 +731,7 @@ def test_healthcheck_unreachable_and_bad_address(capsys):
 
 def test_healthcheck_runs_as_the_image_runs_it(health_server):
     health_server.set_serving(True)
-    r = subprocess.run([sys.executable, "-m", "dflash.healthcheck", f"0.0.0.0:{health_server.port}",
+    r = subprocess.run([sys.executable, "-m", "dflash.serving.healthcheck", f"0.0.0.0:{health_server.port}",
                         "dflash.v1.Verifier"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "SERVING" in r.stdout
@@ -740,7 +740,7 @@ def test_healthcheck_runs_as_the_image_runs_it(health_server):
 # --- the same topology without Docker: dflash up --prometheus ---------------------------------
 
 def stack_cfg(tmp_path, n_drafters=2, host="127.0.0.1"):
-    from dflash.launcher import DrafterSpec, StackConfig
+    from dflash.tools.launcher import DrafterSpec, StackConfig
 
     return StackConfig(target="t", drafters=[DrafterSpec(path=f"d{i}", port=50061 + i)
                                              for i in range(n_drafters)],
@@ -748,7 +748,7 @@ def stack_cfg(tmp_path, n_drafters=2, host="127.0.0.1"):
 
 
 def test_local_metrics_ports_and_jobs_match_compose(doc, tmp_path, monkeypatch):
-    from dflash.local_prometheus import metrics_ports, prometheus_config
+    from dflash.tools.local_prometheus import metrics_ports, prometheus_config
 
     cfg = stack_cfg(tmp_path)
     ports = metrics_ports(cfg)
@@ -769,7 +769,7 @@ def test_local_metrics_ports_and_jobs_match_compose(doc, tmp_path, monkeypatch):
 
 
 def test_dflash_up_prometheus_without_binary_says_how_to_install(monkeypatch, capsys):
-    from dflash import cli, local_prometheus
+    from dflash.tools import cli, local_prometheus
 
     monkeypatch.setattr(local_prometheus.shutil, "which", lambda name: None)
     monkeypatch.setattr(cli, "_stack_config", lambda a: pytest.fail("set up before checking"))
@@ -810,7 +810,7 @@ def _run_prometheus(stack):
 
 
 def test_local_prometheus_process_is_started_and_stopped(tmp_path):
-    from dflash.local_prometheus import PrometheusStack, prometheus_config
+    from dflash.tools.local_prometheus import PrometheusStack, prometheus_config
 
     fake = tmp_path / "prometheus"
     fake.write_text(f"#!{sys.executable}\n{FAKE_PROMETHEUS}")
@@ -826,8 +826,8 @@ def test_local_prometheus_process_is_started_and_stopped(tmp_path):
 
 
 def test_local_prometheus_failure_shows_its_log(tmp_path):
-    from dflash.launcher import LaunchError
-    from dflash.local_prometheus import PrometheusStack
+    from dflash.tools.launcher import LaunchError
+    from dflash.tools.local_prometheus import PrometheusStack
 
     fake = tmp_path / "prometheus"
     fake.write_text("#!/bin/sh\necho 'err: bad flag' >&2\nexit 3\n")
@@ -841,7 +841,7 @@ def test_real_prometheus_loads_the_generated_config(tmp_path):
     import shutil
     import urllib.request
 
-    from dflash.local_prometheus import PrometheusStack
+    from dflash.tools.local_prometheus import PrometheusStack
 
     exe = shutil.which("prometheus")
     if exe is None:

@@ -29,7 +29,7 @@ class Recorded(ReferenceDrafter):
         self.resent = threading.Event()     # a whole context (start 0) arrived after a failure
 
     def propose(self, requests):
-        from dflash.proposer import DraftError
+        from dflash.core.proposer import DraftError
 
         if all(r.block_size == 1 for r in requests):
             assert self.gate.wait(30)

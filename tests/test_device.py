@@ -1,4 +1,4 @@
-"""``--device`` / ``--dtype`` (dflash/device.py) on every model process: spelling, resolution,
+"""``--device`` / ``--dtype`` (dflash/core/device.py) on every model process: spelling, resolution,
 refusal at start naming the flag, expert-parallel ranks, and the env variables.
 
 No GPU here: where a GPU must seem present, ``torch.cuda.is_available`` / ``device_count`` are
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from dflash import device as dev
-from dflash.device import DeviceError
+from dflash.core import device as dev
+from dflash.core.device import DeviceError
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.sampling import Sampling
+from dflash.core.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 
@@ -87,9 +87,9 @@ def test_the_meta_default_does_catch_an_implicit_device():
 
 STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
              "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py",
-             "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "dflash/kv_pool.py",
-             "dflash/wire.py", "dflash/sampling.py", "kernels/__init__.py",
-             "kernels/reference.py", "dflash/logits_processors.py"]
+             "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "dflash/core/kv_pool.py",
+             "dflash/core/wire.py", "dflash/core/sampling.py", "kernels/__init__.py",
+             "kernels/reference.py", "dflash/core/logits_processors.py"]
 HOST = ("tolist", "item", "numpy", "cpu")
 # (file, enclosing function) -> why its round trips are there. On CUDA each is a wait for the
 # device unless the tensor is on the host already.
@@ -102,10 +102,10 @@ SITES = {
     ("verifier_svc/target.py", "__init__"): "load time: the embedding's fingerprint",
     ("verifier_svc/drafter_sync.py", "draft"): "host tensors: the drafter's reply",
     ("drafter_svc/engine.py", "_to_host"): "the drafter's one synchronisation per call",
-    ("dflash/wire.py", "to_proto"): "the wire: bytes are host memory",
-    ("dflash/wire.py", "from_proto"): "a dtype's numpy spelling (no tensor data)",
+    ("dflash/core/wire.py", "to_proto"): "the wire: bytes are host memory",
+    ("dflash/core/wire.py", "from_proto"): "a dtype's numpy spelling (no tensor data)",
     ("kernels/reference.py", "unpack_features"): "offsets, once per call (docstring)",
-    ("dflash/logits_processors.py", "token_logprobs"):
+    ("dflash/core/logits_processors.py", "token_logprobs"):
         "log-probabilities asked for by the request (sampling.logprobs)",
 }
 

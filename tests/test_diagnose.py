@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from dflash.drafter_check import check
+from dflash.serving.drafter_check import check
 
 from tap_models import (
     edited_drafter,
@@ -44,7 +44,7 @@ def fields(findings, level):
 
 
 def diagnose_json(*args) -> tuple[int, dict]:
-    from dflash.cli import main
+    from dflash.tools.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -88,7 +88,7 @@ def test_static_findings_carry_the_fix(tiny_target, make_drafter, tmp_path):
 
 
 def test_static_check_hidden_size_and_vocab(tiny_target, tmp_path):
-    from dflash.testing import make_tiny_drafter, make_tiny_target
+    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", hidden=48, vocab=300)
     d = make_tiny_drafter(tmp_path / "d", other, block_size=4)
@@ -97,8 +97,8 @@ def test_static_check_hidden_size_and_vocab(tiny_target, tmp_path):
 
 
 def test_static_check_spots_a_shifted_default_spread(tmp_path):
-    from dflash.config import default_target_layer_ids
-    from dflash.testing import make_tiny_drafter, make_tiny_target
+    from dflash.core.config import default_target_layer_ids
+    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
 
     t = make_tiny_target(tmp_path / "t", num_layers=8)
     shifted = [i + 1 for i in default_target_layer_ids(8, 3)]
@@ -111,7 +111,7 @@ def test_static_check_spots_a_shifted_default_spread(tmp_path):
 def test_static_check_names_a_drafter_with_its_own_lm_head(tiny_target, make_drafter, tmp_path, own):
     from safetensors.torch import load_file, save_file
 
-    from dflash.checkpoint import load_target_head
+    from dflash.core.checkpoint import load_target_head
 
     d = tmp_path / "d"
     shutil.copytree(make_drafter(block_size=8), d)
@@ -129,8 +129,8 @@ def test_static_check_names_a_drafter_with_its_own_lm_head(tiny_target, make_dra
 def test_teacher_forced_walk_is_the_decode_loop(tap, tmp_path):
     """Walking the teacher-forced anchors gives the decode loop's own counts, block by block
     (a drafter with partial acceptance: the wrong rope spreads its attention)."""
-    from dflash.diagnose_tf import Head, counter, score, walk
-    from dflash.probe import InProcessProbe
+    from dflash.tools.diagnose_tf import Head, counter, score, walk
+    from dflash.tools.probe import InProcessProbe
 
     target, _ = tap
     d = make_probe_drafter(tmp_path / "recent", target, recent=True, block_size=B)
@@ -169,7 +169,7 @@ def test_cli_names_the_shifted_drafter_and_its_fix(tap):
 
 
 def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
-    from dflash.cli import main
+    from dflash.tools.cli import main
 
     target, dirs = tap
     rc = main(["diagnose", "--target", str(target), "--drafter", str(dirs[TAPPED]), "--raw",
@@ -181,7 +181,7 @@ def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
 
 
 def test_cli_refuses_bad_arguments(tap, capsys):
-    from dflash.cli import main
+    from dflash.tools.cli import main
 
     target, dirs = tap
     with pytest.raises(SystemExit, match="--target and --drafter, or --gateway"):
@@ -201,7 +201,7 @@ def test_gateway_mode_reads_the_deployment(tap):
     cost cells, from which the verdict on speculation is made."""
     from transformers import AutoTokenizer
 
-    from dflash.telemetry import Telemetry, serve_metrics
+    from dflash.serving.telemetry import Telemetry, serve_metrics
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.target import TargetModel
 
@@ -235,7 +235,7 @@ def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_dra
     speculation verdict); --seed draws other prompts."""
     from argparse import Namespace
 
-    from dflash.diagnose import draw_prompts
+    from dflash.tools.diagnose import draw_prompts
 
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from dflash.proposer import DrafterCard, DraftError, Proposal
-from dflash.sampling import Sampling
+from dflash.core.proposer import DrafterCard, DraftError, Proposal
+from dflash.core.sampling import Sampling
 from verifier_svc.acceptance import AcceptanceEstimator
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker, RemoteProposer

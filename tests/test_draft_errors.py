@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.convert import DRAFT_ERROR, draft_error_from_proto, draft_error_to_proto
-from dflash.proposer import DraftError
+from dflash.core.convert import DRAFT_ERROR, draft_error_from_proto, draft_error_to_proto
+from dflash.core.proposer import DraftError
 from dflash.v1 import drafter_pb2
 
 

@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (dflash.draft_vocab): cheaper drafter LM head, output unchanged."""
+"""Reduced draft vocabulary (dflash.core.draft_vocab): cheaper drafter LM head, output unchanged."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from dflash.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
-from dflash.proposer import ProposalRequest
-from dflash.sampling import Sampling
+from dflash.core.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
+from dflash.core.proposer import ProposalRequest
+from dflash.core.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
 
 from conftest import generate_ids

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash.proposer import DraftError, ProposalRequest
-from dflash.sampling import Sampling
+from dflash.core.proposer import DraftError, ProposalRequest
+from dflash.core.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
 
 # (context rows on the first step, block size): mixed lengths, a context-only item, block 2..8

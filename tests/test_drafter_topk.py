@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 
-from dflash import wire
-from dflash.convert import sampling_to_proto
-from dflash.draft_vocab import save_draft_vocab
-from dflash.proposer import MAX_TOP_K, DraftError, Proposal, ProposalRequest
-from dflash.sampling import Sampling
+from dflash.core import wire
+from dflash.core.convert import sampling_to_proto
+from dflash.core.draft_vocab import save_draft_vocab
+from dflash.core.proposer import MAX_TOP_K, DraftError, Proposal, ProposalRequest
+from dflash.core.sampling import Sampling
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.drafter_client import RemoteProposer

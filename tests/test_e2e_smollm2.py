@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.cli import DEFAULT_DRAFTER
+from dflash.tools.cli import DEFAULT_DRAFTER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -20,8 +20,8 @@ TAU_FLOOR = 1.4
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory):
-    from dflash.launcher import DrafterSpec, LocalStack, StackConfig
-    from dflash.target_setup import setup_target
+    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash.tools.target_setup import setup_target
 
     from helpers import free_ports
 
@@ -36,9 +36,9 @@ def smollm2_stack(tmp_path_factory):
 
 def test_greedy_spec_equals_off_and_tau_floor(smollm2_stack):
     from dflash.client import GatewayClient, build_request
-    from dflash.convert import stats_from_proto
-    from dflash.humaneval import format_prompt, load_problems
-    from dflash.stats import AcceptanceCounter
+    from dflash.core.convert import stats_from_proto
+    from dflash.core.stats import AcceptanceCounter
+    from dflash.tools.humaneval import format_prompt, load_problems
 
     client = GatewayClient(smollm2_stack.gateway_addr)
     total = AcceptanceCounter()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from dflash.server import wait_healthy
+from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 
 from conftest import generate_ids
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory):
-    from dflash.testing import make_tiny_moe_target
+    from dflash.tools.testing import make_tiny_moe_target
 
     return make_tiny_moe_target(tmp_path_factory.mktemp("moe"))
 
@@ -110,7 +110,7 @@ def ep_verifier(moe_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_drafter_addr(moe_target, tmp_path_factory):
-    from dflash.testing import make_tiny_drafter
+    from dflash.tools.testing import make_tiny_drafter
     from drafter_svc.engine import DrafterEngine
     from drafter_svc.server import build
 

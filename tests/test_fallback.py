@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.proposer import Proposal
-from dflash.server import wait_healthy
+from dflash.core.proposer import Proposal
+from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2
 
 from conftest import generate_ids

@@ -144,7 +144,7 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     warm = s._prompt_ids(req, {"greeting": "Hello there. "})
     assert tok.decode(plain) == "user: hi\nassistant:"
     assert tok.decode(warm) == "user: hi\nHello there. assistant:"
-    from dflash.sampling import InvalidParam
+    from dflash.core.sampling import InvalidParam
 
     with pytest.raises(InvalidParam) as e:
         s._prompt_ids(req, {"add_generation_prompt": False})

@@ -32,7 +32,7 @@ def cuda_drafter(tiny_target, make_drafter):
 
 
 def _decode(engine, proposer, sampling=None, mode="fixed", n=32, prompt=None):
-    from dflash.sampling import Sampling
+    from dflash.core.sampling import Sampling
     from verifier_svc.engine import Request
 
     req = Request(request_id="g", prompt=prompt or list(range(40, 60)), max_tokens=n,
@@ -69,7 +69,7 @@ def test_greedy_speculation_equals_decoding_on_the_gpu(cuda_target, cuda_drafter
 
 
 def test_oracle_accepts_every_draft_on_the_gpu(cuda_target):
-    from dflash.sampling import Sampling
+    from dflash.core.sampling import Sampling
     from verifier_svc.engine import Request, VerifierEngine
 
     from doubles import ReferenceDrafter
@@ -89,7 +89,7 @@ def test_oracle_accepts_every_draft_on_the_gpu(cuda_target):
 
 
 def test_seeded_sampling_is_reproducible_on_the_gpu(cuda_target, cuda_drafter):
-    from dflash.sampling import Sampling
+    from dflash.core.sampling import Sampling
     from verifier_svc.engine import VerifierEngine
 
     engine = VerifierEngine(cuda_target, spec_mode="fixed")
@@ -145,7 +145,7 @@ def test_triton_kernels_are_bit_exact_on_cuda():
 
 
 def test_taps_reach_the_wire_through_pinned_host_memory(cuda_target):
-    from dflash import wire
+    from dflash.core import wire
     from verifier_svc.tap_buffer import TapRows
 
     _, taps = cuda_target.forward(list(range(3, 40)), cuda_target.new_cache(), (0, 2))
@@ -160,8 +160,8 @@ def test_taps_reach_the_wire_through_pinned_host_memory(cuda_target):
 
 
 def test_drafter_proposals_come_back_on_the_host(cuda_drafter):
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
 
     ctx = torch.randn(12, cuda_drafter.cfg.context_size).bfloat16()
     reqs = [ProposalRequest(session_id=f"s{i}", context_start=0, context=ctx, anchor_token=3,

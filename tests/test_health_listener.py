@@ -7,8 +7,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.server import add_health_listener, create_server
-from dflash.tls import ServerTLS, TLSFiles, make_dev_certs
+from dflash.serving.server import add_health_listener, create_server
+from dflash.serving.tls import ServerTLS, TLSFiles, make_dev_certs
 
 
 def status(port: int) -> int:

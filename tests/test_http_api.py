@@ -601,7 +601,7 @@ def _serial(issued) -> int:
 
 def issue_of(d, stem: str):
     """The Issued pair written as ``<stem>.pem`` / ``<stem>-key.pem`` under ``d``."""
-    from dflash.tls import Issued
+    from dflash.serving.tls import Issued
 
     return Issued(cert=(d / f"{stem}.pem").read_bytes(), key=(d / f"{stem}-key.pem").read_bytes())
 
@@ -628,7 +628,7 @@ def grpc_health(port: int, ca, client_files=None):
     """The gateway's gRPC health over a fresh TLS channel verified against ``ca``."""
     from grpc_health.v1 import health_pb2_grpc
 
-    from dflash.tls import ClientTLS, channel
+    from dflash.serving.tls import ClientTLS, channel
 
     cert, key = (p.read_bytes() for p in client_files) if client_files else (None, None)
     with channel(f"127.0.0.1:{port}", ClientTLS(ca=ca.cert, cert=cert, key=key)) as ch:
@@ -640,7 +640,7 @@ def tls_gateway(tokenizer, tmp_path, request):
     """(rt, ServerTLS, CA, cert dir): gateway.server.build with one ServerTLS for the gRPC port
     and the HTTP API, as ``python -m gateway --tls-cert --tls-key [--tls-ca]`` wires it;
     ``request.param`` True: client certificates required (mTLS)."""
-    from dflash.tls import ServerTLS, TLSFiles, issue, new_ca, write_pair
+    from dflash.serving.tls import ServerTLS, TLSFiles, issue, new_ca, write_pair
     from gateway.server import build
 
     ca = new_ca()
@@ -661,7 +661,7 @@ def tls_gateway(tokenizer, tmp_path, request):
 
 
 def test_https_serves_the_grpc_ports_certificate_and_both_reload_a_renewed_one(tls_gateway):
-    from dflash.tls import issue, new_ca, write_pair
+    from dflash.serving.tls import issue, new_ca, write_pair
 
     rt, tls, ca, d = tls_gateway
     assert rt.http.url.startswith("https://")
@@ -689,7 +689,7 @@ def _write_in_place(path, data: bytes, size: int) -> None:
 
 
 def test_sighup_reloads_https_as_it_reloads_grpc(tls_gateway):
-    from dflash.tls import issue, new_ca
+    from dflash.serving.tls import issue, new_ca
 
     rt, tls, ca, d = tls_gateway
     size = 2048
@@ -711,7 +711,7 @@ def test_sighup_reloads_https_as_it_reloads_grpc(tls_gateway):
 
 
 def test_an_invalid_replacement_keeps_the_https_certificate(tls_gateway, caplog):
-    from dflash.tls import issue, write_pair
+    from dflash.serving.tls import issue, write_pair
 
     rt, tls, ca, d = tls_gateway
     first = _serial(issue_of(d, "gateway"))
@@ -729,7 +729,7 @@ def test_an_invalid_replacement_keeps_the_https_certificate(tls_gateway, caplog)
 
 @pytest.mark.parametrize("tls_gateway", [True], indirect=True)
 def test_https_requires_a_client_certificate_with_tls_ca_also_after_a_reload(tls_gateway):
-    from dflash.tls import issue, write_pair
+    from dflash.serving.tls import issue, write_pair
 
     rt, tls, ca, d = tls_gateway
     mine = write_pair(d, "client", issue(ca, "client", TLS_HOSTS))

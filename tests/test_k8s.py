@@ -84,7 +84,7 @@ def _module_file(mod: str) -> Path | None:
 
 def env_names_in_source(module: str) -> set[str]:
     """DFLASH_* string constants in ``module``'s package files and the repository modules they
-    import, transitively (DFLASH_LOG_LEVEL in main(), DFLASH_METRICS_HOST in dflash/telemetry.py)."""
+    import, transitively (DFLASH_LOG_LEVEL in main(), DFLASH_METRICS_HOST in dflash/serving/telemetry.py)."""
     names, seen = set(), set()
     todo = list((ROOT / module.split(".")[0]).glob("*.py"))
     while todo:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import kernels
-from dflash.sampling import Sampling
+from dflash.core.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
 from kernels import reference
 from verifier_svc.engine import Request, VerifierEngine

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.sampling import Sampling
+from dflash.core.sampling import Sampling
 from dflash.v1 import common_pb2, verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 

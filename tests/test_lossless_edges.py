@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import kernels
-from dflash.proposer import DrafterCard, DraftError, Proposal
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.proposer import DrafterCard, DraftError, Proposal
+from dflash.core.sampling import Sampling, probs_from_logits
 from kernels import reference as ref
 from verifier_svc import verification
 from verifier_svc.drafter_sync import DrafterSync

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.config import default_target_layer_ids
-from dflash.testing import make_tiny_target
+from dflash.core.config import default_target_layer_ids
+from dflash.tools.testing import make_tiny_target
 from dflash.train import chat_prompts, featcache, multiturn
 from dflash.train.data import load_target
 from dflash.train.tokdata import TokenStore

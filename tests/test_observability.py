@@ -18,10 +18,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash.client import build_request
-from dflash.speclog import FORMAT, SpecDecodingLogger, format_line, parse_line
-from dflash.stats import AcceptanceCounter
-from dflash.telemetry import Telemetry, serve_metrics
-from dflash.tracing import JsonLinesSpanExporter, StepTracing, provider_from_env
+from dflash.core.stats import AcceptanceCounter
+from dflash.serving.speclog import FORMAT, SpecDecodingLogger, format_line, parse_line
+from dflash.serving.telemetry import Telemetry, serve_metrics
+from dflash.serving.tracing import JsonLinesSpanExporter, StepTracing, provider_from_env
 from dflash.v1 import verifier_pb2
 
 from conftest import Stack, generate_ids
@@ -340,7 +340,7 @@ def test_dashboard_queries_only_metrics_the_services_export():
 
     from prometheus_client import CollectorRegistry
 
-    from dflash.metrics import DrafterMetrics, GatewayMetrics, SessionGauges, VerifierMetrics
+    from dflash.serving.metrics import DrafterMetrics, GatewayMetrics, SessionGauges, VerifierMetrics
 
     r = CollectorRegistry()
     VerifierMetrics(r), GatewayMetrics(r), DrafterMetrics(r)

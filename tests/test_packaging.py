@@ -221,7 +221,7 @@ def test_module_extras_name_declared_extras_and_the_client_is_core_only():
     assert all(set(extras) <= groups for _, extras in MODULE_EXTRAS)
     for rel in ("dflash/__init__.py", "dflash/client/_sync.py", "dflash/v1/gateway_pb2.py"):
         assert extras_of(rel) == (), rel
-    for rel in ("dflash/cli.py", "gateway/server.py", "verifier_svc/engine.py", "dflash/launcher.py"):
+    for rel in ("dflash/tools/cli.py", "gateway/server.py", "verifier_svc/engine.py", "dflash/tools/launcher.py"):
         assert extras_of(rel) == ("serve",), rel
     assert extras_of("kernels/triton_greedy.py") == ("serve", "kernels")
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, probs_from_logits
 from verifier_svc import engine as engine_module
 from verifier_svc.engine import Request, VerifierEngine
 

@@ -7,7 +7,7 @@ import types
 import grpc
 import pytest
 
-from dflash.sampling import InvalidParam
+from dflash.core.sampling import InvalidParam
 from dflash.v1 import verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
@@ -263,7 +263,7 @@ def test_cost_cells_skip_ramp_and_joining_steps(target_model, hf_target):
 
 
 def test_session_table_moves_the_prior_towards_the_request():
-    from dflash.stats import AcceptanceCounter
+    from dflash.core.stats import AcceptanceCounter
     from verifier_svc.policy import SESSION_PRIOR_STEPS, session_table
 
     prior = [1.0, 1.8, 2.4, 2.85, 3.2]                  # rates 0.8, 0.6, 0.45, 0.35
@@ -290,7 +290,7 @@ def test_session_table_moves_the_prior_towards_the_request():
 def test_choice_follows_each_requests_own_acceptance():
     """Same drafter EMA, same costs: a batch of requests whose drafts keep failing does not
     speculate; one whose drafts are accepted does."""
-    from dflash.stats import AcceptanceCounter
+    from dflash.core.stats import AcceptanceCounter
 
     def batch(accepted):
         jobs = [job() for _ in range(4)]

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from dflash.stats import AcceptanceCounter
+from dflash.core.stats import AcceptanceCounter
 from verifier_svc.acceptance import AcceptanceEstimator, session_table
 from verifier_svc.cost_model import StepCostModel, bucket
 from verifier_svc.policy import SpeculationPolicy, StepFeedback

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from dflash.kv_pool import KVPool
-from dflash.sampling import Sampling
+from dflash.core.kv_pool import KVPool
+from dflash.core.sampling import Sampling
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine

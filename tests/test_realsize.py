@@ -27,7 +27,7 @@ def realsize():
 def test_the_real_configs_are_qwen3_8b_and_zlab_dflash_b16(realsize):
     from transformers import Qwen3ForCausalLM
 
-    from dflash.modeling import DFlashDrafter
+    from dflash.core.modeling import DFlashDrafter
 
     t = realsize.target_config(realsize.REAL, torch.bfloat16)
     assert (t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.num_attention_heads,

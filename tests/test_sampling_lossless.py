@@ -51,8 +51,8 @@ import torch
 from scipy import stats
 from scipy.optimize import brentq
 
-from dflash.proposer import DrafterCard, Proposal
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.proposer import DrafterCard, Proposal
+from dflash.core.sampling import Sampling, probs_from_logits
 from dflash.v1 import common_pb2, gateway_pb2
 from verifier_svc.engine import Request, VerifierEngine
 

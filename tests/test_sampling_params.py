@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dflash.convert import sampling_from_proto, sampling_to_proto
-from dflash.logits_processors import LogitsProcessor, chain_parents
-from dflash.sampling import InvalidParam, Sampling, probs_from_logits
+from dflash.core.convert import sampling_from_proto, sampling_to_proto
+from dflash.core.logits_processors import LogitsProcessor, chain_parents
+from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits
 from dflash.v1 import common_pb2
 from verifier_svc.request import Request, validate
 

@@ -218,7 +218,7 @@ def test_row_limits_below_auto_are_refused_naming_the_field():
 def test_service_flag_refuses_row_limits_below_auto(capsys):
     import argparse
 
-    from dflash.server import add_compute_args
+    from dflash.serving.server import add_compute_args
 
     p = argparse.ArgumentParser()
     add_compute_args(p, "verifier")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.proposer import DraftError, Proposal
+from dflash.core.proposer import DraftError, Proposal
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 from gateway.emitted import EmittedStats
 

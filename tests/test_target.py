@@ -20,7 +20,7 @@ def test_logits_to_keep_gives_the_last_rows_only(target_model):
 
 
 def test_pool_cache_writes_in_place_and_matches_a_concatenating_cache(target_model):
-    """Sessions' K/V live in the batch KV pool (``dflash.kv_pool``): decode, a rejected block
+    """Sessions' K/V live in the batch KV pool (``dflash.core.kv_pool``): decode, a rejected block
     cropped away (a length moves), a block verify and a batched step write in place, with no
     reallocation, and give the logits of transformers' own concatenating DynamicCache; an idle
     session spilled out of the pool comes back with its K/V."""

@@ -75,7 +75,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def target(request, tmp_path_factory):
-    from dflash.testing import make_tiny_target
+    from dflash.tools.testing import make_tiny_target
     from verifier_svc.target import TargetModel
 
     return TargetModel(make_tiny_target(tmp_path_factory.mktemp(request.param), arch=request.param))
@@ -181,7 +181,7 @@ def test_keep_of_the_leading_entries_moves_nothing(target):
 def test_kv_pool_compact_moves_entries_in_place():
     """``KVPool.compact`` on hand-written K/V: entries ``start + offsets[m]`` land at
     ``start + m`` in every layer (overlapping moves included), other rows untouched."""
-    from dflash.kv_pool import KVPool
+    from dflash.core.kv_pool import KVPool
 
     pool = KVPool(2, kv_heads=2, head_dim=3, room=8)
     a, b = pool.new_seq(), pool.new_seq()
@@ -364,7 +364,7 @@ def test_ep2_trees_match_one_rank(tmp_path):
     """DistributedTarget (2 ranks, gloo) vs TargetModel on a sparse MoE: a tree forward, a
     batch of a tree and a chain row, ``keep`` and the next forward; bad ``parents`` and
     ``offsets`` raise ValueError on rank 0 without failing the group."""
-    from dflash.testing import make_tiny_moe_target
+    from dflash.tools.testing import make_tiny_moe_target
 
     moe = make_tiny_moe_target(tmp_path / "moe")
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ep-check", str(moe)],

@@ -1,4 +1,4 @@
-"""dflash.threads: one multi-threaded torch thread per process (libgomp throttles every team's
+"""dflash.serving.threads: one multi-threaded torch thread per process (libgomp throttles every team's
 busy-wait once a process holds more OpenMP threads than CPUs)."""
 
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 _SCRIPT = r"""
 import threading, torch
-from dflash.threads import claim, reserve
+from dflash.serving.threads import claim, reserve
 n = reserve(3)
 seen = {"main_after_reserve": torch.get_num_threads()}
 def compute():
@@ -36,15 +36,15 @@ def test_claim_gives_one_thread_the_threads_and_every_other_one():
 
 
 def test_claim_rejects_zero():
-    from dflash.threads import claim
+    from dflash.serving.threads import claim
 
     with pytest.raises(ValueError, match="threads"):
         claim(0)
 
 
 def test_drafter_engine_drafts_on_its_compute_thread(tiny_target, make_drafter, monkeypatch):
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
     from drafter_svc.engine import DrafterEngine
 
     d = DrafterEngine.from_pretrained(make_drafter(), tiny_target)
@@ -78,8 +78,8 @@ def test_context_only_calls_run_on_context_threads(tiny_target, make_drafter, mo
 
     import torch
 
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
     from drafter_svc.engine import DrafterEngine
 
     def req(start, rows, block):
@@ -115,8 +115,8 @@ def test_context_threads_zero_runs_context_calls_on_the_compute_thread(tiny_targ
                                                                        monkeypatch):
     import torch
 
-    from dflash.proposer import ProposalRequest
-    from dflash.sampling import Sampling
+    from dflash.core.proposer import ProposalRequest
+    from dflash.core.sampling import Sampling
     from drafter_svc.engine import DrafterEngine
 
     d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, context_threads=0)
@@ -171,7 +171,7 @@ def test_verifier_flags_default_to_adaptive_and_bound_unread_events(monkeypatch,
 
 
 def test_default_spin_count_yields_to_the_users_setting():
-    from dflash.omp import SPIN_COUNT, default_spin_count
+    from dflash.serving.omp import SPIN_COUNT, default_spin_count
 
     env = {}
     assert default_spin_count(env) and env == {"GOMP_SPINCOUNT": SPIN_COUNT}

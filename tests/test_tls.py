@@ -1,4 +1,4 @@
-"""TLS and mTLS on the gRPC links (dflash/tls.py): round trips, refusals with clear errors,
+"""TLS and mTLS on the gRPC links (dflash/serving/tls.py): round trips, refusals with clear errors,
 certificate reload without a restart, the ``dflash certs`` command and the TLS flags."""
 
 from __future__ import annotations
@@ -11,8 +11,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dflash.server import create_server
-from dflash.tls import ClientTLS, Issued, ServerTLS, TLSConfigError, TLSFiles, channel, issue, new_ca, write_pair
+from dflash.serving.server import create_server
+from dflash.serving.tls import (
+    ClientTLS,
+    Issued,
+    ServerTLS,
+    TLSConfigError,
+    TLSFiles,
+    channel,
+    issue,
+    new_ca,
+    write_pair,
+)
 
 HOSTS = ["localhost", "127.0.0.1"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -204,7 +214,7 @@ def test_bad_tls_files_refused_naming_the_flag(tmp_path, ca):
 
 
 def test_service_flags_and_env(tmp_path, ca, monkeypatch):
-    from dflash.server import server_tls_from_args, upstream_tls_from_args
+    from dflash.serving.server import server_tls_from_args, upstream_tls_from_args
     from gateway.server import parse_args
 
     g = files(tmp_path, "gw", issue(ca, "gw", HOSTS), ca=ca)
@@ -222,7 +232,7 @@ def test_service_flags_and_env(tmp_path, ca, monkeypatch):
 
 # ------------------------------------------------------------------ tools
 def test_healthcheck_over_mtls(mtls_server, ca, tmp_path, capsys):
-    from dflash.healthcheck import main
+    from dflash.serving.healthcheck import main
 
     me = files(tmp_path, "probe", issue(ca, "probe", HOSTS), ca=ca)
     addr = f"0.0.0.0:{mtls_server.port}"
@@ -237,7 +247,7 @@ def test_healthcheck_over_mtls(mtls_server, ca, tmp_path, capsys):
 def test_dflash_certs_command(tmp_path, capsys):
     from cryptography import x509
 
-    from dflash.cli import main
+    from dflash.tools.cli import main
 
     out = tmp_path / "certs"
     assert main(["certs", "--out", str(out), "--hosts", "gw.example,10.1.2.3", "--days", "30"]) == 0
@@ -323,7 +333,7 @@ def test_dflash_up_tls_local_stack(tmp_path, tiny_target, make_drafter):
     import socket
 
     from dflash.client import GatewayClient, build_request
-    from dflash.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
 
     socks = [socket.socket() for _ in range(3)]
     for s in socks:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.testing import make_tiny_target
+from dflash.tools.testing import make_tiny_target
 from dflash.train.blocks import block_mask, build_batch, position_weights, valid_anchors
 from dflash.train.featcache import as_numpy_seq
 from dflash.train.tokdata import TokenStore
@@ -30,7 +30,7 @@ def _one_thread():
 def _fingerprint(target) -> str:
     import json
 
-    from dflash.checkpoint import load_target_head, target_fingerprint
+    from dflash.core.checkpoint import load_target_head, target_fingerprint
 
     return target_fingerprint(json.loads((Path(target) / "config.json").read_text()),
                               load_target_head(str(target)).embed)
@@ -155,7 +155,7 @@ def test_torn_checkpoint_is_refused(tiny):
 
 
 def test_final_save_is_loadable(tiny):
-    from dflash.checkpoint import load_drafter
+    from dflash.core.checkpoint import load_drafter
 
     target, data, root = tiny
     tr = Trainer(_cfg(tiny, "save", max_steps=2, out_dir=str(root / "drafter")))
@@ -163,7 +163,7 @@ def test_final_save_is_loadable(tiny):
     d = load_drafter(root / "drafter")
     assert d.cfg.block_size == B and d.cfg.mask_token_id == MASK_ID and d.cfg.version == "1"
     assert d.cfg.target_fingerprint.startswith("sha256:")
-    from dflash.draft_vocab import load_draft_vocab
+    from dflash.core.draft_vocab import load_draft_vocab
 
     ids = load_draft_vocab(root / "drafter", d.cfg.vocab_size)   # most frequent response ids first
     store = TokenStore(data)

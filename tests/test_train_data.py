@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.config import default_target_layer_ids
-from dflash.testing import make_tiny_target
+from dflash.core.config import default_target_layer_ids
+from dflash.tools.testing import make_tiny_target
 from dflash.train import chat_prompts, featcache
 from dflash.train.data import load_target
 from dflash.train.datagen import decode_batch, magpie_instructions, user_header
@@ -105,7 +105,7 @@ def test_truncated_and_foreign_shards_are_refused(tmp_path):
 
 
 def test_passage_prompts_deterministic_and_never_eval(tmp_path):
-    from dflash.bench_prompts import CHAT_EVAL
+    from dflash.tools.bench_prompts import CHAT_EVAL
 
     site = tmp_path / "site"
     (site / "pkg-1.0.dist-info").mkdir(parents=True)
@@ -128,8 +128,8 @@ def test_passage_prompts_deterministic_and_never_eval(tmp_path):
 
 
 def test_filters_drop_eval_prompts_and_duplicates():
-    from dflash.bench_prompts import CHAT_EVAL
-    from dflash.humaneval import load_problems
+    from dflash.tools.bench_prompts import CHAT_EVAL
+    from dflash.tools.humaneval import load_problems
 
     assert chat_prompts.clean_instruction(CHAT_EVAL[0]) is None
     assert chat_prompts.clean_instruction(CHAT_EVAL[5].upper() + "!") is None
@@ -140,7 +140,7 @@ def test_filters_drop_eval_prompts_and_duplicates():
 
 
 def test_code_sources_are_deterministic_and_never_humaneval():
-    from dflash.humaneval import load_problems
+    from dflash.tools.humaneval import load_problems
     from dflash.train.datagen import source_prompts
 
     a = source_prompts("template", 20, seed=5)

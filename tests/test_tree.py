@@ -35,7 +35,7 @@ import torch
 from scipy import stats
 from scipy.optimize import brentq
 
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, probs_from_logits
 from verifier_svc.tree import MAX_TREE_BUDGET, DraftTree, TreeVerified, ancestor_mask, build_tree, verify_trees
 from verifier_svc.verification import RowParams, commit_cut, verify_batch
 

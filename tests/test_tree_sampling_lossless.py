@@ -21,8 +21,8 @@ import functools
 import numpy as np
 import pytest
 
-from dflash.proposer import Proposal
-from dflash.sampling import Sampling
+from dflash.core.proposer import Proposal
+from dflash.core.sampling import Sampling
 from verifier_svc.engine import Request, VerifierEngine
 
 from test_sampling_lossless import (

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, probs_from_logits
 from verifier_svc import verification
 from verifier_svc.verification import RowParams, Verified, verify_batch
 

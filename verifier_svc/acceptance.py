@@ -30,7 +30,7 @@ TREE_MEASURED_STEPS = 3
 
 
 class PositionCounts(Protocol):
-    """A request's acceptance counts (``dflash.stats.AcceptanceCounter``): index ``i`` counts
+    """A request's acceptance counts (``dflash.core.stats.AcceptanceCounter``): index ``i`` counts
     the steps that drafted / accepted draft position ``i + 1``."""
 
     accepted_per_position: list[int]

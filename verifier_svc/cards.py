@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dflash.proposer import DrafterCard
+from dflash.core.proposer import DrafterCard
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError
 
 

@@ -41,12 +41,12 @@ from typing import Protocol, runtime_checkable
 
 import grpc
 
-from dflash import wire
-from dflash.convert import card_from_proto, draft_error_from_proto, sampling_to_proto
-from dflash.proposer import DrafterCard, DraftError, Proposal, ProposalRequest
-from dflash.server import channel_options
-from dflash.tls import ClientTLS, channel as tls_channel
-from dflash.tracing import inject_context
+from dflash.core import wire
+from dflash.core.convert import card_from_proto, draft_error_from_proto, sampling_to_proto
+from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest
+from dflash.serving.server import channel_options
+from dflash.serving.tls import ClientTLS, channel as tls_channel
+from dflash.serving.tracing import inject_context
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_svc.cost_model import EMA
 from verifier_svc.drafter_sync import LATE

@@ -30,8 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dflash.proposer import DraftError, Proposal, ProposalRequest, Proposer
-from dflash.sampling import Sampling
+from dflash.core.proposer import DraftError, Proposal, ProposalRequest, Proposer
+from dflash.core.sampling import Sampling
 from verifier_svc.tap_buffer import TapRows
 
 log = logging.getLogger("dflash.verifier")

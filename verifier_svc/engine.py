@@ -8,11 +8,11 @@ shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
 
 for every running session at once (continuous batching, ``verifier_svc/scheduler.py``): one
 drafter call per drafter, one target forward over every session's block on the persistent
-batch KV pool (``dflash/kv_pool.py``). With speculation off, or when the drafter fails, the
+batch KV pool (``dflash/core/kv_pool.py``). With speculation off, or when the drafter fails, the
 same step runs with ``k = 0`` (plain autoregressive decoding): the baseline every benchmark
 compares against, and the fallback that keeps a drafter failure from ever failing a request.
 
-A request's penalties and logit bias (``dflash.logits_processors``) are applied to the target's
+A request's penalties and logit bias (``dflash.core.logits_processors``) are applied to the target's
 logits of every verified row, each with the state its own path implies, before verification
 (and to the first token after prefill); the state advances as tokens commit. Requests without
 them skip this entirely. Log-probabilities, when asked, come from the raw logits of the rows that
@@ -30,11 +30,11 @@ from typing import Protocol
 
 import torch
 
-from dflash.logits_processors import LogitsProcessor, token_logprobs
-from dflash.proposer import MAX_TOP_K
-from dflash.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
-from dflash.speculation import MAX_TREE_BUDGET
-from dflash.stats import AcceptanceCounter
+from dflash.core.logits_processors import LogitsProcessor, token_logprobs
+from dflash.core.proposer import MAX_TOP_K
+from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
+from dflash.core.speculation import MAX_TREE_BUDGET
+from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
 from verifier_svc.policy import DEFAULT_TREE_BUDGETS, Decision, Shape, SpeculationPolicy, StepFeedback
@@ -99,8 +99,8 @@ class VerifierEngine:
         context_flush: ``verifier_svc.drafter_sync.DrafterSync``. Raises ValueError below 1.
         max_unread: events a reader may leave unread before its request is cancelled.
         threads: torch threads of the scheduler thread, which runs every forward; it then is
-            the process's only multi-threaded torch thread (``dflash.threads.claim``; the
-            service calls ``dflash.threads.reserve`` at start). 0 = leave torch's threads alone.
+            the process's only multi-threaded torch thread (``dflash.serving.threads.claim``; the
+            service calls ``dflash.serving.threads.reserve`` at start). 0 = leave torch's threads alone.
     """
 
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
@@ -459,7 +459,7 @@ class VerifierEngine:
 def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | None
                ) -> torch.Tensor:
     """The logits ``[block, V]`` the job verifies: its penalties and bias applied to each row
-    with that row's own state (``dflash.logits_processors``), or the raw logits when it has
+    with that row's own state (``dflash.core.logits_processors``), or the raw logits when it has
     none."""
     if j.processor is None:
         return logits

@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dflash.device import checkpoint_dtype, dtype_name, resolve_dtype
-from dflash.kv_pool import check_compact
+from dflash.core.device import checkpoint_dtype, dtype_name, resolve_dtype
+from dflash.core.kv_pool import check_compact
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
 
@@ -140,9 +140,9 @@ class DistributedTarget:
     Args:
         path: MoE target directory.
         ep_size: ranks (>= 2); starts ``ep_size - 1`` worker processes.
-        dtype: every rank's (``dflash.device.resolve_dtype`` on rank 0's device; the workers
+        dtype: every rank's (``dflash.core.device.resolve_dtype`` on rank 0's device; the workers
             get the resolved name).
-        devices: rank r's device (``dflash.device.rank_devices``: ``cuda:r`` on a GPU host,
+        devices: rank r's device (``dflash.core.device.rank_devices``: ``cuda:r`` on a GPU host,
             NCCL; the CPU for every rank otherwise, gloo); None = every rank on the CPU.
         threads: torch threads per worker (0 = torch default).
         skinny_max_rows: every rank's ``TargetModel`` option (``kernels.skinny_linear``).

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from dflash.device import add_device_args
+from dflash.core.device import add_device_args
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from dflash.device import DeviceError, resolve_device
+    from dflash.core.device import DeviceError, resolve_device
     from verifier_svc.ep import EPShard, init_group
 
     a = parse_args(argv)

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from dflash.convert import FINISH_NAME
-from dflash.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
-from dflash.speclog import SpecDecodingLogger
-from dflash.telemetry import Telemetry
-from dflash.tracing import abort_status, metadata_context, set_error
+from dflash.core.convert import FINISH_NAME
+from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
+from dflash.serving.speclog import SpecDecodingLogger
+from dflash.serving.telemetry import Telemetry
+from dflash.serving.tracing import abort_status, metadata_context, set_error
 from verifier_svc.drafter_client import WireStats
 from verifier_svc.servicer import VerifierServicer
 
@@ -257,7 +257,7 @@ def _request_attrs(r) -> dict:
             "gen_ai.request.max_tokens": r.max_tokens, "gen_ai.request.temperature": s.temperature,
             "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
             "gen_ai.usage.prompt_tokens": len(r.prompt_token_ids),
-            "dflash.speculation": r.speculation.enabled,
+            "dflash.core.speculation": r.speculation.enabled,
             "dflash.drafter_address": r.speculation.drafter_address}
 
 
@@ -267,7 +267,7 @@ class ObservedVerifierServicer(VerifierServicer):
     def __init__(self, engine, pool, observer: VerifierObserver):
         super().__init__(engine, pool, metrics=observer.metrics)
         self.observer = observer
-        self.admission_metrics: Any = None     # dflash.metrics.AdmissionMetrics, set by server.build
+        self.admission_metrics: Any = None     # dflash.serving.metrics.AdmissionMetrics, set by server.build
         observer.bind(engine)
 
     def Generate(self, request, context):

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Protocol, Sequence
 
-from dflash.speculation import MODES
+from dflash.core.speculation import MODES
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from dflash.logits_processors import TokenLogprob
-from dflash.proposer import Proposer
-from dflash.sampling import InvalidParam, Sampling
-from dflash.speculation import MAX_TREE_BUDGET, MODES
-from dflash.stats import AcceptanceCounter
+from dflash.core.logits_processors import TokenLogprob
+from dflash.core.proposer import Proposer
+from dflash.core.sampling import InvalidParam, Sampling
+from dflash.core.speculation import MAX_TREE_BUDGET, MODES
+from dflash.core.stats import AcceptanceCounter
 from verifier_svc.policy import Decision
 
 MAX_BLOCK_SIZE = 64

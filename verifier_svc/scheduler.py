@@ -33,9 +33,9 @@ from typing import Protocol
 
 import torch
 
-from dflash.logits_processors import LogitsProcessor
-from dflash.stats import AcceptanceCounter
-from dflash.threads import claim
+from dflash.core.logits_processors import LogitsProcessor
+from dflash.core.stats import AcceptanceCounter
+from dflash.serving.threads import claim
 from verifier_svc.request import Request, SlowConsumer, StepEvent
 from verifier_svc.sessions import Session
 

@@ -7,10 +7,11 @@ import logging
 import os
 import threading
 
-from dflash.argtypes import at_least, in_range, int_list, one_of, positive_float
-from dflash.device import DeviceError, add_device_args
-from dflash.metrics import AdmissionMetrics, BreakerGauges
-from dflash.server import (
+from dflash.core.device import DeviceError, add_device_args
+from dflash.core.speculation import MAX_TREE_BUDGET, MODES
+from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float
+from dflash.serving.metrics import AdmissionMetrics, BreakerGauges
+from dflash.serving.server import (
     add_common_args,
     add_compute_args,
     add_health_listener,
@@ -20,9 +21,8 @@ from dflash.server import (
     server_tls_from_args,
     upstream_tls_from_args,
 )
-from dflash.speculation import MAX_TREE_BUDGET, MODES
-from dflash.telemetry import Telemetry, serve_metrics
-from dflash.tls import TLSConfigError
+from dflash.serving.telemetry import Telemetry, serve_metrics
+from dflash.serving.tls import TLSConfigError
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -46,10 +46,10 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
           telemetry: Telemetry | None = None, streams: int = 0,
           breaker: BreakerConfig = BreakerConfig(), tls=None, upstream_tls=None):
     """An unstarted server for ``engine`` (None while loading) bound to ``bind``; TLS when
-    ``tls`` (``dflash.tls.ServerTLS``), to drafters over TLS when ``upstream_tls``
-    (``dflash.tls.ClientTLS``).
+    ``tls`` (``dflash.serving.tls.ServerTLS``), to drafters over TLS when ``upstream_tls``
+    (``dflash.serving.tls.ClientTLS``).
 
-    ``streams``: Generate streams open at once (``dflash.server.StreamLimit``), 0 = the
+    ``streams``: Generate streams open at once (``dflash.serving.server.StreamLimit``), 0 = the
     engine's batch and waiting bounds plus ``STREAM_SLACK`` (or 512 while loading).
     """
     telemetry = telemetry or Telemetry(service="verifier")
@@ -178,8 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    from dflash.checkpoint import torch_dtype
-    from dflash.threads import reserve
+    from dflash.core.checkpoint import torch_dtype
+    from dflash.serving.threads import reserve
     from verifier_svc.engine import VerifierEngine
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
@@ -241,13 +241,13 @@ def _budgets(text: str) -> tuple[int, ...]:
 
 
 def _devices(a) -> list:
-    """Each rank's device from ``--device`` and ``--ep-size`` (``dflash.device.rank_devices``).
+    """Each rank's device from ``--device`` and ``--ep-size`` (``dflash.core.device.rank_devices``).
 
     Raises:
         DeviceError: naming ``--device`` (not there), ``--ep-size`` (fewer GPUs than ranks) or
             ``--cuda-graphs`` (no CUDA, or expert parallel).
     """
-    from dflash.device import rank_devices, resolve_device
+    from dflash.core.device import rank_devices, resolve_device
 
     devices = rank_devices(resolve_device(a.device), max(a.ep_size, 1))
     if a.cuda_graphs and (devices[0].type != "cuda" or a.ep_size > 1):

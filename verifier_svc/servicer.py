@@ -8,9 +8,9 @@ import uuid
 
 import grpc
 
-from dflash.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
-from dflash.sampling import InvalidParam
-from dflash.server import RETRY_AFTER_KEY
+from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
+from dflash.core.sampling import InvalidParam
+from dflash.serving.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.cards import check_drafter_card
 from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
@@ -32,7 +32,7 @@ class DrafterPool:
     def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None,
                  breaker: BreakerConfig = BreakerConfig(), tls=None):
         self.engine = engine
-        self.tls = tls   # dflash.tls.ClientTLS to drafters, None = plaintext
+        self.tls = tls   # dflash.serving.tls.ClientTLS to drafters, None = plaintext
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.breaker = breaker

@@ -12,7 +12,7 @@ from verifier_svc.drafter_sync import DrafterState
 
 
 class CacheHandle(Protocol):
-    """A session's target cache (``dflash.kv_pool.PoolSeq``, ``verifier_svc.ep.RankCache``)."""
+    """A session's target cache (``dflash.core.kv_pool.PoolSeq``, ``verifier_svc.ep.RankCache``)."""
 
     def get_seq_length(self) -> int: ...
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from dflash.growable import ROOM, append_into
+from dflash.core.growable import ROOM, append_into
 
 
 class TapRows:
     """Rows ``[n, F]`` (F = len(target_layer_ids) x hidden, the target's dtype) appended in
-    place into a buffer with spare room (``dflash.growable.append_into``), so reading the rows
+    place into a buffer with spare room (``dflash.core.growable.append_into``), so reading the rows
     the drafter lacks copies only those.
 
     The rows only ever go to a drafter, over the wire, so they are kept on the host. Rows from a

@@ -1,7 +1,7 @@
 """The target model: any transformers causal LM, loaded from safetensors only.
 
 One call, :meth:`TargetModel.forward`, runs new tokens through the model with a KV cache and
-returns the logits and the tapped hidden states (``dflash.taps`` convention).
+returns the logits and the tapped hidden states (``dflash.core.taps`` convention).
 
 A block is either a chain (each token follows the one before) or a tree (DDTree: Ringel &
 Romano, arXiv 2604.12989; reference code liranringel/ddtree): the anchor plus draft nodes, each
@@ -23,10 +23,10 @@ from typing import cast
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dflash.checkpoint import target_fingerprint
-from dflash.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
-from dflash.kv_pool import KVPool, PoolSeq
-from dflash.taps import hidden_state_indices
+from dflash.core.checkpoint import target_fingerprint
+from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
+from dflash.core.kv_pool import KVPool, PoolSeq
+from dflash.core.taps import hidden_state_indices
 from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
 from verifier_svc.tree import ancestor_mask, check_tree
 
@@ -58,12 +58,12 @@ class TargetModel:
     Args:
         path: Hugging Face model directory (config.json + safetensors). ``trust_remote_code`` is
             never set and ``use_safetensors=True`` refuses pickled weights.
-        dtype: "float32" | "bfloat16" | "float16" | "auto" (``dflash.device.resolve_dtype``: the
+        dtype: "float32" | "bfloat16" | "float16" | "auto" (``dflash.core.device.resolve_dtype``: the
             checkpoint's dtype on a GPU, float32 on a CPU) or a torch dtype.
         device: "cpu" | "cuda" | "cuda:N" | "auto" or a torch device
-            (``dflash.device.resolve_device``). Weights, the batch KV pool and every tensor a
+            (``dflash.core.device.resolve_device``). Weights, the batch KV pool and every tensor a
             forward creates live there; inputs are built on the host and copied once per
-            forward (``dflash.device.to_device``), outputs stay on the device.
+            forward (``dflash.core.device.to_device``), outputs stay on the device.
         cuda_graphs: replay decode and verify forwards from CUDA graphs captured per batch
             shape (``verifier_svc.graphs``); CUDA only, off by default.
         skinny_max_rows: linear layers with 2..N input rows use the transposed product
@@ -74,7 +74,7 @@ class TargetModel:
 
     Raises:
         FileNotFoundError / OSError: no loadable checkpoint at ``path``.
-        dflash.device.DeviceError: naming ``--device`` / ``--dtype`` / ``--cuda-graphs`` for a
+        dflash.core.device.DeviceError: naming ``--device`` / ``--dtype`` / ``--cuda-graphs`` for a
             device that is not there, a dtype outside the list, graphs without CUDA.
     """
 
@@ -85,7 +85,7 @@ class TargetModel:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
         if cuda_graphs and self.device.type != "cuda":
-            from dflash.device import DeviceError
+            from dflash.core.device import DeviceError
 
             raise DeviceError("--cuda-graphs", f"needs a CUDA device, the target runs on {self.device}")
         if self.device.type == "cpu":
@@ -246,7 +246,7 @@ class TargetModel:
         commit (KV compaction), in place on the session's pool row (``KVPool.compact``).
 
         Raises:
-            ValueError: ``start`` / ``offsets`` malformed (``dflash.kv_pool.check_compact``).
+            ValueError: ``start`` / ``offsets`` malformed (``dflash.core.kv_pool.check_compact``).
         """
         self.pool.compact(cache, start, offsets)
 

@@ -29,7 +29,7 @@ the child carrying ``t`` if any". Each visited node draws fresh numbers and its 
 target's distribution given the path so far (the tree forward gives each node the logits of its
 own path), and the tree's shape depends only on the drafter, so by induction the emitted sequence
 is distributed exactly as the target's own sampling (temperature, top-k, top-p as processed by
-:func:`dflash.sampling.probs_from_logits`); greedy is the same walk with ``t_j = argmax``. No
+:func:`dflash.core.sampling.probs_from_logits`); greedy is the same walk with ``t_j = argmax``. No
 drafter probabilities are needed, unlike chain rejection sampling (Leviathan et al. 2023).
 """
 
@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from dflash.sampling import probs_from_logits, sample_from
-from dflash.speculation import MAX_TREE_BUDGET  # nodes per tree (root not counted)
+from dflash.core.sampling import probs_from_logits, sample_from
+from dflash.core.speculation import MAX_TREE_BUDGET  # nodes per tree (root not counted)
 from verifier_svc.verification import RowParams, Verified, commit_cut
 
 __all__ = ["MAX_TREE_BUDGET", "DraftTree", "TreeVerified", "build_tree", "ancestor_mask",
@@ -214,7 +214,7 @@ def verify_trees(trees: list[DraftTree], logits: list[torch.Tensor], params: lis
         logits: float (float32 from the target) ``[n_i + 1, V]`` per row, V common; row j is the
             target's logits after block index j given that node's own root-to-node path (after
             the request's penalties and logit bias, with that path's tokens counted: the
-            engine applies them, ``dflash.logits_processors``).
+            engine applies them, ``dflash.core.logits_processors``).
         params: one :class:`RowParams` per row (sampling, generator, stops, room).
 
     Returns:
@@ -222,7 +222,7 @@ def verify_trees(trees: list[DraftTree], logits: list[torch.Tensor], params: lis
 
     Choice at a visited block index j: greedy rows take ``argmax(logits[j])`` (first index on
     ties, as ``kernels.greedy_accept``) and draw nothing; sampled rows draw one token with
-    :func:`dflash.sampling.sample_from` from ``probs_from_logits(logits[j], sampling)`` moved to
+    :func:`dflash.core.sampling.sample_from` from ``probs_from_logits(logits[j], sampling)`` moved to
     the generator's device, one draw (Exp(1) noise ``[V]``) per visited node, in walk order,
     rows in order, so a seeded request is reproducible and a generator shared by rows is
     consumed as by a loop over them. If siblings carry the same token the first (lowest block

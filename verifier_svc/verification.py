@@ -23,7 +23,7 @@ Shapes and dtypes (row ``i`` with ``k_i`` drafts, vocabulary ``V``, same for eve
 * ``drafts[i]``: integer (int64) ``[k_i]``;
 * ``logits[i]``: float (float32 from the target) ``[k_i + 1, V]``; row ``j`` scores the token
   after block position ``j`` of ``[anchor, d_1..d_k]``, after the request's penalties and logit
-  bias with that row's own state (the engine applies them, ``dflash.logits_processors``);
+  bias with that row's own state (the engine applies them, ``dflash.core.logits_processors``);
 * ``draft_probs[i]``: float ``[k_i, V]`` or ``None`` (shape checked always, values only read
   for sampled rows);
 * kernel inputs per group of ``n`` rows: drafts ``[n, k]`` int64, logits / p ``[n, k + 1, V]``,
@@ -57,7 +57,7 @@ import dataclasses
 import torch
 
 import kernels
-from dflash.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, probs_from_logits
 
 __all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
 

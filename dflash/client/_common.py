@@ -142,7 +142,7 @@ class Collector:
 
 def channel_credentials(tls) -> grpc.ChannelCredentials | None:
     """``tls`` as channel credentials: grpc.ChannelCredentials as they are, or an object with
-    ``credentials()`` (``dflash.tls.ClientTLS``); None = plaintext."""
+    ``credentials()`` (``dflash.serving.tls.ClientTLS``); None = plaintext."""
     if tls is None or isinstance(tls, grpc.ChannelCredentials):
         return tls
     return tls.credentials()

@@ -23,7 +23,7 @@ class GatewayClient:
     Args:
         address: host:port of the gateway's gRPC port.
         tls: None (plaintext), grpc.ChannelCredentials, or an object with ``credentials()``
-            and ``options()`` (``dflash.tls.ClientTLS``: the CA and a client certificate).
+            and ``options()`` (``dflash.serving.tls.ClientTLS``: the CA and a client certificate).
         api_key: sent as ``authorization: Bearer <key>`` (the gateway's ``--api-keys-file``).
         metadata: more metadata for every call (``x-dflash-client``...).
 

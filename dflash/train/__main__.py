@@ -97,7 +97,7 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
 
 
 def _datagen(args, target_dir: str) -> None:
-    from dflash.config import default_target_layer_ids
+    from dflash.core.config import default_target_layer_ids
     from dflash.train.datagen import GenConfig, generate
 
     cfg = GenConfig(data_dir=args.data_dir, cache_dir=args.feature_cache, target_dir=target_dir,
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--feature-cache", default="runs/featcache",
                        help="local cache of taps and target distributions, rebuilt when missing")
         p.add_argument("--topk", type=int, default=16, help="target distribution kept per token")
-        p.add_argument("--target-dir", default=None, help="default: dflash.target_setup directory")
-        p.add_argument("--cache-dir", default=None, help="where dflash.target_setup builds the target")
+        p.add_argument("--target-dir", default=None, help="default: dflash.tools.target_setup directory")
+        p.add_argument("--cache-dir", default=None, help="where dflash.tools.target_setup builds the target")
         if name in ("datagen", "pipeline"):
             _gen_args(p)
         if name in ("train", "pipeline"):
@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="UTC HH:MM; the training budget ends then (overrides --time-budget-min)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dflash.target_setup import setup_target
+    from dflash.tools.target_setup import setup_target
 
     target_dir = args.target_dir or str(setup_target(args.cache_dir))
     if args.cmd == "draft-vocab":       # for a drafter saved without one
-        from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
+        from dflash.core.draft_vocab import build_draft_vocab, save_draft_vocab
         from dflash.train.tokdata import TokenStore
 
         vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dflash.taps import hidden_state_indices, tap_features
+from dflash.core.taps import hidden_state_indices, tap_features
 from dflash.train import chat_prompts, featcache
 from dflash.train.tokdata import TokenStore
 
@@ -156,7 +156,7 @@ def source_prompts(source: str, n: int, seed: int) -> list[str]:
     if source == "code":
         import random
 
-        from dflash.humaneval import INSTRUCTION
+        from dflash.tools.humaneval import INSTRUCTION
         from dflash.train.code_prompts import function_stubs
 
         pool = function_stubs()
@@ -164,7 +164,7 @@ def source_prompts(source: str, n: int, seed: int) -> list[str]:
             raise ValueError(f"num_prompts: only {len(pool)} function stubs available, asked for {n}")
         return [INSTRUCTION.format(prompt=p) for p in random.Random(seed).sample(pool, len(pool))[:n]]
     if source == "template":
-        from dflash.humaneval import INSTRUCTION
+        from dflash.tools.humaneval import INSTRUCTION
         from dflash.train.prompts import make_prompts
 
         return [INSTRUCTION.format(prompt=p) for p in make_prompts(n, seed=seed)]
@@ -196,7 +196,7 @@ def length_sorted_batches(prompts: list[list[int]], batch_size: int, window: int
 
 
 def encode_user(tok, text: str) -> list[int]:
-    from dflash.humaneval import encode_messages
+    from dflash.tools.humaneval import encode_messages
 
     return encode_messages(tok, [{"role": "user", "content": text}])
 
@@ -224,7 +224,7 @@ def generate(cfg: GenConfig) -> dict:
     cache as it goes; "bfloat16" answers 2-3x faster where the CPU has bf16 matrix units (AMX)
     and writes ids only: its taps are not the served target's, so the trainer recomputes the
     features in float32 from the ids. Each shard records the dtype it was answered in."""
-    from dflash.checkpoint import load_target_head, target_fingerprint
+    from dflash.core.checkpoint import load_target_head, target_fingerprint
     from dflash.train.data import load_target
 
     if cfg.dtype not in DTYPES:

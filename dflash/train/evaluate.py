@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from dflash.humaneval import encode_messages, encode_prompt, load_problems
-from dflash.modeling import DFlashDrafter, TargetHead
-from dflash.taps import hidden_state_indices, tap_features
+from dflash.core.modeling import DFlashDrafter, TargetHead
+from dflash.core.taps import hidden_state_indices, tap_features
+from dflash.tools.humaneval import encode_messages, encode_prompt, load_problems
 
 
 @dataclass
@@ -90,8 +90,8 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 def chat_prompts(n: int) -> list[list[dict]]:
-    """The first ``n`` prompts of the held-out chat set (:data:`dflash.bench_prompts.CHAT_EVAL`)."""
-    from dflash.bench_prompts import prompt_set
+    """The first ``n`` prompts of the held-out chat set (:data:`dflash.tools.bench_prompts.CHAT_EVAL`)."""
+    from dflash.tools.bench_prompts import prompt_set
 
     return [m for _, m in prompt_set("chat", n)]
 
@@ -99,7 +99,7 @@ def chat_prompts(n: int) -> list[list[dict]]:
 def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
     """Drafter weights from a trainer run directory's checkpoint (``ckpt.safetensors`` +
     ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises ``FileNotFoundError`` when there is none."""
-    from dflash.checkpoint import load_target_head
+    from dflash.core.checkpoint import load_target_head
     from dflash.train import ckpt
     from dflash.train.trainer import TrainConfig, drafter_config
 
@@ -136,8 +136,8 @@ def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash.checkpoint import load_drafter, load_target_head
-    from dflash.target_setup import target_dir as default_target_dir
+    from dflash.core.checkpoint import load_drafter, load_target_head
+    from dflash.tools.target_setup import target_dir as default_target_dir
     from dflash.train.data import load_target
 
     ap = argparse.ArgumentParser(description="held-out tau of a DFlash drafter")

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.taps import hidden_state_indices, tap_features
+from dflash.core.taps import hidden_state_indices, tap_features
 from dflash.train.tokdata import TokenSeq
 
 

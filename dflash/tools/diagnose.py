@@ -1,0 +1,331 @@
+"""``dflash diagnose``: is this drafter wired right for this target, and does speculation pay?
+
+    dflash diagnose --target DIR --drafter DIR [--prompts humaneval,chat] [--json]
+    dflash diagnose --gateway HOST:PORT --metrics HOST:PORT [--use-drafter NAME@VERSION]
+
+(a) static: the config against the target (layer ids, sizes, mask token, rope, sliding-window
+layers, draft vocabulary, fingerprint, the verifier's own card check), each finding naming its
+field; (b) teacher-forced probe: the target's greedy continuation of each prompt, every response
+position an anchor, the drafter scored under its saved config and under each setting a
+mis-wired checkpoint would need (target_layer_ids shifted -2..+2, controls, other mask tokens,
+the target's rope, sliding layers), with a paired test per setting naming the fix and the exact
+config.json edit; (c) costs: verify and draft seconds per block length measured here (or, with
+--gateway, the deployment's policy cells), and what the adaptive speculation policy makes of
+them at the measured acceptance: "speculation at block 16 is 0.7x plain decoding here; adaptive
+chooses k = 2; expected 1.2x", per prompt domain. docs/diagnose.md explains every finding.
+
+Verdicts and exit status: 0 healthy (wired right, speculation pays); 1 mis-wired (a setting
+fits significantly better: the fix is named) or degraded (wired right, but acceptance is low or
+speculation does not pay here); 2 broken (a static error, or a drafter that drafts nothing
+and no setting mends it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from dflash.tools.probe import BROKEN_P1, BROKEN_TAU, DEGRADED_P1, DEGRADED_TAU
+
+EXIT = {"healthy": 0, "degraded": 1, "mis-wired": 1, "broken": 2}
+DEFAULT_SETS = "humaneval,chat"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="is a drafter wired right for a target, and does "
+                       "speculation pay", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target model directory")
+    p.add_argument("--drafter", help="drafter directory (z-lab format)")
+    p.add_argument("--gateway", help="a running gateway: its live tau on the probe prompts")
+    p.add_argument("--metrics", action="append", default=[],
+                   help="with --gateway: the verifier's Prometheus /metrics (HOST:PORT or URL): "
+                        "its acceptance counters and the policy's cost cells")
+    p.add_argument("--use-drafter", default="", help="with --gateway: name or name@version")
+    p.add_argument("--prompts", default=None,
+                   help=f"comma-separated prompt sets: humaneval, chat, JSONL files (default "
+                        f"{DEFAULT_SETS}); each is a domain of its own in the report")
+    p.add_argument("--prompt", action="append", help="a probe prompt (repeat); replaces --prompts "
+                   "unless that is given too")
+    p.add_argument("--raw", action="store_true", help="--prompt as raw text, no chat template")
+    p.add_argument("--num-prompts", type=int, default=10,
+                   help="prompts drawn from the sets in all, split evenly (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn (default 0)")
+    p.add_argument("--max-tokens", type=int, default=96, help="continuation length per prompt")
+    p.add_argument("--offset-probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="try the alternative settings (shifts, controls, mask tokens, rope, "
+                        "sliding layers); --no-offset-probe measures the saved config only")
+    p.add_argument("--no-cost", action="store_true", help="skip measuring step costs")
+    p.add_argument("--no-live", action="store_true", help="static check only")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on shared cores more threads spin and slow "
+                        "down several-fold); costs are measured at this count")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", action="store_true", help="print one JSON report instead of text")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------- prompts
+def draw_prompts(a) -> list[tuple[str, object]]:
+    """``(domain, prompt)`` pairs: ``--prompt`` texts (domain "prompt") and ``--num-prompts``
+    drawn with ``--seed`` from the ``--prompts`` sets (chat message lists)."""
+    from dflash.tools.bench_prompts import prompt_set
+
+    out: list[tuple[str, object]] = [("prompt", p) for p in (a.prompt or [])]
+    names = a.prompts or ("" if a.prompt else DEFAULT_SETS)
+    names = [n for n in names.split(",") if n]
+    if a.num_prompts < len(names):
+        raise SystemExit(f"dflash diagnose: error: --num-prompts: {a.num_prompts} is fewer than "
+                         f"the {len(names)} prompt sets")
+    rng = random.Random(a.seed)
+    for i, name in enumerate(names):
+        try:
+            items = prompt_set(name)
+        except ValueError as e:
+            raise SystemExit(f"dflash diagnose: error: {e}") from None
+        want = a.num_prompts // len(names) + (i < a.num_prompts % len(names))
+        domain = name if name in ("humaneval", "chat") else name.rsplit("/", 1)[-1]
+        out += [(domain, m) for _, m in rng.sample(items, min(want, len(items)))]
+    return out
+
+
+def _encode(tok, prompt, raw: bool) -> list[int]:
+    from dflash.tools.humaneval import encode_messages
+
+    if isinstance(prompt, list):
+        return encode_messages(tok, prompt)
+    if raw or not tok.chat_template:
+        return list(tok.encode(prompt))
+    return encode_messages(tok, [{"role": "user", "content": prompt}])
+
+
+# ---------------------------------------------------------------------- the report
+def diagnose(a) -> dict:
+    """The whole report as a dict (what ``--json`` prints)."""
+    from dflash.serving.drafter_check import check
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    report: dict = {"static": [], "probe": None, "costs": None, "speculation": None, "live": None,
+                    "deployment": None, "fixes": [], "verdict": None, "causes": [], "notes": []}
+    if not (a.gateway or (a.drafter and a.target)):
+        raise SystemExit("dflash diagnose: error: give --target and --drafter, or --gateway")
+    if a.metrics and not a.gateway:
+        raise SystemExit("dflash diagnose: error: --metrics: reads a deployment; give --gateway too")
+    warnings: list[str] = []
+    if a.drafter and a.target:
+        findings = check(a.drafter, a.target)
+        report["static_s"] = round(time.perf_counter() - t0, 1)
+        report["static"] = [vars(f) | {"text": str(f)} for f in findings]
+        warnings = [str(f) for f in findings if f.level == "warning"]
+        errors = [str(f) for f in findings if f.level == "error"]
+        if errors:
+            report.update(verdict="broken", causes=errors, notes=warnings)
+            return _timed(report, t0, c0)
+    if a.no_live:
+        report.update(verdict="degraded" if warnings else "healthy", causes=warnings)
+        return _timed(report, t0, c0)
+    prompts = draw_prompts(a)
+    costs = blocks = None
+    if a.gateway:
+        costs, blocks = _gateway(a, prompts, report)
+    if a.drafter and a.target:
+        local, costs = _in_process(a, prompts, report, costs)
+        blocks = local | {k: v for k, v in (blocks or {}).items() if k != "all"}
+    _speculation(report, costs, blocks)
+    _verdict(report, warnings)
+    return _timed(report, t0, c0)
+
+
+def _timed(report: dict, t0: float, c0: float) -> dict:
+    report["timing"] = {"wall_s": round(time.perf_counter() - t0, 1),
+                        "cpu_s": round(time.process_time() - c0, 1)}
+    return report
+
+
+def _gateway(a, prompts, report):
+    """The deployment's live tau on the probe prompts, and its counters and cost cells."""
+    from dflash.tools.diagnose_cost import blocks_from_rates, scrape
+    from dflash.tools.probe import gateway_probe
+
+    live = gateway_probe(a.gateway, [p for _, p in prompts], max_tokens=a.max_tokens,
+                         drafter=a.use_drafter, raw=a.raw)
+    report["live"] = _live_dict(live)
+    blocks = {"all": blocks_from_rates(live.stats.per_position_rate)} if live.stats.drafts else None
+    costs = None
+    for url in a.metrics:
+        try:
+            dep = scrape(url)
+        except OSError as e:
+            raise SystemExit(f"dflash diagnose: error: --metrics {url}: {e}") from None
+        version = a.use_drafter if "@" in a.use_drafter else dep.busiest()
+        rates = dep.rates(version) if version else []
+        report["deployment"] = {
+            "source": dep.source, "drafter_version": version,
+            "tau": 1 + dep.accepted.get(version, 0.0) / dep.drafts[version] if rates else None,
+            "per_position": [round(r, 4) for r in rates], "drafts": dep.drafts.get(version, 0.0),
+            "verify_ms": round(1e3 * dep.verify_mean.get(version, 0.0), 2),
+            "draft_ms": round(1e3 * dep.draft_mean.get(version, 0.0), 2)}
+        costs = dep.cost_table() or costs
+        if rates:
+            blocks = (blocks or {}) | {"deployment (lifetime)": blocks_from_rates(rates)}
+    return costs, blocks
+
+
+def _live_dict(r) -> dict:
+    s = r.stats
+    return {"tau": s.mean_acceptance_length, "per_position": s.per_position_rate,
+            "draft_acceptance_rate": s.draft_acceptance_rate, "drafts": s.drafts,
+            "fallback_steps": s.fallback_steps, "block_size": r.block_size, "prompts": r.prompts,
+            "seconds": r.seconds, "summary": r.summary()}
+
+
+def _in_process(a, prompts, report, costs):
+    """The teacher-forced probe, every setting, the vocabulary coverage and the step costs."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from dflash.tools.diagnose_tf import Head, counter, walk
+    from dflash.tools.diagnose_wiring import (
+        best_fixes,
+        controls_sentence,
+        equivalents,
+        fix_sentence,
+        mask_candidates,
+        run_settings,
+        settings,
+        vocab_coverage,
+    )
+    from dflash.tools.probe import InProcessProbe
+
+    t = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(a.target)
+    probe = InProcessProbe(a.target, a.drafter, dtype=a.dtype)
+    load_s = time.perf_counter() - t
+    try:
+        t = time.perf_counter()
+        ids = [_encode(tok, p, a.raw) for _, p in prompts]
+        seqs = probe.collect(ids, [d for d, _ in prompts], max_new_tokens=a.max_tokens)
+        gen_s = time.perf_counter() - t
+        if not seqs:
+            raise SystemExit("dflash diagnose: error: no prompt got a continuation of 2 tokens or "
+                             "more to draft against (raise --max-tokens, or other prompts)")
+        cfg = probe.drafter.cfg
+        raw_t = json.loads((Path(a.target) / "config.json").read_text())
+        tcfg = raw_t.get("text_config", raw_t)
+        masks = mask_candidates(tok, probe.head.embed, cfg.mask_token_id) if a.offset_probe else []
+        sets = settings(cfg, a.drafter, tcfg, masks)
+        if not a.offset_probe:
+            sets = sets[:1]
+        head = Head.of(probe.head.lm_head, probe.engine.draft_vocab)
+        t = time.perf_counter()
+        outcomes = run_settings(probe.drafter, probe.head, head, seqs, sets, seed=a.seed)
+        score_s = time.perf_counter() - t
+        saved = outcomes[0]
+        blocks = walk(saved.scores, seqs)
+        domains = {}
+        for dom, rows in blocks.items():
+            c = counter(rows)
+            domains[dom] = {"tau": round(c.mean_acceptance_length, 3), "drafts": c.drafts,
+                            "per_position": [round(r, 4) for r in c.per_position_rate],
+                            "prompts": sum(s.domain == dom for s in seqs) if dom != "all" else len(seqs)}
+        if len(blocks) == 2:                    # one domain: it is "all"
+            blocks = {"all": blocks["all"]}
+        reads, ctl = controls_sentence(outcomes) if a.offset_probe else (True, "")
+        B = cfg.block_size
+        report["probe"] = {
+            "prompts": len(seqs), "anchors": int(saved.scores.prompt.numel()),
+            "block_size": B, "max_tokens": a.max_tokens, "domains": domains,
+            "settings": [o.as_dict() for o in outcomes], "controls": ctl, "reads_taps": reads,
+            "vocab": vocab_coverage(seqs, probe.engine.draft_vocab, cfg.vocab_size, tok),
+            "seconds": {"load": round(load_s, 1), "generate": round(gen_s, 1),
+                        "score": round(score_s, 1)}}
+        fixes = best_fixes(outcomes)
+        report["fixes"] = [{"setting": o.setting.name, "edit": o.setting.edit,
+                            "sentence": fix_sentence(o, saved, B, equivalents(o, outcomes))}
+                           for o in fixes]
+        if fixes:   # what the best fix would give (its own walk; the costs are the same)
+            blocks["with the fix"] = walk(fixes[0].scores, seqs)["all"]
+        if costs is None and not a.no_cost and seqs:
+            t = time.perf_counter()
+            costs = probe.costs(max(ids, key=len))
+            report["probe"]["seconds"]["costs"] = round(time.perf_counter() - t, 1)
+        return blocks, costs
+    finally:
+        probe.close()
+
+
+def _speculation(report: dict, costs, blocks) -> None:
+    from dflash.tools.diagnose_cost import payoff
+
+    if costs is None:
+        return
+    report["costs"] = costs.as_dict()
+    if not blocks:
+        return
+    B = (report["probe"] or {}).get("block_size") or (report["live"] or {}).get("block_size") or \
+        1 + max(d for rows in blocks.values() for d, _ in rows)
+    pays = {dom: payoff(costs.costs, rows, B) for dom, rows in blocks.items() if rows}
+    report["speculation"] = {dom: p.as_dict() for dom, p in pays.items() if p is not None}
+
+
+def _verdict(report: dict, warnings: list[str]) -> None:
+    probe, live, spec = report["probe"], report["live"], report["speculation"] or {}
+    figures = probe["domains"]["all"] if probe else live
+    tau = figures["tau"] if figures else 1.0
+    p1 = (figures["per_position"] or [0.0])[0] if figures else 0.0
+    pay = spec.get("all")
+    notes = list(warnings)
+    if probe and probe["controls"]:
+        notes.append(probe["controls"])
+    vocab = probe and probe["vocab"]
+    if vocab and vocab["coverage"] < 0.98:
+        notes.append(f"draft vocabulary: its {vocab['ids']} ids hold {100 * vocab['coverage']:.1f}% "
+                     f"of the target's tokens here (missing most: {vocab['missing']}); "
+                     "serve with --draft-vocab-size 0 or rebuild draft_vocab.safetensors")
+    steps = live and live["drafts"] + live["fallback_steps"]
+    if report["fixes"]:
+        verdict, causes = "mis-wired", [f["sentence"] for f in report["fixes"]]
+    elif not probe and steps and live["fallback_steps"] > steps / 2:
+        verdict, causes = "broken", [f"the drafter failed {live['fallback_steps']} of {steps} steps "
+                                     "(unreachable, timeouts or errors): see its log and "
+                                     "dflash_spec_decode_fallback_steps"]
+    elif tau < BROKEN_TAU or p1 < BROKEN_P1:
+        verdict = "broken"
+        causes = [f"the drafter drafts almost nothing: tau {tau:.2f}, first-position acceptance "
+                  f"{p1:.3f}"]
+        if probe and not probe["reads_taps"]:
+            causes.append(probe["controls"])
+        causes += ["untrained or random weights, or trained for another target or tokenizer "
+                   "(dflash_serve.target_fingerprint)", "no setting tried mends it (shifts, mask "
+                   "tokens, rope, sliding layers): see the settings table"]
+    elif pay is not None and pay["adaptive_k"] == 0:
+        verdict, causes = "degraded", [f"speculation does not pay here at tau {tau:.2f}: "
+                                       f"{pay['sentence']}"]
+    elif pay is None and (tau < DEGRADED_TAU or p1 < DEGRADED_P1):
+        verdict, causes = "degraded", [f"low acceptance: tau {tau:.2f}, first-position "
+                                       f"acceptance {p1:.3f} (prompts far from the drafter's "
+                                       "training data, or a weak drafter)"]
+    else:
+        verdict, causes = "healthy", []
+    report.update(verdict=verdict, causes=causes, notes=[n for n in notes if n not in causes])
+
+
+def run(a) -> int:
+    import torch
+
+    from dflash.tools.diagnose_report import render
+
+    if a.threads < 1:
+        raise SystemExit(f"dflash diagnose: error: --threads: must be >= 1, got {a.threads}")
+    if a.max_tokens < 2:
+        raise SystemExit(f"dflash diagnose: error: --max-tokens: must be >= 2, got {a.max_tokens}")
+    torch.set_num_threads(a.threads)
+    report = diagnose(a)
+    report["threads"] = a.threads
+    print(json.dumps(report, indent=2) if a.json else render(report))
+    sys.stdout.flush()
+    return EXIT.get(report["verdict"], 2)

