@@ -71,18 +71,16 @@ class DrafterEngine:
         context_threads: torch threads of a second thread that runs every call whose items all
             only carry context (block size 1, no draft): the verifier does not wait for those
             (its context updates on steps without speculation), so they run beside its forward
-            on shared cores. On 2 cores, SmolLM2 at 32 concurrent requests, such steps took 12%
-            longer than plain decoding with this work on 2 threads and as long (166.6 vs 166.5
-            ms) on 1: two OpenMP threads busy-waiting at every barrier take both cores from the
-            verifier. 0 = no second thread: such calls run on the compute thread.
-            Raises ValueError below 0.
+            on shared cores. One thread by default: two OpenMP threads busy-waiting at every
+            barrier take both cores of a small machine from the verifier
+            (``docs/perf-history.md``, "drafter_svc/engine.py"). 0 = no second thread: such
+            calls run on the compute thread. Raises ValueError below 0.
         context_sched: the context thread's Linux scheduling policy. "idle" (``SCHED_IDLE``):
             it runs only on a core nothing else wants, i.e. in the verifier's gaps (between
-            steps, while it waits for a draft); at 32 concurrent requests, with it at normal
-            priority, the verifier's steps without speculation took 164.6 + 2.1 ms against
-            155.2 ms with speculation off (session 19 debug log). "normal" = the process's
-            policy. Where the policy cannot be set (not Linux) the thread keeps the process's,
-            with a warning. Raises ValueError for other values.
+            steps, while it waits for a draft), so context updates do not lengthen the
+            verifier's steps without speculation. "normal" = the process's policy. Where the
+            policy cannot be set (not Linux) the thread keeps the process's, with a warning.
+            Raises ValueError for other values.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
@@ -342,9 +340,8 @@ class DrafterEngine:
             ctx_pos = torch.arange(n_max, device=dev).expand(b, n_max)
         hidden = self.drafter(self.head.embed_tokens(to_device(block, dev)),
                               to_device(positions, dev), kv, mask, context_positions=ctx_pos)
-        # One LM-head product for every block's rows: per block, each call streamed the whole
-        # head (16384 x 576 floats for the draft vocabulary) for a few rows, so 32 sessions x 3
-        # drafts cost 346 ms against 28 ms for one 16-token block (SmolLM2 drafter, 2 cores).
+        # One LM-head product for every block's rows: a product per block would stream the
+        # whole head (N x H) once per block, for a few rows each.
         sizes = [r.block_size - 1 for r, _ in items]
         rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
         by_row = self.head.logits(rows, self._draft_head).split(sizes)

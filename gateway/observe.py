@@ -14,6 +14,7 @@ from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.core.convert import FINISH_NAME
+from dflash.core.finish import FINISH_CANCELLED
 from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics
 from dflash.serving.telemetry import Telemetry
 from dflash.serving.tracing import abort_status, metadata_context, set_error
@@ -73,7 +74,7 @@ class ObservedGatewayServicer(GatewayServicer):
                     finals.append(r)
                 yield r
         except GeneratorExit:
-            self._count(NO_DRAFTER, "cancelled")
+            self._count(NO_DRAFTER, FINISH_CANCELLED)
             span.set_attribute("dflash.cancelled", True)
             raise
         except BaseException as e:

@@ -12,6 +12,7 @@ import time
 import uuid
 
 from dflash.core.convert import FINISH_NAME
+from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dflash.core.sampling import InvalidParam
 from dflash.v1 import common_pb2, gateway_pb2
 from gateway.openai_models import (
@@ -40,7 +41,9 @@ MAX_COMPLETION_LOGPROBS = 20
 INT32 = 2**31 - 1
 # "developer" is OpenAI's newer name for the system role
 ROLE_ALIASES = {"developer": "system"}
-FINISH_REASON = {"length": "length", "stop": "stop", "cancelled": "abort"}
+# our finish reason -> OpenAI's (its names are its wire values, kept as literals)
+OPENAI_ABORT = "abort"
+FINISH_REASON = {FINISH_LENGTH: "length", FINISH_STOP: "stop", FINISH_CANCELLED: OPENAI_ABORT}
 
 
 @dataclasses.dataclass
@@ -371,7 +374,7 @@ class Assembler:
         choices: list = []   # ChatChoice or CompletionChoice, as self.chat says
         for i in range(self.n):
             f = self.finals.get(i)
-            reason = self._finish_reason(f) if f is not None else "abort"
+            reason = self._finish_reason(f) if f is not None else OPENAI_ABORT
             metrics = self._metrics(f.acceptance, f.drafter) if f is not None else None
             text = "".join(self.text[i])
             if self.chat:

@@ -13,7 +13,7 @@ import re
 
 import grpc
 
-from dflash.core.errors import FieldError
+from dflash.core.errors import FieldFault
 from dflash.core.sampling import InvalidParam
 from gateway.auth import AuthError
 from gateway.inputs import NotOwner
@@ -70,8 +70,8 @@ def grpc_code(e: BaseException) -> grpc.StatusCode:
     """The gRPC status code of a core exception (INTERNAL for anything unexpected)."""
     if isinstance(e, NotOwner):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(e, FieldError):          # InvalidParam and the other field errors
-        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, FieldFault):          # InvalidParam, the other field errors, preconditions
+        return grpc.StatusCode[e.status]
     if isinstance(e, (UpstreamError, AuthError)):
         return e.code
     return grpc.StatusCode.INTERNAL
@@ -103,10 +103,10 @@ _FIELD = re.compile(r"verifier: ([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
 
 
 def error_body(e: BaseException) -> dict:
-    """OpenAI's error body for a core exception; ``param`` is the field a FieldError names (or
+    """OpenAI's error body for a core exception; ``param`` is the field a FieldFault names (or
     that the verifier's INVALID_ARGUMENT names)."""
     s = status_of(e)
-    param = e.field if isinstance(e, FieldError) else None
+    param = e.field if isinstance(e, FieldFault) else None
     if isinstance(e, UpstreamError) and e.code == grpc.StatusCode.INVALID_ARGUMENT:
         m = _FIELD.match(e.details)
         param = VERIFIER_FIELDS.get(m.group(1), m.group(1)) if m else None

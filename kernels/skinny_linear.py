@@ -1,35 +1,21 @@
 """Skinny linear layers on CPU: ``x @ W.T`` for a few rows, computed as ``(W @ x.T).T``.
 
 A verify forward multiplies every weight matrix by only ``k + 1`` rows (the anchor and the
-drafts of one block). For such skinny products the CPU BLAS path behind ``F.linear`` on this
-machine (MKL sgemm, 2 AVX2 cores) is far from memory speed, while the transposed product, where
-the weight is the tall left operand, streams the weight once. Measured with SmolLM2-135M's 30
-layers of weights (not cache-resident) in float32, median of 10:
+drafts of one block). For such skinny products some CPU BLAS paths behind ``F.linear`` (small-M
+sgemm) are far from memory speed, while the transposed product, where the weight is the tall
+left operand, streams the weight once. One row (a matrix-vector product) takes the slow path
+either way, so :func:`skinny_linear` keeps ``F.linear`` there unless ``one_row`` (and on every
+accelerator, and for any dtype but float32, where the vendor library already picks its kernel).
+The gain needs a second thread at work, so one torch thread keeps ``F.linear`` too. Both compute
+the same float32 dot products in a different summation order: results may differ in the last
+bits, as a block forward already differs from one-token forwards (the verify path is not
+bit-identical to decode anywhere in the field; see the lossless tests for how near-ties are
+handled).
 
-=====  ==========  ============
-rows   F.linear    (W @ x.T).T
-=====  ==========  ============
-1      29.2 ms     29.6 ms
-2      48.3 ms     21.3 ms
-5      48.5 ms     27.2 ms
-9      58.3 ms     45.2 ms
-17     63.9 ms     60.9 ms
-=====  ==========  ============
-
-and the 49152 x 576 LM head: 4 rows 19.7 -> 5.1 ms, 16 rows 20.6 -> 14.4 ms. One row gains
-nothing, so :func:`skinny_linear` keeps ``F.linear`` there (and on every accelerator, and for
-any dtype but float32, where the vendor library already picks its kernel). The gain is the
-second core at work: on one thread (``torch.get_num_threads() == 1``) the transposed product
-was slower (verify of 5 tokens 109 -> 133 ms), so one thread keeps ``F.linear`` too. Both compute the same
-float32 dot products in a different summation order: results may differ in the last bits, as a
-block forward already differs from one-token forwards (the verify path is not bit-identical to
-decode anywhere in the field; see the lossless tests for how near-ties are handled).
-
-Whether it pays depends on the CPU: on a later machine of this project (Xeon with AVX-512 and
-AMX, 300 MiB L3), MKL's small-M sgemm was the faster path at every row count (SmolLM2 verify of
-2 / 5 / 16 tokens: ``F.linear`` 53 / 82 / 101 ms, transposed 98 / 103 / 110 ms; decode 53 ms).
-So the services tune the row limit at start (:func:`tune_max_rows`, ``--skinny-max-rows -1``,
-the default): the real model's forward, timed both ways on the thread that runs it.
+Whether it pays depends on the CPU (on some, the vendor's small-M sgemm wins at every row
+count), so the services tune the row limit at start (:func:`tune_max_rows`, ``--skinny-max-rows
+-1``, the default): the real model's forward, timed both ways on the thread that runs it. The
+figures behind this design: ``docs/perf-history.md``, "kernels/skinny_linear.py".
 
 The torch reference is ``F.linear`` itself; ``tests/test_skinny_linear.py`` compares them.
 """
@@ -44,7 +30,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-#: Default row limit: up to 16 rows (a block of 16) the transposed product was faster above.
+#: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
 #: ``max_rows`` value meaning "measure at start" (:func:`tune_max_rows`); switched layers use
 #: ``DEFAULT_MAX_ROWS`` until tuned.
@@ -65,10 +51,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         max_rows: largest row count that takes the transposed product; 0 = never. Only on
             CPU, float32, with at least two torch threads.
         one_row: one row (a decode step) takes the transposed product of the row and a copy
-            of it: on an AMD EPYC (Zen 5) 2-core machine both ``F.linear`` and ``weight @ x``
-            ran SmolLM2's one-token forward in 40-41 ms (a matrix-vector kernel), the
-            two-column product in 27 ms (in process, ~200 cached positions, median of 9).
-            Same conditions as ``max_rows``; :func:`tune_max_rows` decides it.
+            of it: on some CPUs both ``F.linear`` and ``weight @ x`` of one row take a slow
+            matrix-vector kernel that a two-column product avoids. Same conditions as
+            ``max_rows``; :func:`tune_max_rows` decides it.
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
@@ -85,10 +70,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             out += bias
         return out.view(*x.shape[:-1], weight.shape[0])
     # Row-major like F.linear's result: the transposed view's last-dim stride is ``rows``, and
-    # consumers pay for that layout. Attention then left the flash SDPA kernel for the math one
-    # (it needs a unit last-dim stride) and every elementwise op on the activations kept the
-    # strided layout: a 3-token SmolLM2 verify took 110 ms strided vs 84 ms with this copy of
-    # rows x out_features floats (2 cores, interleaved, median of 7; logits unchanged to 7e-5).
+    # consumers pay for that layout (attention leaves the flash SDPA kernel for the math one, which
+    # needs a unit last-dim stride; every elementwise op keeps the strided layout), far more than
+    # this copy of rows x out_features floats costs.
     out = (weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
     if bias is not None:
         out += bias

@@ -183,9 +183,9 @@ class AcceptanceEstimator:
     @property
     def accuracy(self) -> float:
         """Committed / expected drafted tokens of recent speculative steps (1.0 until 5 were
-        seen), clamped to [0.25, 1.5]. Per-request estimates run 5-10% above what steps commit
-        under load (acceptance falls within an answer faster than its counts follow), which can
-        be the whole margin between speculating and not."""
+        seen), clamped to [0.25, 1.5]. Per-request estimates run above what steps commit under
+        load (acceptance falls within an answer faster than its counts follow), by as much as
+        the margin between speculating and not."""
         if self._expected_extra.n < 5 or self._expected_extra.value <= 0:
             return 1.0
         return min(1.5, max(0.25, self._committed_extra.value / self._expected_extra.value))

@@ -52,8 +52,9 @@ class _Cell(EMA):
     upload only add time), so the cell starts from the *faster* of its first two steps, then
     continues as a running mean / EMA over the later ones. Until its second step a cell is
     ``provisional``: it is priced no dearer than the fit predicts and bounds no other cell
-    (:meth:`StepCostModel.estimate`); single stalled steps at 2.5x otherwise floored every longer
-    block and steered the batch to a block that ran 30% slower."""
+    (:meth:`StepCostModel.estimate`): a single stalled step would otherwise floor every longer
+    block and steer the batch to a slower one (``docs/perf-history.md``,
+    "verifier_svc/cost_model.py")."""
 
     def add(self, x: float) -> None:
         self.n += 1

@@ -435,8 +435,8 @@ class RemoteProposer:
 
         The stream is ordered and the drafter handles its batches one after the other, so a
         later ``propose`` for the same sessions sees this context. The verifier's step does not
-        wait for the drafter's round trip (on this 2-core machine ~13 ms per call, paid on
-        most no-speculation steps of a busy batch: every join uploads its prompt). Sessions
+        wait for the drafter's round trip (it would be paid on most no-speculation steps of a
+        busy batch: every join uploads its prompt). Sessions
         whose update failed (error reply, broken stream, back-off) are passed to ``on_failed``
         from the reader thread; the caller resends their whole context. A later ``propose``
         of such a session also fails (``context_gap``) instead of drafting from a stale

@@ -30,10 +30,11 @@ from typing import Protocol
 
 import torch
 
+from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
 from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
-from dflash.core.speculation import MAX_TREE_BUDGET
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
@@ -87,7 +88,7 @@ class VerifierEngine:
         target: the loaded target model.
         session_ttl_s: idle sessions are dropped after this many seconds.
         max_sessions: bound on kept sessions (least recently used dropped first).
-        spec_mode: default speculation mode ("off" | "fixed" | "adaptive" | "tree";
+        spec_mode: default speculation mode (one of ``dflash.core.speculation.MODES``;
             ``verifier_svc.policy``; the services default to adaptive, ``--spec-mode``).
         tree_budget: nodes of a tree in mode "tree" when the request names none (``--tree-budget``).
         tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
@@ -104,7 +105,7 @@ class VerifierEngine:
     """
 
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
-                 spec_mode: str = "fixed", prefill_chunk: int = 256, max_batch: int = 64,
+                 spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = 16, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
                  admission: Admission | None = None):
@@ -181,7 +182,7 @@ class VerifierEngine:
                 yield item
                 if item.finish:
                     # a cancelled turn may have left part of its prompt in the cache: drop it
-                    finished = item.finish != "cancelled"
+                    finished = item.finish != FINISH_CANCELLED
                     return
         finally:
             job.closed = True

@@ -20,8 +20,7 @@ that (EP must divide ``fsdp_size * tp_size``); replicating the dense weights ano
 refused by 5.24 (``tp_size=2 was requested, but MixtralForCausalLM has no tp_plan``). So we pass an
 ``fsdp_plan`` of ``keep_full_weight`` for every dense module: FSDP gathers them once, on the first
 forward, and keeps them (no backward ever reshards them); with the default plan each forward
-all-gathered every layer's dense weights again (30 all-gathers per step on SmolLM2, the largest
-cost in a profile of one decode step).
+all-gathers every layer's dense weights again, once per layer and step.
 
 Failure: a watchdog polls the worker processes; a failed collective (gloo reports a peer that
 closed its sockets at once) or a dead worker marks the target failed: health turns NOT_SERVING

@@ -25,6 +25,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.core.convert import FINISH_NAME
+from dflash.core.finish import FINISH_CANCELLED
+from dflash.core.speculation import MODE_OFF
 from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.serving.speclog import SpecDecodingLogger
 from dflash.serving.telemetry import Telemetry
@@ -80,7 +82,7 @@ class VerifierObserver:
         else:
             draft_s = ev.draft_seconds if (ev.drafted or ev.fallback) else None
             wire_s = None
-        mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None else "off"
+        mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None else MODE_OFF
         view = StepView(label=label, fallback=ev.fallback, verify_s=ev.verify_seconds,
                         draft_s=draft_s, wire_s=wire_s,
                         context_bytes=wire.context_bytes if wire else None,
@@ -169,7 +171,7 @@ class RequestSpans:
     def event(self, req, ev) -> None:
         with self._lock:
             if ev.step < 0 and self._prefill is not None:
-                if ev.finish != "cancelled" and self._prefill_t0 is not None:
+                if ev.finish != FINISH_CANCELLED and self._prefill_t0 is not None:
                     self.o.metrics.prefill(prompt_tokens=self.prompt_tokens,
                                            seconds=time.perf_counter() - self._prefill_t0)
                 self._prefill.end()

@@ -48,11 +48,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Protocol, Sequence
 
-from dflash.core.speculation import MODES
+from dflash.core.speculation import MODE_ADAPTIVE, MODE_FIXED, MODE_OFF, MODE_TREE, MODES
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
 
-__all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
+__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
            "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
@@ -60,6 +60,8 @@ __all__ = ["MODES", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob"
 DEFAULT_TREE_BUDGETS = (4, 8, 16)
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
+#: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
+MIXED = "mixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,8 @@ class Shape:
 class Decision:
     """One step's choice and the figures it was made from (for metrics and spans)."""
 
-    mode: str                       # the mode of the adaptive sessions, else of the batch
+    mode: str                       # MODE_ADAPTIVE if any session is adaptive, else the batch's
+                                    # mode (MIXED: several)
     k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
     batch: int
     expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]
@@ -150,13 +153,13 @@ class SpeculationPolicy:
     :class:`StepCostModel`, both learnt online.
 
     Args:
-        mode: the deployment default ("off" | "fixed" | "adaptive" | "tree").
+        mode: the deployment default, one of ``MODES``.
         alpha: EMA weight of a new observation.
         explore_every: adaptive steps between re-measurements of a neighbouring k (0: never).
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
     """
 
-    def __init__(self, mode: str = "fixed", *, alpha: float = 0.05, explore_every: int = 25,
+    def __init__(self, mode: str = MODE_FIXED, *, alpha: float = 0.05, explore_every: int = 25,
                  tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS):
         if mode not in MODES:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
@@ -265,19 +268,19 @@ class SpeculationPolicy:
         self.acceptance.clear_expectation()
         self._last_expectations = None
         limits = _limits(jobs)
-        modes = [j.mode if j.req.proposer is not None else "off" for j in jobs]
+        modes = [j.mode if j.req.proposer is not None else MODE_OFF for j in jobs]
         # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
         budgets = [getattr(j, "tree_budget", 0) for j in jobs]
-        shapes = [Shape(lim) if m == "fixed" else
-                  Shape(lim, budgets[i] if lim else 0) if m == "tree" else Shape(0)
+        shapes = [Shape(lim) if m == MODE_FIXED else
+                  Shape(lim, budgets[i] if lim else 0) if m == MODE_TREE else Shape(0)
                   for i, (m, lim) in enumerate(zip(modes, limits))]
-        adaptive = [i for i, m in enumerate(modes) if m == "adaptive"]
+        adaptive = [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE]
         if not adaptive:
-            self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else "mixed",
+            self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else MIXED,
                                           k=-1, batch=len(jobs))
             return shapes
         if waiting:
-            self.last_decision = Decision(mode="adaptive", k=0, batch=len(jobs), waiting=waiting)
+            self.last_decision = Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs), waiting=waiting)
             return shapes
         b = bucket(len(jobs))
         floor = max(sh.verified for sh in shapes)   # fixed sessions' blocks set the batch's shape
@@ -290,7 +293,7 @@ class SpeculationPolicy:
         e, e_tree, raw, label = ex.chain, ex.tree, ex.raw, ex.label
         costs = self.costs
 
-        fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != "adaptive")
+        fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != MODE_ADAPTIVE)
 
         # an arm: (k, 0) = a chain of k drafts; (0, n) = a tree of n nodes
         def gain(arm: tuple[int, int]) -> float:
@@ -336,7 +339,7 @@ class SpeculationPolicy:
         priced = model is not None or costs.measured(b, size(best))
         cost = costs.estimate(b, size(best), model) if priced else 0.0
         k_best, n_best = best
-        self.last_decision = Decision(mode="adaptive", k=k_best if not n_best else top,
+        self.last_decision = Decision(mode=MODE_ADAPTIVE, k=k_best if not n_best else top,
                                       batch=len(jobs), expected_tokens=gain(best),
                                       cost_seconds=cost, explored=explored, budget=n_best)
         for i in adaptive:
@@ -365,7 +368,8 @@ class SpeculationPolicy:
             return None
         last = self._last_expectations
         # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
-        # tables alone: a per-request table for every session would cost ~1 ms a step at 64
+        # tables alone: a per-request table for every session of a large batch costs too much
+        # for a deadline estimate
         ex = last[1] if last is not None and last[0] is jobs else \
             _Expectations(self, jobs, _limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)

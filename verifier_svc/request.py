@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from dflash.core.errors import PreconditionError  # re-exported: the stages import it from here
 from dflash.core.logits_processors import TokenLogprob
 from dflash.core.proposer import Proposer
 from dflash.core.sampling import InvalidParam, Sampling
@@ -19,13 +20,8 @@ from verifier_svc.policy import Decision
 MAX_BLOCK_SIZE = 64
 MAX_SESSION_ID_CHARS = 1024     # the gateway's own bound (--max-session-id-chars) is tighter
 
-
-class PreconditionError(RuntimeError):
-    """The request or drafter does not fit this target; maps to FAILED_PRECONDITION."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+__all__ = ["MAX_BLOCK_SIZE", "MAX_SESSION_ID_CHARS", "PreconditionError", "Request", "RequestTrace",
+           "SlowConsumer", "StepEvent", "validate"]
 
 
 class SlowConsumer(RuntimeError):
@@ -59,7 +55,7 @@ class Request:
     ignore_eos: bool = False
     proposer: Proposer | None = None
     block_size: int = 0                 # 0 = the drafter's block size
-    spec_mode: str = ""                 # "" = the engine's; "off" | "fixed" | "adaptive" | "tree"
+    spec_mode: str = ""                 # "" = the engine's; else one of MODES
     tree_budget: int = 0                # largest tree in nodes (0 = the engine's tree budget)
     prefix_group: str = ""              # may share prompt KV with this group's sessions ("" = none)
     trace: RequestTrace | None = None
@@ -77,7 +73,7 @@ class StepEvent:
     tokens: list[int]
     accepted: int = 0
     drafted: int = 0
-    finish: str | None = None          # "length" | "stop" | "cancelled"
+    finish: str | None = None          # one of FINISH_REASONS (dflash.core.finish)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     fallback: str | None = None        # reason this step ran without speculation

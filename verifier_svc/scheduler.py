@@ -33,7 +33,9 @@ from typing import Protocol
 
 import torch
 
+from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import LogitsProcessor
+from dflash.core.speculation import MODE_OFF
 from dflash.core.stats import AcceptanceCounter
 from dflash.serving.threads import claim
 from verifier_svc.request import Request, SlowConsumer, StepEvent
@@ -95,7 +97,7 @@ class Job:
     processor: LogitsProcessor | None = None  # the request's penalties; None: none asked
     stops: frozenset[int] = frozenset()
     stats: AcceptanceCounter = dataclasses.field(default_factory=AcceptanceCounter)
-    mode: str = "off"                        # speculation mode of this request
+    mode: str = MODE_OFF                     # speculation mode of this request
     block_limit: int = 1                     # largest block (anchor + drafts) it may verify
     tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
     emitted: int = 0
@@ -343,7 +345,7 @@ class Scheduler:
         except Exception:
             cancelled = True
         if cancelled:
-            self._emit(job, StepEvent(tokens=[], finish="cancelled", stats=job.stats))
+            self._emit(job, StepEvent(tokens=[], finish=FINISH_CANCELLED, stats=job.stats))
             return False
         return True
 

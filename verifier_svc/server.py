@@ -8,7 +8,7 @@ import os
 import threading
 
 from dflash.core.device import DeviceError, add_device_args
-from dflash.core.speculation import MAX_TREE_BUDGET, MODES
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODES
 from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float
 from dflash.serving.metrics import AdmissionMetrics, BreakerGauges
 from dflash.serving.server import (
@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "so bfloat16 from a bfloat16 target) [DFLASH_WIRE_DTYPE]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
-    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", "adaptive"), type=one_of(MODES),
+    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", MODE_ADAPTIVE), type=one_of(MODES),
                    help="default speculation policy: off, fixed (always the block size), adaptive "
                         "(block length or tree budget per step from measured acceptance and "
                         "cost) or tree (always a DDTree of --tree-budget nodes); requests may "

@@ -114,7 +114,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drafter: give a card or an address")
             check_drafter_card(card, engine.target)
         except PreconditionError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(grpc.StatusCode[e.status], str(e))
         except grpc.RpcError as e:
             # The details say why (a refused TLS handshake: wrong CA, host name, expired).
             context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -141,10 +141,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             req.trace = trace
             events = engine.generate(req, cancelled=lambda: not context.is_active())
             first = next(events)  # validation errors surface here, before anything is streamed
-        except InvalidParam as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except PreconditionError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (InvalidParam, PreconditionError) as e:   # the field errors: one status lookup
+            context.abort(grpc.StatusCode[e.status], str(e))
         except TargetUnavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Overloaded as e:

@@ -18,10 +18,9 @@ class TapRows:
     for when the rows are read, one step later, long after it ran. Pinned memory is used only
     for rows that come from CUDA.
 
-    Before: the session kept a list of per-step chunks and concatenated all of them (the whole
-    context) every time it sent the drafter its new rows. At 32 concurrent HumanEval requests
-    (SmolLM2, ~250 positions x 2880 floats each) that copied ~3 MB per session per context
-    update, 2.1 ms per step on average of a 165 ms step on 2 cores.
+    Why in place: concatenating per-step chunks copies the whole context at every context
+    update, a cost that grows with the batch and the context (``docs/perf-history.md``,
+    "verifier_svc/tap_buffer.py").
     """
 
     def __init__(self) -> None:

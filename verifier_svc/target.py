@@ -45,9 +45,9 @@ def grouped_kv_attention() -> None:
     With a mask (every verify of more than one token, every batched step) transformers otherwise
     repeats each layer's cached K/V to the query heads (``repeat_kv``): a copy of the whole cache
     per layer and step. PyTorch's CPU flash kernel takes grouped K/V with a mask itself, with
-    bit-identical results (SmolLM2, 300 cached positions, 2 cores, interleaved medians: verify of
-    5 / 9 / 16 tokens 102 / 158 / 147 -> 94 / 134 / 133 ms; logits equal). CPU only: CUDA's
-    flash kernel refuses a mask with grouped heads and the math fallback would be slower.
+    bit-identical logits and without that copy (figures: ``docs/perf-history.md``,
+    "verifier_svc/target.py"). CPU only: CUDA's flash kernel refuses a mask with grouped heads
+    and the math fallback would be slower.
     """
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
@@ -67,8 +67,7 @@ class TargetModel:
         cuda_graphs: replay decode and verify forwards from CUDA graphs captured per batch
             shape (``verifier_svc.graphs``); CUDA only, off by default.
         skinny_max_rows: linear layers with 2..N input rows use the transposed product
-            (``kernels.skinny_linear``: a verify of 3 tokens 118 -> 77 ms for SmolLM2 on 2 CPU
-            cores); 0 = plain ``F.linear`` everywhere.
+            (``kernels.skinny_linear``; CPU only); 0 = plain ``F.linear`` everywhere.
 
     On CPU it calls :func:`grouped_kv_attention` before loading.
 
@@ -147,8 +146,8 @@ class TargetModel:
         """Run ``tokens`` at positions ``cache.get_seq_length() ..`` and append them to ``cache``.
 
         ``logits_to_keep``: 0 = logits for every position (verification); 1 = only the last
-        (prefill: the LM head over a 256-token chunk is 256 x 49152 x 576 multiply-adds for
-        SmolLM2, most of a chunk's time on a CPU, for rows nobody reads).
+        (prefill: the LM head over every row of a chunk, ``chunk x V x H`` multiply-adds, is a
+        large share of the chunk's cost on a CPU, for rows nobody reads).
 
         ``parents``: None (a chain) or ``[tree]`` (one entry per row, as in
         :meth:`forward_batch`; ``[None]`` is a chain): ``tree[j]`` is the block index of

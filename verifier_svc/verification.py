@@ -57,6 +57,7 @@ import dataclasses
 import torch
 
 import kernels
+from dflash.core.finish import FINISH_LENGTH, FINISH_STOP
 from dflash.core.sampling import Sampling, probs_from_logits
 
 __all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
@@ -173,10 +174,10 @@ def commit_cut(tokens: list[int], accepted: int, params: RowParams
     finish = None
     for j, tok in enumerate(tokens):
         if tok in params.stops:
-            tokens, finish = tokens[:j + 1], "stop"
+            tokens, finish = tokens[:j + 1], FINISH_STOP
             break
     if len(tokens) >= params.room:
-        tokens, finish = tokens[:params.room], finish or "length"
+        tokens, finish = tokens[:params.room], finish or FINISH_LENGTH
     return tokens, min(accepted, len(tokens)), finish
 
 

@@ -5,6 +5,7 @@ Tensors go through :mod:`dflash.core.wire`; everything else that two services bo
 
 from __future__ import annotations
 
+from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dflash.core.proposer import DrafterCard, DraftError
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.stats import AcceptanceCounter
@@ -12,9 +13,9 @@ from dflash.v1 import common_pb2, drafter_pb2
 
 FINISH = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FINISH_STOP: common_pb2.FINISH_REASON_STOP,
+    FINISH_CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
 }
 FINISH_NAME = {v: k for k, v in FINISH.items()}
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash.core.speculation import MODE_OFF
 from dflash.core.stats import AcceptanceCounter
 
 # transformers reports no acceptance for a generation's last verify step, and our last block is
@@ -179,7 +180,7 @@ def aggregate(rows: list[dict]) -> dict:
 
 def markdown(results: dict) -> str:
     agg = results["aggregate"]
-    off = agg.get("off")
+    off = agg.get(MODE_OFF)
     lines = ["| mode | prompts | tokens | tau | draft acc. rate | decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, a in agg.items():
@@ -252,9 +253,9 @@ def cmd_bench(a) -> int:
     if a.concurrency:
         return _load_sweep(a, prompts, out)
     drafters = a.use_drafter or [""]
-    policies = [m for m in a.spec_modes.split(",") if m and m != "off"] or [""]
+    policies = [m for m in a.spec_modes.split(",") if m and m != MODE_OFF] or [""]
     modes = [("spec" + (f":{d}" if d else "") + (f"[{m}]" if len(policies) > 1 else ""), True, d, m)
-             for d in drafters for m in policies] + [("off", False, "", "")]
+             for d in drafters for m in policies] + [(MODE_OFF, False, "", "")]
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
     stack = None
     if a.start:
@@ -302,9 +303,9 @@ def cmd_bench(a) -> int:
                           "gateway": a.gateway,
                           "drafters": drafters, "spec_modes": policies},
                "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
-    off_ids = {r["task_id"]: r["token_ids"] for r in rows["off"]}
+    off_ids = {r["task_id"]: r["token_ids"] for r in rows[MODE_OFF]}
     results["lossless"] = {m: sum(r["token_ids"] == off_ids[r["task_id"]] for r in rs)
-                           for m, rs in rows.items() if m != "off"}
+                           for m, rs in rows.items() if m != MODE_OFF}
     if "peer" in rows:
         peer_ids = {r["task_id"]: r["token_ids"] for r in rows["peer"]}
         results["peer_same_tokens"] = {m: sum(r["token_ids"] == peer_ids[r["task_id"]] for r in rs)

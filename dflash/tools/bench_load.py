@@ -30,7 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.core.speculation import MODES  # noqa: F401  (the sweep's modes; tests read them here)
+from dflash.core.speculation import (
+    MODE_ADAPTIVE,
+    MODE_OFF,
+    MODES,  # noqa: F401  (the sweep's modes; tests read them here)
+)
 from dflash.core.stats import AcceptanceCounter
 
 
@@ -41,8 +45,8 @@ def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
 
     name, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens,
-                        speculation=mode != "off", drafter=drafter,
-                        speculation_mode="" if mode == "off" else name, tree_budget=budget)
+                        speculation=mode != MODE_OFF, drafter=drafter,
+                        speculation_mode="" if mode == MODE_OFF else name, tree_budget=budget)
     c = client.complete(req, timeout=3600)
     st = stats_from_proto(c.acceptance)
     n = c.usage.completion_tokens
@@ -175,13 +179,13 @@ def markdown(levels: list[dict]) -> str:
     best = []
     for c in conc:
         agg = {m: _mean(by[(m, c)], "agg_tok_s") for m in modes if (m, c) in by}
-        if "adaptive" in agg and len(agg) > 1:
-            other = max((m for m in agg if m != "adaptive"), key=agg.get)
-            line = f"c={c}: adaptive {agg['adaptive'] / agg[other]:.2f}x the better of the others ({other})"
-            if len(by[("adaptive", c)]) > 1:
-                line += (f", run-to-run spread ±{100 * _spread(by[('adaptive', c)]):.0f}% / "
+        if MODE_ADAPTIVE in agg and len(agg) > 1:
+            other = max((m for m in agg if m != MODE_ADAPTIVE), key=agg.get)
+            line = f"c={c}: adaptive {agg[MODE_ADAPTIVE] / agg[other]:.2f}x the better of the others ({other})"
+            if len(by[(MODE_ADAPTIVE, c)]) > 1:
+                line += (f", run-to-run spread ±{100 * _spread(by[(MODE_ADAPTIVE, c)]):.0f}% / "
                          f"±{100 * _spread(by[(other, c)]):.0f}%")
-                paired = _paired(by[("adaptive", c)], by[(other, c)])
+                paired = _paired(by[(MODE_ADAPTIVE, c)], by[(other, c)])
                 if len(paired) > 1:
                     line += ", per round " + " / ".join(f"{r:.2f}x" for r in paired)
             best.append(line)

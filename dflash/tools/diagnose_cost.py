@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy
 
@@ -68,7 +69,7 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
     from verifier_svc.engine import Request, VerifierEngine
 
     costs = StepCostModel()
-    engine = VerifierEngine(target, spec_mode="off", tree_budgets=())
+    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=())
     try:
         for _ in engine.generate(Request(request_id="diagnose-overhead", prompt=list(prompt),
                                          max_tokens=OVERHEAD_STEPS, ignore_eos=True)):
@@ -144,10 +145,10 @@ def payoff(costs: StepCostModel, blocks: Sequence[tuple[int, int]], block_size: 
     fit = costs.fit()
     if not costs.measured(1, 0) or (fit is None and not costs.measured(1, block_size - 1)):
         return None
-    policy = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=())
+    policy = SpeculationPolicy(MODE_ADAPTIVE, explore_every=0, tree_budgets=())
     policy.costs = costs
     policy.observe_acceptance(label, list(blocks))
-    job = SimpleNamespace(mode="adaptive", block_limit=block_size, emitted=0, stats=None,
+    job = SimpleNamespace(mode=MODE_ADAPTIVE, block_limit=block_size, emitted=0, stats=None,
                           tree_budget=0, req=SimpleNamespace(
                               max_tokens=1 << 30, proposer=SimpleNamespace(card=SimpleNamespace(label=label))))
     policy.choose_shapes([job])

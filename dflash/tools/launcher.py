@@ -97,11 +97,9 @@ class LocalStack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.run_dir / f"{name}.log", "w")
         # OpenMP wait policy: the services' entry points shorten libgomp's spin before sleep
-        # (dflash.serving.omp.default_spin_count: GOMP_SPINCOUNT=10000 unless the user's env sets it).
-        # Measured on the 2-core CI machine, SmolLM2 stack, 3 HumanEval prompts x 64 tokens,
-        # speculation-off / fixed decode tok/s: PASSIVE (sleep at every barrier) 10.9 / 7.6,
-        # default 14.5 / 12.5, GOMP_SPINCOUNT=100000 15.8 / 12.8, ACTIVE (spin forever) over
-        # 10x slower (three processes' idle threads spin on two cores).
+        # (dflash.serving.omp.default_spin_count: GOMP_SPINCOUNT=10000 unless the user's env sets it):
+        # sleeping at every barrier and spinning forever are both slower when three processes
+        # share a few cores (docs/perf-history.md, "OpenMP spin count").
         env = {**os.environ, **self.cfg.extra_env}
         if name in self.cfg.metrics_ports:
             env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])
@@ -151,8 +149,7 @@ class LocalStack:
                 if d.version:
                     args += ["--version", d.version]
                 # One service at a time: each times its forwards at start (skinny-product
-                # tuning), and two tuning at once on 2 cores measured the other's load (the
-                # drafter's probes took ~400 ms instead of ~20 ms and picked noise).
+                # tuning), and two tuning at once on a few cores time each other's load.
                 self._spawn(f"drafter{i}", "drafter_svc", args)
                 self._wait(f"drafter{i}", self.drafter_addr(i))
             self._spawn("verifier", "verifier_svc", ["--target", c.target, "--bind", self.verifier_addr,
