@@ -30,11 +30,11 @@ from typing import Protocol
 
 import torch
 
-from dflash.core.finish import FINISH_CANCELLED
+from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
 from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED, MODE_OFF, MODE_TREE, TREE_MODES
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
@@ -219,12 +219,12 @@ class VerifierEngine:
         job.mode = req.spec_mode or self.spec_mode
         job.block_limit = 1
         job.tree_budget = 0
-        if req.proposer is not None and job.mode != "off":
+        if req.proposer is not None and job.mode != MODE_OFF:
             card = req.proposer.card
             job.block_limit = min(req.block_size or card.block_size, card.block_size)
-            if self.trees and job.mode in ("tree", "adaptive"):
+            if self.trees and job.mode in TREE_MODES:
                 job.tree_budget = req.tree_budget or (
-                    self.tree_budget if job.mode == "tree" else max(self.policy.tree_budgets, default=0))
+                    self.tree_budget if job.mode == MODE_TREE else max(self.policy.tree_budgets, default=0))
         s.prefix_group = ""                  # this turn changes the cache: lends nothing now
         with t.lock:
             t.crop(s.cache, job.reuse)
@@ -291,7 +291,7 @@ class VerifierEngine:
         if job.processor:
             job.processor.commit([first])
         job.emitted = 1
-        finish = "stop" if first in job.stops else ("length" if req.max_tokens == 1 else None)
+        finish = FINISH_STOP if first in job.stops else (FINISH_LENGTH if req.max_tokens == 1 else None)
         if req.proposer is not None and job.block_limit > 1:
             d.proposer = req.proposer
         return StepEvent(tokens=[first], finish=finish, verify_seconds=job.prefill_seconds,
