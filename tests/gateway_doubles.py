@@ -37,6 +37,7 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.requests: list[verifier_pb2.VerifierGenerateRequest] = []
         self.completed = 0              # streams that sent their last chunk
         self.cancelled = 0              # streams that ended before it
+        self.streamed = 0               # token ids sent, all streams together
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
@@ -62,7 +63,7 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
             if self.delay_s and i and not context.is_active():
                 return
             if self.delay_s and i:
-                time.sleep(self.delay_s)
+                time.sleep(self.delay_s)   # the behaviour: a verifier that streams slowly
             part = ids[i:i + self.sizes[k % len(self.sizes)]]
             i, k = i + len(part), k + 1
             chunk = verifier_pb2.VerifierGenerateChunk(token_ids=part, accepted=self.accepted,
@@ -75,6 +76,8 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
                 chunk.stats.drafts = k if self.drafted else 0
                 done.set()
             yield chunk
+            with self.lock:
+                self.streamed += len(part)
 
 
 def serve_verifier(servicer) -> tuple[grpc.Server, str, health.HealthServicer]:

@@ -1,10 +1,14 @@
 """Helpers shared by test modules (no test module imports another): reference decoding and
 token comparison for the lossless tests, ports and health for the process tests, address and
-environment helpers for the deployment tests. Not a test module."""
+environment helpers for the deployment tests, and :func:`wait_until` for tests that wait for
+something to happen. Not a test module."""
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -16,6 +20,7 @@ from dflash.v1 import verifier_pb2
 PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12],
            [200, 201, 7, 7, 7, 31, 90, 114, 115, 116, 117, 118, 5, 6, 240, 241, 30, 33]]
 MAX_NEW = 40
+T = TypeVar("T")
 
 
 def reference(hf_target, prompt, n=MAX_NEW, ignore_eos=False):
@@ -84,3 +89,20 @@ class RecordingEnviron(dict):
     def __contains__(self, key):
         self.read.add(key)
         return super().__contains__(key)
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 10.0, what: str | Callable[[], str] = "the condition",
+               interval: float = 0.01) -> T:
+    """Poll ``pred()`` until it returns something truthy, and return that; after ``timeout``
+    seconds raise AssertionError naming ``what`` (a string, or a callable for a message worth
+    computing only on failure, such as a process's log). ``interval`` is the poll period only:
+    the test goes on as soon as the condition holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what() if callable(what) else what}")
+        time.sleep(interval)   # the poll period, not a pace: the loop ends when pred() holds

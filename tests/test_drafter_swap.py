@@ -12,7 +12,7 @@ import pytest
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
 from doubles import ReferenceDrafter
-from helpers import reference
+from helpers import reference, wait_until
 
 THREADS, PER_THREAD, MAX_NEW = 4, 12, 17
 
@@ -69,8 +69,11 @@ def test_hot_swap_v1_to_v2_under_load(stack, target_model, hf_target, tokenizer)
     swapped_at = time.monotonic()
     listed = admin.ListDrafters(gateway_pb2.ListDraftersRequest()).drafters
     assert [(d.version, d.weight) for d in listed] == [("2", 1.0)]
-    time.sleep(0.3)
-    stack.drafters[0].server.stop(grace=2).wait()   # v1 goes away, nothing restarts the verifier
+    # v1 goes away once a request started after the swap has finished (on v2); nothing
+    # restarts the verifier
+    wait_until(lambda: any(started > swapped_at for started, _, _ in results) or errors, 60,
+               "a request started after the swap to finish")
+    stack.drafters[0].server.stop(grace=2).wait()
     for th in threads:
         th.join(120)
     assert not errors, errors

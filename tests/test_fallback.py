@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from dflash.v1 import verifier_pb2
 
 from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import PROMPTS, free_ports, reference
+from helpers import PROMPTS, free_ports, reference, wait_until
 
 B = 8
 N_STREAMS = 8
@@ -92,14 +91,12 @@ def test_kill_drafter_during_8_streams_then_restart(stack, tiny_target, hf_targe
     try:
         # The client reconnects after its back-off (0.5 s) once gRPC's channel sees the new
         # process; under load that takes a moment. Probe until a request speculates again.
-        deadline = time.monotonic() + 30
-        while True:
+        def speculated():
             _, probe = generate_ids(v, prompts[0], max_tokens=1 + 2 * B, session_id="after0",
                                     ignore_eos=True, speculation=spec(addr))
-            if probe.stats.drafts > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert probe.stats.drafts > 0, "speculation did not resume within 30 s of the restart"
+            return probe.stats.drafts > 0
+
+        wait_until(speculated, 30, "speculation to resume after the drafter's restart", interval=0.2)
         for i in range(2):
             n = 1 + 10 * B
             ids, last = generate_ids(v, prompts[i], max_tokens=n, session_id=f"after{i}",

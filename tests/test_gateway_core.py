@@ -13,6 +13,7 @@ import pytest
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
 from gateway_doubles import ScriptedVerifier, fake_logprob, serve_verifier
+from helpers import wait_until
 
 TEXT = "héllo 😀 世界 and more"
 
@@ -89,11 +90,9 @@ def test_a_failing_sample_fails_the_request_and_cancels_the_others(gateway, toke
         list(stub.Generate(_request(n=2, max_tokens=500), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "refused by the script" in e.value.details()
-    deadline = time.monotonic() + 5
     # both streams end before their last chunk: sample 1's refused after its first, and
     # sample 0's, cancelled by the gateway (otherwise it would complete after ~10 s)
-    while fake.cancelled < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: fake.cancelled + fake.completed >= 2, 5, "both verifier streams to end")
     assert (fake.cancelled, fake.completed) == (2, 0)
     assert time.monotonic() - t0 < 5
 

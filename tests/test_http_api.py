@@ -17,7 +17,6 @@ import math
 import os
 import socket
 import ssl
-import time
 
 import grpc
 import openai
@@ -30,7 +29,7 @@ from dflash.v1 import gateway_pb2
 from conftest import Stack
 from doubles import ReferenceDrafter
 from gateway_doubles import ScriptedVerifier, http_front, request, serve_verifier, sse_events
-from helpers import reference
+from helpers import reference, wait_until
 
 B = 4
 N = 20
@@ -498,14 +497,10 @@ def test_build_serves_http_with_api_keys_health_and_the_verifiers_refusals(built
     assert status == 400 and err["error"]["param"] == "speculation_mode"
     fake.fail = None
     # /health is the gRPC health: the verifier NOT_SERVING makes both NOT_SERVING
-    deadline = time.monotonic() + 5
-    while request(url + "/health")[0] != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: request(url + "/health")[0] == 200, 5, "/health to answer 200")
     vhealth.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    while request(url + "/health")[0] != 503:
-        assert time.monotonic() < deadline + 5
-        time.sleep(0.05)
+    wait_until(lambda: request(url + "/health")[0] == 503, 5,
+               "/health to answer 503 after the verifier went NOT_SERVING")
     assert not rt.serving
 
 
@@ -555,13 +550,6 @@ def slow_gateway(tokenizer):
     vserver.stop(0)
 
 
-def _wait_for(what, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_disconnects_cancels_its_generation(slow_gateway, stream):
     """The verifier's stream of a request whose client closed the connection is cancelled, and
@@ -571,17 +559,17 @@ def test_a_client_that_disconnects_cancels_its_generation(slow_gateway, stream):
     status, _, done = request(rt.http.url + "/v1/completions", "POST",
                               {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "temperature": 0})
     assert status == 200 and done["choices"][0]["finish_reason"] == "length"
-    _wait_for(lambda: fake.completed == 1 and front.open == 0)      # a client that stays
+    wait_until(lambda: fake.completed == 1 and front.open == 0, 5, "the first request to end")
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 600, "temperature": 0,
                        "stream": stream}).encode()
     host, port = rt.http.host, rt.http.port
     sock = socket.create_connection((host, port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
-    _wait_for(lambda: len(fake.requests) == 2 and front.open == 1)  # generating
-    time.sleep(0.2)                                                  # a few tokens in
+    wait_until(lambda: fake.streamed >= 3 + 5 and front.open == 1, 5,  # generating
+               "the second request's first tokens")
     sock.close()
-    _wait_for(lambda: fake.cancelled == 1 and front.open == 0)
+    wait_until(lambda: fake.cancelled == 1 and front.open == 0, 5, "the verifier stream's cancel")
     assert fake.completed == 1
     # and the server answers the next request
     status, _, _ = request(rt.http.url + "/v1/completions", "POST",

@@ -4,7 +4,6 @@ with vLLM's meaning, and the vLLM log line — all through real gRPC on loopback
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import grpc
@@ -26,7 +25,7 @@ from dflash.v1 import verifier_pb2
 
 from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter
-from helpers import PROMPTS, reference
+from helpers import PROMPTS, reference, wait_until
 
 B = 4
 STEPS = 3
@@ -53,13 +52,11 @@ class Traced:
         return t
 
     def spans(self, until=lambda spans: True, timeout_s: float = 5.0):
-        """Finished spans; servers end their spans just after the client saw the last message."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            spans = list(self.exporter.get_finished_spans())
-            if until(spans) or time.monotonic() > deadline:
-                return spans
-            time.sleep(0.02)
+        """Finished spans, once ``until(spans)`` holds; servers end their spans just after the
+        client saw the last message."""
+        wait_until(lambda: until(list(self.exporter.get_finished_spans())), timeout_s,
+                   lambda: f"the spans (finished: {[s.name for s in self.exporter.get_finished_spans()]})")
+        return list(self.exporter.get_finished_spans())
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
 
 from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter, chains
-from helpers import PROMPTS, reference
+from helpers import PROMPTS, reference, wait_until
 
 LABEL = "d@1"
 
@@ -166,7 +166,6 @@ def run_overlapping(engine, proposer, prompts: dict[str, list[int]], n: int, aft
     which never waits for readers, holds that step's end until the next request is submitted,
     so the join point does not depend on thread timing); then the engine is closed."""
     import threading
-    import time
 
     threads, errors = [], []
     items = list(prompts.items())
@@ -176,10 +175,9 @@ def run_overlapping(engine, proposer, prompts: dict[str, list[int]], n: int, aft
         # events: the prefill's, then one per decode step (listeners see decode steps)
         if ev.step + 2 == after and req.request_id in gates and not gates[req.request_id].is_set():
             gates[req.request_id].set()
-            deadline = time.monotonic() + 10
-            while not engine.scheduler._incoming and time.monotonic() < deadline \
-                    and req.request_id != items[-1][0]:
-                time.sleep(0.001)
+            if req.request_id != items[-1][0]:
+                wait_until(lambda: engine.scheduler._incoming, 10, "the next request's submission",
+                           interval=0.001)
 
     engine.step_listeners.append(hold)
     for sid, prompt in items:
@@ -447,7 +445,7 @@ def test_a_slow_reader_is_not_cycle_overhead(target_model):
     def run(rid):
         for _ in engine.generate(Request(request_id=rid, prompt=[3, 4, 5], max_tokens=12,
                                          ignore_eos=True)):
-            time.sleep(0.03)
+            time.sleep(0.03)   # the behaviour: a reader that takes 30 ms per event
 
     t = threading.Thread(target=run, args=("a",))
     t.start()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from dflash.serving.server import wait_healthy
 
-from helpers import free_ports, health
+from helpers import free_ports, health, wait_until
 
 
 @pytest.mark.slow
@@ -85,16 +84,16 @@ def test_verifier_not_serving_until_loaded_and_drains_on_sigterm(tmp_path, tiny_
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         statuses = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+
+        def serving():
             try:
                 statuses.append(health(f"127.0.0.1:{port}"))
-                if statuses[-1] == health_pb2.HealthCheckResponse.SERVING:
-                    break
             except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        assert statuses and statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+                return False
+            return statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, 120, lambda: f"the verifier to serve (statuses so far {statuses[-3:]})",
+                   interval=0.05)
         assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING  # answered while loading
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
@@ -143,13 +142,13 @@ def test_owner_killed_by_sigterm_stops_the_stack(tmp_path, tiny_target, make_dra
     finally:
         if owner.poll() is None:
             owner.kill()
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    orphans = [p for p in pids if _alive(p)]
-    for p in orphans:
-        os.kill(p, signal.SIGKILL)
-    assert not orphans, "services outlived their owner"
+    try:
+        wait_until(lambda: not any(_alive(p) for p in pids), 30,
+                   "the services to stop with their owner (orphans: they outlived it)", interval=0.2)
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
     for name, text in logs.items():
         assert "stopped" in text, f"{name} did not drain and stop:\n{text[-2000:]}"

@@ -294,6 +294,7 @@ def run(setting: int, speculative: bool) -> tuple[np.ndarray, dict]:
     return transition_counts(seqs), info
 
 
+@pytest.mark.slow   # statistical: 21,000 transitions per setting
 @pytest.mark.parametrize("setting", range(len(SETTINGS)),
                          ids=[f"T{s.temperature}-top_p{s.top_p}" for s in SETTINGS])
 def test_speculative_sampling_matches_target_distribution(setting):
@@ -312,6 +313,7 @@ def test_speculative_sampling_matches_target_distribution(setting):
     assert pval > ALPHA, f"speculative sampling is biased: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.slow   # statistical: 21,000 transitions per setting, twice
 @pytest.mark.parametrize("setting", range(len(SETTINGS)),
                          ids=[f"T{s.temperature}-top_p{s.top_p}" for s in SETTINGS])
 def test_speculative_matches_plain_sampling(setting):

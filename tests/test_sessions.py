@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dflash.v1 import gateway_pb2
 from drafter_svc.engine import DrafterEngine
+
+from helpers import wait_until
 
 
 def turn(gw, text, session_id, **kw):
@@ -42,10 +42,8 @@ def test_close_session_frees_verifier_and_drafter_state(stack, make_drafter, tin
     r = gw.CloseSession(gateway_pb2.GatewayCloseSessionRequest(session_id="to-close"))
     assert r.existed
     assert stack.engine.num_sessions == 0
-    deadline = time.monotonic() + 5
-    while engine.num_sessions and time.monotonic() < deadline:
-        time.sleep(0.05)     # the release travels on the draft stream
-    assert engine.num_sessions == 0
+    # the release travels on the draft stream
+    wait_until(lambda: engine.num_sessions == 0, 5, "the drafter to release the closed session")
     assert not gw.CloseSession(gateway_pb2.GatewayCloseSessionRequest(session_id="to-close")).existed
 
 

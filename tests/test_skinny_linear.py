@@ -123,7 +123,7 @@ def _timed_probe(model, slow):
     def probe(n):
         on = model[0].skinny_max_rows >= n
         calls.append((n, on))
-        time.sleep(slow(n, on))
+        time.sleep(slow(n, on))   # the behaviour: a product that costs what the test says
 
     return probe, calls
 
@@ -256,7 +256,7 @@ def test_tune_decides_one_row_on_its_own():
     def probe(n):
         on = m[0].skinny_one_row if n == 1 else m[0].skinny_max_rows >= n
         calls.append((n, on))
-        time.sleep(0.002 if on == (n != 1 or one_wins) else 0.012)
+        time.sleep(0.002 if on == (n != 1 or one_wins) else 0.012)   # the behaviour: its cost
 
     for one_wins in (True, False):
         best, timings = sk.tune_max_rows(m, probe, rows=(1, 2, 4), reps=3)

@@ -192,6 +192,7 @@ print("SPIN", os.environ.get("GOMP_SPINCOUNT"))
 """
 
 
+@pytest.mark.slow   # a child process that imports torch and the service: 4-5 s
 @pytest.mark.parametrize("service", ["verifier_svc", "drafter_svc"])
 def test_services_set_the_spin_count_before_torch_loads(service):
     import os

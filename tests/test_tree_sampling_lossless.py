@@ -42,6 +42,8 @@ from test_sampling_lossless import (
 )
 
 BUDGET = 8
+# 21,000 sampled transitions per test through the engine's tree steps: 4-6 s each on 2 cores
+pytestmark = pytest.mark.slow
 
 
 class TopKQDrafter(FixedQDrafter):
