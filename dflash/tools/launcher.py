@@ -49,6 +49,7 @@ class StackConfig:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     health_timeout_s: float = 600.0
     verifier_args: list[str] = dataclasses.field(default_factory=list)
+    gateway_args: list[str] = dataclasses.field(default_factory=list)
     # mTLS on every link with certificates made at start in <run_dir>/tls (dflash.serving.tls)
     tls: bool = False
 
@@ -158,7 +159,7 @@ class LocalStack:
             self._wait("verifier", self.verifier_addr)
             gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr,
                   "--admin-bind", self.admin_addr, "--http-port", str(c.http_port),
-                  *tls("gateway", upstream=True)]
+                  *c.gateway_args, *tls("gateway", upstream=True)]
             for i in range(len(c.drafters)):
                 gw += ["--drafter", self.drafter_addr(i)]
             self._spawn("gateway", "gateway", gw)

@@ -1,0 +1,34 @@
+"""The flood tool against separate processes: a gateway and a verifier with small admission
+bounds, more streams than they admit; every stream ends completed or refused with
+RESOURCE_EXHAUSTED, and the probe process got an answer to every health check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dflash.tools.flood import main, run_stack_flood
+
+
+@pytest.mark.slow   # three service processes and 160 streams: ~40 s on 2 cores
+def test_flood_of_processes_refuses_excess_and_health_answers(tmp_path):
+    import argparse
+
+    a = argparse.Namespace(tiny=True, target=None, drafter=None, streams=160, max_tokens=16,
+                           max_batch=8, max_waiting=16, probe_interval=0.05,
+                           run_dir=str(tmp_path / "logs"))
+    r = run_stack_flood(a)
+    assert r.errors == []
+    assert r.completed + r.refused == 160
+    assert r.completed >= 8 + 16 and r.refused > 0          # the bounds were used and held
+    assert len(r.refusal_s) == r.refused and len(r.served_s) == r.completed
+    assert len(r.health_s) == 2                             # gateway and verifier
+    for addr, xs in r.health_s.items():
+        assert len(xs) >= 5 and all(math.isfinite(x) for x in xs), (addr, xs[-5:])
+    assert any(line.startswith("health ") for line in r.lines())
+
+
+def test_flood_cli_needs_models():
+    with pytest.raises(SystemExit, match="--tiny"):
+        main(["--streams", "1"])
