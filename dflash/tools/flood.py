@@ -169,8 +169,7 @@ def run_stack_flood(a: argparse.Namespace) -> FloodResult:
                       verifier_args=["--max-batch", str(a.max_batch), "--max-waiting", str(a.max_waiting)],
                       # one client opens every stream: the per-client bound would refuse them first
                       gateway_args=["--max-streams-per-client", "0"])
-    with LocalStack(cfg) as stack:
-        stack.start()
+    with LocalStack(cfg) as stack:       # __enter__ starts it
         return flood(stack.gateway_addr, a.streams, a.max_tokens,
                      [stack.gateway_addr, stack.verifier_addr], interval_s=a.probe_interval)
 

@@ -139,6 +139,10 @@ class LocalStack:
         owner's main thread next runs Python: the kernel may hand the signal to a gRPC thread,
         so an owner blocked in one long C call notices it only when that call returns)."""
         c = self.cfg
+        if self.procs:
+            # A second start would spawn a second set on the same ports (gRPC binds them with
+            # SO_REUSEPORT) and orphan the first: it would outlive stop().
+            raise LaunchError("LocalStack.start: already started (``with LocalStack(...)`` starts it)")
         _exit_on_sigterm()
         tls = self._make_certs() if c.tls else lambda name, upstream=False: []
         try:
