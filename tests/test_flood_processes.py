@@ -25,7 +25,7 @@ def test_flood_of_processes_refuses_excess_and_health_answers(tmp_path):
     assert r.completed + r.refused == 160
     assert r.completed >= 8 + 16 and r.refused > 0          # the bounds were used and held
     assert len(r.refusal_s) == r.refused and len(r.served_s) == r.completed
-    assert len(r.health_s) == 2                             # gateway and verifier
+    assert len(r.health_s) == 4        # gateway and verifier: service ports, health-only listeners
     for addr, xs in r.health_s.items():
         assert len(xs) >= 5 and all(math.isfinite(x) for x in xs), (addr, xs[-5:])
     assert any(line.startswith("health ") for line in r.lines())

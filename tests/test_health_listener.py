@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dflash.serving.health_process import HealthProcess
 from dflash.serving.server import add_health_listener, create_server
 from dflash.serving.tls import ServerTLS, TLSFiles, make_dev_certs
+
+from helpers import wait_until
 
 
 def status(port: int) -> int:
@@ -41,3 +46,98 @@ def test_health_only_listener_follows_the_service_and_serves_nothing_else(tmp_pa
     # stopped with the service
     with pytest.raises(grpc.RpcError):
         status(port)
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def status_or_none(port: int):
+    try:
+        return status(port)
+    except grpc.RpcError:
+        return None
+
+
+def test_the_listener_is_its_own_process_and_goes_not_serving_when_the_service_is_silent():
+    """No line from the service for ``stale_s`` (frozen: SIGSTOP, a wedged interpreter) reads
+    NOT_SERVING; the next line brings the mirrored status back; heartbeats keep it."""
+    import os
+
+    child = HealthProcess("127.0.0.1:0", heartbeat_s=60, stale_s=0.4)    # no beat in time
+    try:
+        assert child.proc.pid != os.getpid() and child.proc.poll() is None
+        child.set("", SERVING)
+        child.set("dflash.v1.Verifier", SERVING)
+        assert status(child.port) == SERVING
+        wait_until(lambda: status(child.port) == NOT_SERVING, 5, "NOT_SERVING after silence")
+        child.set("", SERVING)
+        assert status(child.port) == SERVING
+    finally:
+        child.stop()
+    beating = HealthProcess("127.0.0.1:0", heartbeat_s=0.05, stale_s=0.4)
+    try:
+        beating.set("", SERVING)
+        beating.start()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:   # the behaviour under test is "stays SERVING"
+            assert status(beating.port) == SERVING
+            time.sleep(0.05)
+    finally:
+        beating.stop()
+    assert status_or_none(beating.port) is None
+
+
+def test_the_child_exits_when_its_service_is_killed(tmp_path):
+    """SIGKILL of the service closes the child's stdin: it stops listening and exits."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from dflash.serving.health_process import HealthProcess\n"
+            "c = HealthProcess('127.0.0.1:0'); c.set('', 1); c.start()\n"
+            "print(c.port, c.proc.pid, flush=True); time.sleep(600)\n")
+    service = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port, child_pid = map(int, service.stdout.readline().split())
+        assert status(port) == SERVING
+        service.send_signal(signal.SIGKILL)
+        service.wait()
+        wait_until(lambda: status_or_none(port) is None, 10, "the orphaned listener to close")
+        wait_until(lambda: not _alive(child_pid), 10, "the child to exit")
+    finally:
+        service.kill()
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        return not Path(f"/proc/{pid}/status").read_text().split("State:")[1].strip().startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_dead_child_is_started_again_on_its_port_with_the_status():
+    child = HealthProcess("127.0.0.1:0", heartbeat_s=0.05)
+    try:
+        child.set("", SERVING)
+        child.start()
+        first = child.proc.pid
+        child.proc.kill()
+        wait_until(lambda: child.restarts == 1 and status_or_none(child.port) == SERVING, 10,
+                   "the restarted listener")
+        assert child.proc.pid != first
+    finally:
+        child.stop()
+
+
+def test_a_port_in_use_is_refused_naming_the_flag():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(RuntimeError, match="--health-bind: cannot bind"):
+            HealthProcess(f"127.0.0.1:{s.getsockname()[1]}")

@@ -54,6 +54,8 @@ class ServiceRuntime:
     _wanted: bool = False          # the service's own readiness (set_serving)
     _upstream: bool = True         # what it depends on is healthy (set_upstream)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # (name, status) callbacks told every status this publishes: the health-only process
+    mirrors: list[typing.Callable[[str, int], None]] = dataclasses.field(default_factory=list)
 
     def set_serving(self, serving: bool) -> None:
         """The service's own readiness (loaded, not draining). Health reports SERVING only while
@@ -78,6 +80,8 @@ class ServiceRuntime:
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("",) + self.services:
             self.health.set(name, status)
+            for mirror in self.mirrors:
+                mirror(name, status)
 
     def stop(self, grace_s: float) -> None:
         self.set_serving(False)
@@ -209,19 +213,23 @@ def tie_server(main: grpc.Server, other: grpc.Server) -> None:
 def add_health_listener(rt: ServiceRuntime, bind: str) -> int | None:
     """``--health-bind``: a plaintext listener serving only ``grpc.health.v1`` (the same
     status as the service's port), for probes that cannot present a client certificate
-    (kubelet's gRPC probes) when the service port requires mTLS. Started and stopped with
-    ``rt.server``. Returns its port (None when ``bind`` is empty).
+    (kubelet's gRPC probes) when the service port requires mTLS, and for probes that must be
+    answered at once whatever the load: it is a child process with its own interpreter
+    (:class:`dflash.serving.health_process.HealthProcess`; NOT_SERVING when the service goes
+    silent). Started and stopped with ``rt.server``. Returns its port (None when ``bind`` is
+    empty).
 
     Raises RuntimeError when ``bind`` cannot be bound."""
     if not bind:
         return None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    health_pb2_grpc.add_HealthServicer_to_server(rt.health, server)
-    port = server.add_insecure_port(bind)
-    if port == 0:
-        raise RuntimeError(f"--health-bind: cannot bind {bind}")
-    tie_server(rt.server, server)
-    return port
+    from dflash.serving.health_process import HealthProcess
+
+    child = HealthProcess(bind)
+    rt.mirrors.append(child.set)
+    with rt._lock:
+        rt._publish_locked()
+    tie_server(rt.server, child)      # start() / stop(grace), as a server
+    return child.port
 
 
 def add_common_args(p) -> None:
@@ -235,9 +243,10 @@ def add_common_args(p) -> None:
     p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
                    help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
     p.add_argument("--health-bind", default=env("DFLASH_HEALTH_BIND", ""),
-                   help="host:port of a plaintext listener serving only grpc.health.v1, for "
-                        "probes when the service port requires mTLS; empty = none "
-                        "[DFLASH_HEALTH_BIND]")
+                   help="host:port of a plaintext listener serving only grpc.health.v1 from "
+                        "a child process (answers at once under any load; NOT_SERVING if this "
+                        "service freezes), for probes, also when the service port requires "
+                        "mTLS; empty = none [DFLASH_HEALTH_BIND]")
     p.add_argument("--metrics-host", default=None,
                    help="/metrics bind host, default 127.0.0.1 (DFLASH_METRICS_ADDR, its older "
                         "name, is read too); 0.0.0.0 exposes it [DFLASH_METRICS_HOST]")

@@ -3,8 +3,9 @@
 ``python -m dflash.tools.flood --tiny --streams 500`` starts drafter, verifier (``--max-batch``,
 ``--max-waiting``) and gateway as processes (:class:`dflash.tools.launcher.LocalStack`), opens
 ``--streams`` Generate streams on the gateway at once, and meanwhile a probe process checks
-``grpc.health.v1`` on the gateway and on the verifier every ``--probe-interval`` seconds, each on
-its own channel. It prints how many streams completed, how many were refused with
+``grpc.health.v1`` every ``--probe-interval`` seconds, each address on its own channel: the
+gateway's and the verifier's service ports, and their health-only listeners (``--health-bind``,
+a child process each: what orchestrators probe). It prints how many streams completed, how many were refused with
 RESOURCE_EXHAUSTED (and how fast), and each service's health latency (median, p99, max).
 
 The probe runs in its own process so that its timings are the services' (a probe sharing an
@@ -43,7 +44,7 @@ class FloodResult:
     errors: list[str]                 # "CODE: details" of any other failure
     refusal_s: list[float]            # send -> RESOURCE_EXHAUSTED, per refused stream
     served_s: list[float]             # send -> last message, per completed stream
-    health_s: dict[str, list[float]]  # address -> probe latencies (a failed check counts inf)
+    health_s: dict[str, list[float]]  # label (or address) -> probe latencies (a failed check: inf)
 
     def lines(self) -> list[str]:
         out = [f"{self.streams} streams: {self.completed} completed, {self.refused} refused "
@@ -79,14 +80,16 @@ def probe_main(addrs: list[str], interval_s: float, timeout_s: float) -> None:
     json.dump(samples, sys.stdout)
 
 
-def flood(gateway: str, streams: int, max_tokens: int, probe_addrs: list[str], *,
+def flood(gateway: str, streams: int, max_tokens: int, probe_addrs: list[str] | dict[str, str], *,
           interval_s: float = 0.02, channels: int = 8, prompt: str = "Hello") -> FloodResult:
     """Open ``streams`` Generate streams on ``gateway`` at once (over ``channels`` connections)
-    while a probe process checks health on ``probe_addrs``; wait for all to end."""
+    while a probe process checks health on ``probe_addrs`` (addresses, or label -> address);
+    wait for all to end."""
+    labels = probe_addrs if isinstance(probe_addrs, dict) else {a: a for a in probe_addrs}
     from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
     probe = subprocess.Popen([sys.executable, "-m", "dflash.tools.flood", "probe",
-                              "--interval", str(interval_s), *probe_addrs],
+                              "--interval", str(interval_s), *labels.values()],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert probe.stdout is not None and probe.stdin is not None
     if probe.stdout.readline().strip() != "ready":
@@ -120,7 +123,8 @@ def flood(gateway: str, streams: int, max_tokens: int, probe_addrs: list[str], *
             c.close()
     return FloodResult(streams=streams, completed=len(completed), refused=len(refused),
                        errors=errors, refusal_s=[done[i] - sent[i] for i in refused],
-                       served_s=[done[i] - sent[i] for i in completed], health_s=json.loads(out))
+                       served_s=[done[i] - sent[i] for i in completed],
+                       health_s={label: json.loads(out)[addr] for label, addr in labels.items()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,21 +161,25 @@ def run_stack_flood(a: argparse.Namespace) -> FloodResult:
     target, drafter = _tiny_models() if a.tiny else (a.target, a.drafter)
     if not target or not drafter:
         raise SystemExit("--target and --drafter, or --tiny")
-    socks = [socket.socket() for _ in range(4)]
+    socks = [socket.socket() for _ in range(6)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
-    gw, ver, dr, admin = (s.getsockname()[1] for s in socks)
+    gw, ver, dr, admin, gw_health, ver_health = (s.getsockname()[1] for s in socks)
     for s in socks:
         s.close()
     run_dir = a.run_dir or tempfile.mkdtemp(prefix="dflash-flood-")
     cfg = StackConfig(target=target, drafters=[DrafterSpec(path=drafter, port=dr)],
                       gateway_port=gw, verifier_port=ver, admin_port=admin, run_dir=run_dir,
-                      verifier_args=["--max-batch", str(a.max_batch), "--max-waiting", str(a.max_waiting)],
+                      verifier_args=["--max-batch", str(a.max_batch), "--max-waiting", str(a.max_waiting),
+                                     "--health-bind", f"127.0.0.1:{ver_health}"],
                       # one client opens every stream: the per-client bound would refuse them first
-                      gateway_args=["--max-streams-per-client", "0"])
+                      gateway_args=["--max-streams-per-client", "0",
+                                    "--health-bind", f"127.0.0.1:{gw_health}"])
     with LocalStack(cfg) as stack:       # __enter__ starts it
-        return flood(stack.gateway_addr, a.streams, a.max_tokens,
-                     [stack.gateway_addr, stack.verifier_addr], interval_s=a.probe_interval)
+        probes = {"gateway port": stack.gateway_addr, "verifier port": stack.verifier_addr,
+                  "gateway --health-bind": f"127.0.0.1:{gw_health}",
+                  "verifier --health-bind": f"127.0.0.1:{ver_health}"}
+        return flood(stack.gateway_addr, a.streams, a.max_tokens, probes, interval_s=a.probe_interval)
 
 
 if __name__ == "__main__":
