@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from dflash.core.errors import FieldError
 from dflash.core.sampling import InvalidParam
+from gateway.auth import address_identity, peer_identity
 
 ROLES = ("system", "user", "assistant", "tool")
 SESSION_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
@@ -51,28 +52,29 @@ def short(value: str) -> str:
 
 def client_identity(context) -> str:
     """Who is calling: metadata ``x-dflash-client`` if present, else the peer address without
-    its port (``ipv4:127.0.0.1``). Raises InvalidParam for an over-long client name."""
+    its port in one form per address (``gateway.auth.peer_identity``: ``ipv4:127.0.0.1``,
+    ``ipv6:::1``), the form :func:`http_identity` gives the same client, so a session is its
+    owner's on both ports. Raises InvalidParam for an over-long client name."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_KEY:
             if not value or len(value) > MAX_CLIENT_CHARS:
                 raise InvalidParam(CLIENT_KEY, f"must be 1 to {MAX_CLIENT_CHARS} characters")
             return f"client:{value}"    # its own namespace: a name cannot pose as an address
-    scheme, _, address = (context.peer() or "").partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        address = address.rpartition(":")[0] or address
-    return f"{scheme}:{address}"
+    return peer_identity(context.peer() or "")
 
 
 def http_identity(headers, host: str) -> str:
     """:func:`client_identity` for an HTTP request: header ``x-dflash-client`` if present,
-    else the client's address in the gRPC peer's form (``ipv4:127.0.0.1``), so one client owns
-    its sessions on both ports. Raises InvalidParam for an over-long client name."""
+    else the client's address (``gateway.auth.address_identity``: ``ipv4:127.0.0.1``,
+    ``ipv6:::1``, an IPv4-mapped address as its IPv4 one), the form :func:`client_identity`
+    gives the same client over gRPC, so one client owns its sessions on both ports. Raises
+    InvalidParam for an over-long client name."""
     value = headers.get(CLIENT_KEY)
     if value is not None:
         if not value or len(value) > MAX_CLIENT_CHARS:
             raise InvalidParam(CLIENT_KEY, f"must be 1 to {MAX_CLIENT_CHARS} characters")
         return f"client:{value}"
-    return f"{'ipv6' if ':' in host else 'ipv4'}:{host}"
+    return address_identity(host)
 
 
 def check_session_id(session_id: str, limit: int) -> None:

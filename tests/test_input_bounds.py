@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from dflash.v1 import gateway_pb2
-from gateway.inputs import ECHO_CHARS, InputLimits, bad_utf8_field, client_identity
+from gateway.inputs import ECHO_CHARS, InputLimits, bad_utf8_field, client_identity, http_identity
 from gateway.registry import DrafterRegistry
 from gateway.servicer import GatewayServicer
 
@@ -141,7 +141,13 @@ def test_limits_leave_ordinary_requests_alone(tokenizer):
 
 def test_client_identity():
     assert client_identity(FakeContext(peer="ipv4:10.0.0.7:51234")) == "ipv4:10.0.0.7"
-    assert client_identity(FakeContext(peer="ipv6:[::1]:51234")) == "ipv6:[::1]"
+    assert client_identity(FakeContext(peer="ipv6:[::1]:51234")) == "ipv6:::1"
+    # one form per address on both ports: gRPC's escaped IPv6 peer, HTTP's plain host, and an
+    # IPv4-mapped address (a dual-stack listener) are the same client
+    assert (client_identity(FakeContext(peer="ipv6:%5B2001:db8::7%5D:443"))
+            == http_identity({}, "2001:db8:0::7") == "ipv6:2001:db8::7")
+    assert client_identity(FakeContext(peer="ipv6:[::ffff:10.0.0.7]:51234")) == "ipv4:10.0.0.7"
+    assert http_identity({}, "10.0.0.7") == "ipv4:10.0.0.7"
     assert client_identity(FakeContext(peer="unix:/tmp/gw.sock")) == "unix:/tmp/gw.sock"
     assert client_identity(FakeContext("alice")) == "client:alice"
     # A client name lives in its own namespace: it cannot pose as a peer address.
