@@ -82,7 +82,10 @@ def main(argv=None) -> None:
     threads = reserve(a.threads)   # loading runs single-threaded; the compute thread claims these
     telemetry = Telemetry.from_env("drafter")
     rt = build(None, a.bind, telemetry=telemetry, tls=tls)  # health answers NOT_SERVING while weights load
-    add_health_listener(rt, a.health_bind)
+    try:
+        add_health_listener(rt, a.health_bind)
+    except RuntimeError as e:       # the port: taken, out of range, unparsable
+        raise SystemExit(f"python -m drafter_svc: error: {e}") from None
     rt.server.start()
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)

@@ -7,6 +7,7 @@ quote at most :data:`ECHO_CHARS` characters of a value.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 
 import grpc
@@ -75,6 +76,24 @@ def http_identity(headers, host: str) -> str:
             raise InvalidParam(CLIENT_KEY, f"must be 1 to {MAX_CLIENT_CHARS} characters")
         return f"client:{value}"
     return address_identity(host)
+
+
+#: Characters :func:`verifier_session_id` adds to a client's session_id (the verifier allows 1024).
+OWNER_PREFIX_CHARS = 17
+
+
+def verifier_session_id(owner: str, session_id: str) -> str:
+    """The verifier's id for ``owner``'s session ``session_id``: 16 hex digits of the owner's
+    sha256, ``:``, the session_id (``""`` stays ``""``, a one-shot request).
+
+    The verifier's sessions are shared by every gateway in front of it, and a gateway knows
+    only the sessions it served, so ownership is carried in the id itself: a client can only
+    ever name verifier state under its own prefix, whichever replica it reaches (another
+    client's ``xg1`` is another session). Each replica derives the same id for the same client.
+    """
+    if not session_id:
+        return ""
+    return f"{hashlib.sha256(owner.encode()).hexdigest()[:16]}:{session_id}"
 
 
 def check_session_id(session_id: str, limit: int) -> None:

@@ -41,7 +41,7 @@ from gateway.auth import (
     load_api_keys,
     read_secret,
 )
-from gateway.inputs import DecodeGuard, InputLimits
+from gateway.inputs import OWNER_PREFIX_CHARS, DecodeGuard, InputLimits
 from gateway.observe import ObservedGatewayServicer
 from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, load_config, parse_spec
 
@@ -317,11 +317,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("--max-stop-token-ids", "DFLASH_MAX_STOP_TOKEN_IDS", d.max_stop_token_ids,
              "stop token ids in a request"),
             ("--max-session-id-chars", "DFLASH_MAX_SESSION_ID_CHARS", d.max_session_id_chars,
-             "characters of a session_id (A-Z a-z 0-9 . _ : -; the verifier allows 1024)"),
+             "characters of a session_id (A-Z a-z 0-9 . _ : -; at most 1007: the verifier "
+             "allows 1024 and the gateway prefixes 17 naming the owner)"),
             ("--max-name-chars", "DFLASH_MAX_NAME_CHARS", d.max_name_chars,
              "characters of a drafter name"),
             ("--max-n", "DFLASH_MAX_N", d.max_n, "samples of one request (n)")]:
-        p.add_argument(flag, type=in_range(1, 1024) if flag == "--max-session-id-chars"
+        p.add_argument(flag, type=in_range(1, 1024 - OWNER_PREFIX_CHARS) if flag == "--max-session-id-chars"
                        else at_least(1), default=env(var, str(default)),
                        help=f"{what}; default {default} [{var}]")
     add_common_args(p)
@@ -402,7 +403,10 @@ def main(argv=None) -> None:
                drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
                model_name=served_model_name(a), max_streams=a.max_streams,
                max_streams_per_client=a.max_streams_per_client)
-    add_health_listener(rt, a.health_bind)
+    try:
+        add_health_listener(rt, a.health_bind)
+    except RuntimeError as e:       # the port: taken, out of range, unparsable
+        raise SystemExit(f"python -m gateway: error: {e}") from None
     rt.server.start()
     assert rt.admin is not None                       # build always binds the admin plane
     log.info("admin plane (GatewayAdmin) on %s:%d, %s", a.admin_bind.rpartition(":")[0],

@@ -26,7 +26,7 @@ from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.speculation import MAX_TREE_BUDGET, MODES
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.generation import Cancel, merge, sample_stream
-from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short
+from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short, verifier_session_id
 from gateway.registry import DrafterRegistry
 from gateway.status import RETRY_AFTER, UpstreamError, grpc_code
 
@@ -234,17 +234,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def expire_sessions(self) -> int:
         now = time.monotonic()
         with self._lock:
-            old = [k for k, s in self._sessions.items() if now - s.last_used > self.session_ttl_s]
-        for k in old:
-            self._close(k)
+            old = [(k, s.owner) for k, s in self._sessions.items()
+                   if now - s.last_used > self.session_ttl_s]
+        for k, owner in old:
+            self._close(k, owner)
         return len(old)
 
-    def _close(self, session_id: str) -> bool:
+    def _close(self, session_id: str, owner: str) -> bool:
+        """Forget ``owner``'s session here and free its state on the verifier."""
         with self._lock:
             existed = self._sessions.pop(session_id, None) is not None
         try:
-            r = self.verifier.CloseSession(verifier_pb2.CloseSessionRequest(session_id=session_id),
-                                           timeout=5)
+            r = self.verifier.CloseSession(verifier_pb2.CloseSessionRequest(
+                session_id=verifier_session_id(owner, session_id)), timeout=5)
             existed = existed or r.existed
         except grpc.RpcError:
             log.warning("verifier CloseSession failed for %s", session_id)
@@ -257,12 +259,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if not request.session_id:
                 raise InvalidParam("session_id", "must not be empty")
             check_session_id(request.session_id, self.limits.max_session_id_chars)
-            self._check_owner(request.session_id, self.identity(context))
+            owner = self.identity(context)
+            self._check_owner(request.session_id, owner)
         except NotOwner as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except InvalidParam as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return gateway_pb2.GatewayCloseSessionResponse(existed=self._close(request.session_id))
+        return gateway_pb2.GatewayCloseSessionResponse(existed=self._close(request.session_id, owner))
 
     def ListDrafters(self, request, context):
         from gateway.admin import list_proto
@@ -272,15 +275,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # ------------------------------------------------------------------ the Generate core
     def _verifier_request(self, r: gateway_pb2.GenerateRequest, prompt: list[int],
-                          sampling: Sampling, entry, index: int, group: str = ""
+                          sampling: Sampling, entry, index: int, group: str = "", owner: str = ""
                           ) -> verifier_pb2.VerifierGenerateRequest:
         """Sample ``index``'s verifier request: its seed is the request's + ``index`` (mod
         2**64; without a seed each sample draws its own from the OS). ``group``: the request's
-        prefix group (its samples share the prompt's prefill; empty for one sample)."""
+        prefix group (its samples share the prompt's prefill; empty for one sample). The
+        session is ``owner``'s (:func:`gateway.inputs.verifier_session_id`)."""
         if sampling.seed is not None and index:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
         return verifier_pb2.VerifierGenerateRequest(
-            request_id=uuid.uuid4().hex, session_id=r.session_id, prompt_token_ids=prompt,
+            request_id=uuid.uuid4().hex, session_id=verifier_session_id(owner, r.session_id),
+            prompt_token_ids=prompt,
             sampling=sampling_to_proto(sampling), max_tokens=r.max_tokens,
             stop_token_ids=list(r.stop_token_ids), prefix_group=group,
             speculation=verifier_pb2.SpeculationParams(
@@ -329,7 +334,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         group = uuid.uuid4().hex if request.n > 1 else ""
         lead = threading.Event() if group else None    # sample 0 prefills, the others copy
         samples = [sample_stream(self.verifier, self.tok,
-                                 self._verifier_request(request, prompt, sampling, entry, i, group),
+                                 self._verifier_request(request, prompt, sampling, entry, i, group, owner),
                                  stop=stop, index=i, cancel=cancel, t0=t0,
                                  prefilled=lead if i == 0 else None)
                    for i in range(max(1, request.n))]

@@ -8,6 +8,7 @@ Both know the target's greedy continuation of each session (computed by the test
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 
 import torch
@@ -66,14 +67,15 @@ class ReferenceDrafter:
                 continue
             pos = r.context_start + r.context.shape[0]
             self.lengths[r.session_id] = pos
-            ref = self.refs.get(r.session_id)
+            sid = client_session_id(r.session_id)
+            ref = self.refs.get(sid)
             if ref is None:
                 out.append(DraftError("no_context"))
                 continue
             k = max(r.block_size - 1, 0)
             toks = (ref[pos + 1:pos + 1 + k] + [0] * k)[:k]
             cols = min(r.top_k, self.vocab - 1)   # V - 1: a ranking may leave the reference out
-            rows = [self._ranking(t, self._rank(r.session_id, pos + 1 + j), max(cols, 1))
+            rows = [self._ranking(t, self._rank(sid, pos + 1 + j), max(cols, 1))
                     for j, t in enumerate(toks)]
             p = Proposal(tokens=torch.tensor([row[0] for row in rows], dtype=torch.int64))
             if cols and k:
@@ -94,6 +96,13 @@ class ReferenceDrafter:
         self.released += list(session_ids)
         for s in session_ids:
             self.lengths.pop(s, None)
+
+
+def client_session_id(session_id: str) -> str:
+    """The client's session_id from the verifier's (a gateway prefixes 16 hex digits of the
+    owner and ``:``; ``gateway.inputs.verifier_session_id``), so a reference keyed by the client's
+    id is found behind a gateway too; a verifier's own id is returned as it is."""
+    return session_id[17:] if re.fullmatch(r"[0-9a-f]{16}:.+", session_id) else session_id
 
 
 def chains(choose):

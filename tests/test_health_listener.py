@@ -141,3 +141,28 @@ def test_a_port_in_use_is_refused_naming_the_flag():
         s.listen()
         with pytest.raises(RuntimeError, match="--health-bind: cannot bind"):
             HealthProcess(f"127.0.0.1:{s.getsockname()[1]}")
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1:99999", "127.0.0.1", "127.0.0.1:x", ":80"])
+def test_a_bind_that_is_not_host_port_is_refused_before_anything_starts(bind):
+    with pytest.raises(RuntimeError, match="--health-bind: .* not HOST:PORT"):
+        HealthProcess(bind)
+
+
+def test_the_child_outlives_a_group_sigterm_until_its_service_lets_it_go():
+    """SIGTERM to the whole process group (systemd, a container runtime) reaches the child as
+    well as the service: the child keeps answering (the service drains with NOT_SERVING) and is
+    not restarted; it ends when the service stops it."""
+    import signal
+
+    child = HealthProcess("127.0.0.1:0", heartbeat_s=0.05)
+    try:
+        child.set("", NOT_SERVING)          # draining
+        child.start()
+        child.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)                     # the behaviour under test is "nothing happens"
+        assert child.proc.poll() is None and child.restarts == 0
+        assert status(child.port) == NOT_SERVING
+    finally:
+        child.stop()
+    assert child.proc.poll() is not None and status_or_none(child.port) is None

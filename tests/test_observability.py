@@ -24,7 +24,7 @@ from dflash.serving.tracing import JsonLinesSpanExporter, StepTracing, provider_
 from dflash.v1 import verifier_pb2
 
 from conftest import Stack, generate_ids
-from doubles import ReferenceDrafter
+from doubles import ReferenceDrafter, client_session_id
 from helpers import PROMPTS, reference, wait_until
 
 B = 4
@@ -145,7 +145,9 @@ def test_one_trace_across_gateway_verifier_drafter(tstack, traced, target_model,
         assert sa["dflash.context_bytes"] > 0
         assert sa["dflash.verify_seconds"] > 0 and sa["dflash.draft_seconds"] >= 0
         assert sa["dflash.wire_seconds"] >= 0
-    assert {d.attributes["dflash.session_id"] for d in drafts} == {"t0"}
+    # the drafter sees the verifier's id of the client's session: the owner's prefix, then "t0"
+    (sid,) = {d.attributes["dflash.session_id"] for d in drafts}
+    assert client_session_id(sid) == "t0" and sid != "t0"
     assert all(s.status.status_code != StatusCode.ERROR for s in spans)
 
     # health RPCs are not traced

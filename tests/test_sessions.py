@@ -71,3 +71,42 @@ def test_reflection_lists_the_services(stack, which):
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
             resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         assert "dflash.v1.GatewayAdmin" in {s.name for s in resp.list_services_response.service}
+
+
+def test_a_session_is_its_owners_on_every_gateway_in_front_of_one_verifier(stack, tokenizer,
+                                                                             target_model):
+    """Two gateway replicas share one verifier (the Kubernetes layout). Each knows only the
+    sessions it served, so ownership rides in the verifier's session id: Bob, reaching the other
+    replica with Alice's session id, gets a session of his own; he can neither continue nor
+    close hers, and Alice continues hers through either replica."""
+    from dflash.v1 import gateway_pb2_grpc
+    from gateway.server import build as build_gateway
+
+    other = build_gateway(tokenizer, stack.verifier_addr, "127.0.0.1:0",
+                          max_positions=target_model.max_positions)
+    other.server.start()
+    other.set_serving(True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{other.port}") as ch:
+            gw_a, gw_b = stack.gateway_stub(), gateway_pb2_grpc.GatewayStub(ch)
+            alice, bob = [("x-dflash-client", "alice")], [("x-dflash-client", "bob")]
+
+            def say(gw, text, who):
+                return list(gw.Generate(gateway_pb2.GenerateRequest(
+                    prompt=text, max_tokens=8, session_id="xg1"), metadata=who))[-1]
+
+            say(gw_a, "Hello there", alice)
+            assert stack.engine.num_sessions == 1
+            last = say(gw_b, "Hello there, again", bob)     # not Alice's cache: a new session
+            assert last.usage.cached_prompt_tokens == 0 and stack.engine.num_sessions == 2
+            closed = gw_b.CloseSession(gateway_pb2.GatewayCloseSessionRequest(session_id="xg1"),
+                                       metadata=bob)
+            assert closed.existed and stack.engine.num_sessions == 1   # Bob's own, not Alice's
+            last = say(gw_b, "Hello there, and more", alice)          # Alice, other replica
+            assert last.usage.cached_prompt_tokens >= len("Hello there")
+            # on the replica that served her, Bob is refused outright
+            with pytest.raises(grpc.RpcError) as e:
+                say(gw_a, "Hello", bob)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        other.server.stop(0)

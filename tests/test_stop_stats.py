@@ -17,7 +17,7 @@ from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 from gateway.emitted import EmittedStats
 
 from conftest import Stack, generate_ids
-from doubles import ReferenceDrafter
+from doubles import ReferenceDrafter, client_session_id
 
 B = 8
 N = 1 + 3 * B                     # the prefill token, then three full blocks
@@ -203,7 +203,7 @@ class PlantedFailures(ReferenceDrafter):
     def propose(self, requests):
         out = super().propose(requests)
         for j, r in enumerate(requests):
-            if r.session_id not in self.sessions or not isinstance(out[j], Proposal):
+            if client_session_id(r.session_id) not in self.sessions or not isinstance(out[j], Proposal):
                 continue
             n = self.calls[r.session_id] = self.calls.get(r.session_id, 0) + 1
             if n % FAIL_EVERY == 0:

@@ -194,7 +194,10 @@ def main(argv=None) -> None:
     telemetry = Telemetry.from_env("verifier")
     rt = build(None, a.bind, telemetry=telemetry,
                streams=max_streams(a.max_batch, a.max_waiting, a.max_streams), tls=tls)
-    add_health_listener(rt, a.health_bind)
+    try:
+        add_health_listener(rt, a.health_bind)
+    except RuntimeError as e:       # the port: taken, out of range, unparsable
+        raise SystemExit(f"python -m verifier_svc: error: {e}") from None
     rt.server.start()
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)

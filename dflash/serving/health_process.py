@@ -13,7 +13,9 @@ what it was told, except:
 
 * no line for ``stale_s`` seconds (the service is frozen: stopped, or its interpreter wedged):
   every name NOT_SERVING until lines arrive again;
-* its stdin closes (the service stopped or died, even by SIGKILL): it stops and exits.
+* its stdin closes (the service stopped or died, even by SIGKILL): it stops and exits. It
+  ignores SIGINT and SIGTERM, which a terminal or a process group sends to both: its end is
+  the service's.
 
 A child that dies is started again on the same port by the heartbeat thread.
 
@@ -64,7 +66,9 @@ class HealthProcess:
 
     def __init__(self, bind: str, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
-        self.host = bind.rsplit(":", 1)[0]
+        self.host, _, port = bind.rpartition(":")
+        if not self.host or not port.isdigit() or int(port) > 65535:
+            raise RuntimeError(f"--health-bind: {bind!r} is not HOST:PORT with a port 0-65535")
         self._statuses: dict[str, int] = {"": NOT_SERVING}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -149,7 +153,10 @@ class HealthProcess:
 
 def _serve(bind: str, stale_s: float) -> int:
     """The child: listen on ``bind``, apply status lines from stdin until it closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
+    # A terminal's Ctrl-C and a group's SIGTERM (systemd, a container runtime) are the service's
+    # to handle: it drains with health NOT_SERVING, then closes our stdin, which ends us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # no SO_REUSEPORT: a port another process listens on is an error, not a shared port
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     hs = health.HealthServicer(experimental_non_blocking=True)

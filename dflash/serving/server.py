@@ -219,12 +219,13 @@ def add_health_listener(rt: ServiceRuntime, bind: str) -> int | None:
     silent). Started and stopped with ``rt.server``. Returns its port (None when ``bind`` is
     empty).
 
-    Raises RuntimeError when ``bind`` cannot be bound."""
+    Raises RuntimeError when ``bind`` is not HOST:PORT (0-65535) or cannot be bound."""
     if not bind:
         return None
     from dflash.serving.health_process import HealthProcess
 
     child = HealthProcess(bind)
+    log.info("health-only listener on %s:%d (process %d)", child.host, child.port, child.proc.pid)
     rt.mirrors.append(child.set)
     with rt._lock:
         rt._publish_locked()
