@@ -9,6 +9,7 @@ import os
 from dflash.core.device import DeviceError, add_device_args
 from dflash.serving.argtypes import at_least, one_of
 from dflash.serving.server import (
+    BindError,
     add_common_args,
     add_compute_args,
     add_health_listener,
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
     rt = build(None, a.bind, telemetry=telemetry, tls=tls)  # health answers NOT_SERVING while weights load
     try:
         add_health_listener(rt, a.health_bind)
-    except RuntimeError as e:       # the port: taken, out of range, unparsable
+    except BindError as e:          # the port: taken, out of range, unparsable
         raise SystemExit(f"python -m drafter_svc: error: {e}") from None
     rt.server.start()
     if a.metrics_port:

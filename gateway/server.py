@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dflash.serving.argtypes import at_least, in_range
 from dflash.serving.server import (
+    BindError,
     ServiceRuntime,
     add_common_args,
     add_health_listener,
@@ -162,8 +163,11 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
                                             interceptors=auth + [per_client, DecodeGuard()],
                                             max_message_mb=max_request_mb, tls=tls, runtime=GatewayRuntime))
     rt.client_streams = per_client
-    rt.admin = admin_rt = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
-                                        interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
+    try:
+        rt.admin = admin_rt = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
+                                            interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
+    except BindError as e:      # its default port is the gateway's + 10: a second gateway needs its own
+        raise BindError(f"--admin-bind: {e}") from None
     admin_rt.servicer = admin
     admin_rt.set_serving(True)
     tie_server(rt.server, admin_rt.server)
@@ -396,16 +400,16 @@ def main(argv=None) -> None:
     with tls_channel(a.verifier, upstream_tls) as ch:
         card = verifier_pb2_grpc.VerifierStub(ch).Describe(verifier_pb2.DescribeTargetRequest(), timeout=10)
     telemetry = Telemetry.from_env("gateway")
-    rt = build(tok, a.verifier, a.bind, max_positions=card.max_position_embeddings,
-               session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
-               vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
-               upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
-               drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
-               model_name=served_model_name(a), max_streams=a.max_streams,
-               max_streams_per_client=a.max_streams_per_client)
-    try:
+    try:        # a port that is taken, out of range or unparsable: one line naming the flag
+        rt = build(tok, a.verifier, a.bind, max_positions=card.max_position_embeddings,
+                   session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
+                   vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
+                   upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
+                   drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
+                   model_name=served_model_name(a), max_streams=a.max_streams,
+                   max_streams_per_client=a.max_streams_per_client)
         add_health_listener(rt, a.health_bind)
-    except RuntimeError as e:       # the port: taken, out of range, unparsable
+    except BindError as e:
         raise SystemExit(f"python -m gateway: error: {e}") from None
     rt.server.start()
     assert rt.admin is not None                       # build always binds the admin plane

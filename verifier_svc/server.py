@@ -12,6 +12,7 @@ from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODES
 from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float
 from dflash.serving.metrics import AdmissionMetrics, BreakerGauges
 from dflash.serving.server import (
+    BindError,
     add_common_args,
     add_compute_args,
     add_health_listener,
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
                streams=max_streams(a.max_batch, a.max_waiting, a.max_streams), tls=tls)
     try:
         add_health_listener(rt, a.health_bind)
-    except RuntimeError as e:       # the port: taken, out of range, unparsable
+    except BindError as e:          # the port: taken, out of range, unparsable
         raise SystemExit(f"python -m verifier_svc: error: {e}") from None
     rt.server.start()
     if a.metrics_port:

@@ -38,6 +38,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dflash.serving.server import BindError
+
 log = logging.getLogger("dflash.serving.health_process")
 
 HEARTBEAT_S = 0.5     # how often the service says it is alive
@@ -60,15 +62,16 @@ class HealthProcess:
         heartbeat_s / stale_s: seconds; see the module docstring.
 
     Raises:
-        RuntimeError: ``--health-bind: cannot bind ...`` (the child could not listen) or the
-            child did not start within ``START_TIMEOUT_S``.
+        dflash.serving.server.BindError: ``bind`` is not HOST:PORT, or the child could not
+            listen there (``--health-bind: cannot bind ...``).
+        RuntimeError: the child did not start within ``START_TIMEOUT_S``.
     """
 
     def __init__(self, bind: str, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.host, _, port = bind.rpartition(":")
         if not self.host or not port.isdigit() or int(port) > 65535:
-            raise RuntimeError(f"--health-bind: {bind!r} is not HOST:PORT with a port 0-65535")
+            raise BindError(f"--health-bind: {bind!r} is not HOST:PORT with a port 0-65535")
         self._statuses: dict[str, int] = {"": NOT_SERVING}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -91,8 +94,9 @@ class HealthProcess:
         if not first.startswith("port "):
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"--health-bind: cannot bind {bind}" if first.startswith("error")
-                               else f"--health-bind: the health process did not start ({first!r})")
+            if first.startswith("error"):
+                raise BindError(f"--health-bind: cannot bind {bind}")
+            raise RuntimeError(f"--health-bind: the health process did not start ({first!r})")
         return proc, int(first.split()[1])
 
     def set(self, name: str, status: int) -> None:

@@ -40,6 +40,11 @@ RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a RESOURCE_EXHAUSTED
 UNLIMITED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
+class BindError(RuntimeError):
+    """An address a server cannot listen on (taken, not an address, a port out of range); the
+    message names the flag where one caller knows it."""
+
+
 @dataclasses.dataclass
 class ServiceRuntime:
     """A gRPC server plus its health servicer and the service names it reports."""
@@ -172,7 +177,8 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     ``runtime``: the class returned, :class:`ServiceRuntime` or a subclass whose added fields
     have defaults (the gateway's ``gateway.server.GatewayRuntime``).
 
-    Raises RuntimeError when the address cannot be bound, ValueError when ``max_streams`` < 1.
+    Raises BindError (a RuntimeError) when the address cannot be bound, ValueError when
+    ``max_streams`` < 1.
     """
     opts = [("grpc.max_send_message_length", max_message_mb << 20),
             ("grpc.max_receive_message_length", max_message_mb << 20),
@@ -185,10 +191,13 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(
         service_names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = (server.add_secure_port(bind, tls.credentials()) if tls
-            else server.add_insecure_port(bind))
+    try:
+        port = (server.add_secure_port(bind, tls.credentials()) if tls
+                else server.add_insecure_port(bind))
+    except RuntimeError:        # newer grpc raises where older ones returned 0
+        port = 0
     if port == 0:
-        raise RuntimeError(f"cannot bind {bind}")
+        raise BindError(f"cannot bind {bind}")
     rt = runtime(server=server, health=hs, services=service_names, port=port,
                  streams=limit, tls=tls)
     rt.set_serving(False)
@@ -219,7 +228,7 @@ def add_health_listener(rt: ServiceRuntime, bind: str) -> int | None:
     silent). Started and stopped with ``rt.server``. Returns its port (None when ``bind`` is
     empty).
 
-    Raises RuntimeError when ``bind`` is not HOST:PORT (0-65535) or cannot be bound."""
+    Raises BindError when ``bind`` is not HOST:PORT (0-65535) or cannot be bound."""
     if not bind:
         return None
     from dflash.serving.health_process import HealthProcess
