@@ -166,3 +166,14 @@ def test_the_child_outlives_a_group_sigterm_until_its_service_lets_it_go():
     finally:
         child.stop()
     assert child.proc.poll() is not None and status_or_none(child.port) is None
+
+
+@pytest.mark.parametrize("service", ["gateway", "verifier_svc", "drafter_svc"])
+def test_each_service_refuses_a_bad_health_bind_before_loading(service):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", service, "--target", "nowhere", "--drafter", "nowhere",
+                        "--verifier", "nowhere", "--health-bind", "127.0.0.1:99999"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--health-bind: '127.0.0.1:99999' is not HOST:PORT" in r.stderr

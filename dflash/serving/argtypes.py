@@ -26,6 +26,15 @@ def positive_float(text: str) -> float:
     return x
 
 
+def host_port_or_empty(text: str) -> str:
+    """argparse ``type`` for an optional listen address: empty, or ``HOST:PORT`` with a port
+    0-65535 (``[::]:8081`` for IPv6), refused naming the flag before the service loads anything."""
+    host, _, port = text.rpartition(":")
+    if text and (not host or not port.isdigit() or int(port) > 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port 0-65535")
+    return text
+
+
 def in_range(low: int, high: int):
     """argparse ``type`` for an int flag within ``[low, high]`` (refused naming the flag)."""
     def parse(text: str) -> int:

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dflash.serving.argtypes import at_least
+from dflash.serving.argtypes import at_least, host_port_or_empty
 
 if typing.TYPE_CHECKING:
     from dflash.serving.tls import ClientTLS, ServerTLS
@@ -252,7 +252,7 @@ def add_common_args(p) -> None:
                    help="drain period on SIGTERM, seconds [DFLASH_GRACE_S]")
     p.add_argument("--metrics-port", type=int, default=int(env("DFLASH_METRICS_PORT", "0")),
                    help="Prometheus /metrics port, 0 = off [DFLASH_METRICS_PORT]")
-    p.add_argument("--health-bind", default=env("DFLASH_HEALTH_BIND", ""),
+    p.add_argument("--health-bind", default=env("DFLASH_HEALTH_BIND", ""), type=host_port_or_empty,
                    help="host:port of a plaintext listener serving only grpc.health.v1 from "
                         "a child process (answers at once under any load; NOT_SERVING if this "
                         "service freezes), for probes, also when the service port requires "
