@@ -275,7 +275,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # ------------------------------------------------------------------ the Generate core
     def _verifier_request(self, r: gateway_pb2.GenerateRequest, prompt: list[int],
-                          sampling: Sampling, entry, index: int, group: str = "", owner: str = ""
+                          sampling: Sampling, entry, index: int, group: str, owner: str
                           ) -> verifier_pb2.VerifierGenerateRequest:
         """Sample ``index``'s verifier request: its seed is the request's + ``index`` (mod
         2**64; without a seed each sample draws its own from the OS). ``group``: the request's

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
+from gateway.inputs import OWNER_PREFIX_CHARS
 
 
 class ReferenceDrafter:
@@ -102,7 +103,8 @@ def client_session_id(session_id: str) -> str:
     """The client's session_id from the verifier's (a gateway prefixes 16 hex digits of the
     owner and ``:``; ``gateway.inputs.verifier_session_id``), so a reference keyed by the client's
     id is found behind a gateway too; a verifier's own id is returned as it is."""
-    return session_id[17:] if re.fullmatch(r"[0-9a-f]{16}:.+", session_id) else session_id
+    n = OWNER_PREFIX_CHARS
+    return session_id[n:] if re.fullmatch(rf"[0-9a-f]{{{n - 1}}}:.+", session_id) else session_id
 
 
 def chains(choose):

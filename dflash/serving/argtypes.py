@@ -26,12 +26,23 @@ def positive_float(text: str) -> float:
     return x
 
 
-def host_port_or_empty(text: str) -> str:
-    """argparse ``type`` for an optional listen address: empty, or ``HOST:PORT`` with a port
-    0-65535 (``[::]:8081`` for IPv6), refused naming the flag before the service loads anything."""
+def split_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::]:8081`` for IPv6) as (host, port). Raises ValueError unless the
+    host is non-empty and the port 0-65535."""
     host, _, port = text.rpartition(":")
-    if text and (not host or not port.isdigit() or int(port) > 65535):
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port 0-65535")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT with a port 0-65535")
+    return host, int(port)
+
+
+def host_port_or_empty(text: str) -> str:
+    """argparse ``type`` for an optional listen address: empty, or :func:`split_host_port`'s
+    form, refused naming the flag before the service loads anything."""
+    if text:
+        try:
+            split_host_port(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -1,11 +1,10 @@
 """The health-only listener (``--health-bind``) as a child process with its own interpreter.
 
-In the service's own process a health check needs the interpreter lock and CPU time that a
-flood of streams and the decode loop compete for: with 500 streams on 2 cores, a health-only
-server *thread* in the verifier answered in a median 1.7 ms but single checks took 120-370 ms,
-while a separate process beside it stayed under 15 ms (figures: ``docs/robustness.md``). So
-the listener that probes use (kubelet's gRPC probes, ``deploy/k8s``) runs here, in a process
-that imports only grpc and does nothing else.
+In the service's own process a health check waits for the interpreter lock and the CPU share
+that a flood of streams and the decode loop compete for, so a check can stall for hundreds of
+milliseconds (``docs/robustness.md`` has the measurements). The listener that probes use
+(kubelet's gRPC probes, ``deploy/k8s``) therefore runs here, in a process that serves health and
+nothing else.
 
 The service mirrors its status into the child (:meth:`HealthProcess.set`, one JSON line per
 change on the child's stdin) and sends a heartbeat every ``heartbeat_s``. The child reports
@@ -38,13 +37,14 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dflash.serving.server import BindError
+from dflash.serving.argtypes import split_host_port
+from dflash.serving.server import BindError, bind_port
 
 log = logging.getLogger("dflash.serving.health_process")
 
 HEARTBEAT_S = 0.5     # how often the service says it is alive
-STALE_S = 10.0        # silence after which the child reports NOT_SERVING (GIL stalls under a
-                      # flood reach ~0.7 s; a frozen process is silent for good)
+STALE_S = 10.0        # silence after which the child reports NOT_SERVING: far above a busy
+                      # service's pauses, while a frozen one is silent for good
 START_TIMEOUT_S = 30.0
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -69,9 +69,10 @@ class HealthProcess:
 
     def __init__(self, bind: str, *, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
-        self.host, _, port = bind.rpartition(":")
-        if not self.host or not port.isdigit() or int(port) > 65535:
-            raise BindError(f"--health-bind: {bind!r} is not HOST:PORT with a port 0-65535")
+        try:
+            self.host, _ = split_host_port(bind)
+        except ValueError as e:
+            raise BindError(f"--health-bind: {e}") from None
         self._statuses: dict[str, int] = {"": NOT_SERVING}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -166,11 +167,9 @@ def _serve(bind: str, stale_s: float) -> int:
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     try:
-        port = server.add_insecure_port(bind)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        print(f"error: cannot bind {bind}", flush=True)
+        port = bind_port(server, bind)
+    except BindError as e:
+        print(f"error: {e}", flush=True)
         return 2
     told: dict[str, int] = {"": NOT_SERVING}
     hs.set("", NOT_SERVING)

@@ -59,7 +59,7 @@ class ServiceRuntime:
     _wanted: bool = False          # the service's own readiness (set_serving)
     _upstream: bool = True         # what it depends on is healthy (set_upstream)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # (name, status) callbacks told every status this publishes: the health-only process
+    # (name, status) callbacks told every status this publishes (add_mirror): the health process
     mirrors: list[typing.Callable[[str, int], None]] = dataclasses.field(default_factory=list)
 
     def set_serving(self, serving: bool) -> None:
@@ -87,6 +87,12 @@ class ServiceRuntime:
             self.health.set(name, status)
             for mirror in self.mirrors:
                 mirror(name, status)
+
+    def add_mirror(self, mirror: typing.Callable[[str, int], None]) -> None:
+        """Tell ``mirror(name, status)`` every status from now on, starting with the current."""
+        with self._lock:
+            self.mirrors.append(mirror)
+            self._publish_locked()
 
     def stop(self, grace_s: float) -> None:
         self.set_serving(False)
@@ -191,17 +197,26 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(
         service_names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        port = (server.add_secure_port(bind, tls.credentials()) if tls
-                else server.add_insecure_port(bind))
-    except RuntimeError:        # newer grpc raises where older ones returned 0
-        port = 0
-    if port == 0:
-        raise BindError(f"cannot bind {bind}")
+    port = bind_port(server, bind, tls.credentials() if tls else None)
     rt = runtime(server=server, health=hs, services=service_names, port=port,
                  streams=limit, tls=tls)
     rt.set_serving(False)
     return rt
+
+
+def bind_port(server: grpc.Server, bind: str, credentials=None) -> int:
+    """Listen on ``bind`` (with TLS ``credentials`` when given); returns the port bound.
+
+    Raises BindError (``cannot bind ...``) when it cannot: grpc returns 0 or, in newer
+    releases, raises."""
+    try:
+        port = (server.add_secure_port(bind, credentials) if credentials is not None
+                else server.add_insecure_port(bind))
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise BindError(f"cannot bind {bind}")
+    return port
 
 
 def tie_server(main: grpc.Server, other: grpc.Server) -> None:
@@ -235,9 +250,7 @@ def add_health_listener(rt: ServiceRuntime, bind: str) -> int | None:
 
     child = HealthProcess(bind)
     log.info("health-only listener on %s:%d (process %d)", child.host, child.port, child.proc.pid)
-    rt.mirrors.append(child.set)
-    with rt._lock:
-        rt._publish_locked()
+    rt.add_mirror(child.set)
     tie_server(rt.server, child)      # start() / stop(grace), as a server
     return child.port
 

@@ -44,7 +44,7 @@ class FloodResult:
     errors: list[str]                 # "CODE: details" of any other failure
     refusal_s: list[float]            # send -> RESOURCE_EXHAUSTED, per refused stream
     served_s: list[float]             # send -> last message, per completed stream
-    health_s: dict[str, list[float]]  # label (or address) -> probe latencies (a failed check: inf)
+    health_s: dict[str, list[float]]  # probe label -> latencies (a failed check counts inf)
 
     def lines(self) -> list[str]:
         out = [f"{self.streams} streams: {self.completed} completed, {self.refused} refused "
@@ -80,16 +80,15 @@ def probe_main(addrs: list[str], interval_s: float, timeout_s: float) -> None:
     json.dump(samples, sys.stdout)
 
 
-def flood(gateway: str, streams: int, max_tokens: int, probe_addrs: list[str] | dict[str, str], *,
+def flood(gateway: str, streams: int, max_tokens: int, probes: dict[str, str], *,
           interval_s: float = 0.02, channels: int = 8, prompt: str = "Hello") -> FloodResult:
     """Open ``streams`` Generate streams on ``gateway`` at once (over ``channels`` connections)
-    while a probe process checks health on ``probe_addrs`` (addresses, or label -> address);
-    wait for all to end."""
-    labels = probe_addrs if isinstance(probe_addrs, dict) else {a: a for a in probe_addrs}
+    while a probe process checks health on each of ``probes`` (label -> address); wait for
+    all to end."""
     from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
     probe = subprocess.Popen([sys.executable, "-m", "dflash.tools.flood", "probe",
-                              "--interval", str(interval_s), *labels.values()],
+                              "--interval", str(interval_s), *probes.values()],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert probe.stdout is not None and probe.stdin is not None
     if probe.stdout.readline().strip() != "ready":
@@ -124,7 +123,7 @@ def flood(gateway: str, streams: int, max_tokens: int, probe_addrs: list[str] | 
     return FloodResult(streams=streams, completed=len(completed), refused=len(refused),
                        errors=errors, refusal_s=[done[i] - sent[i] for i in refused],
                        served_s=[done[i] - sent[i] for i in completed],
-                       health_s={label: json.loads(out)[addr] for label, addr in labels.items()})
+                       health_s={label: json.loads(out)[addr] for label, addr in probes.items()})
 
 
 def main(argv: list[str] | None = None) -> None:
