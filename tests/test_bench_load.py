@@ -135,6 +135,9 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     (["--spec-modes", ""], "--spec-modes"),
     (["--spec-modes", "off,bogus"], "--spec-modes"),
     (["--spec-modes", "off,off"], "--spec-modes"),
+    (["--spec-modes", "fixed:4"], "--spec-modes"),
+    (["--spec-modes", "adaptive:0"], "--spec-modes"),
+    (["--spec-modes", "tree:65"], "--spec-modes"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--repeats", "0"], "--repeats"),
     (["--repeats", "-1"], "--repeats"),
@@ -159,6 +162,10 @@ def test_bench_flag_lists_are_normalised():
 
     assert int_list(1)(" 1, 2,4 ") == "1,2,4" and int_list(1)("") == ""
     assert choice_list(bench_load.MODES)("off, adaptive") == "off,adaptive"
+    from dflash.tools.bench import mode_list, split_mode
+
+    assert mode_list("off, adaptive:1,adaptive, tree:8") == "off,adaptive:1,adaptive,tree:8"
+    assert split_mode("adaptive:1") == ("adaptive", 1) and split_mode("adaptive") == ("adaptive", 0)
 
 
 def test_bench_without_a_gateway_says_so():

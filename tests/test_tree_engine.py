@@ -118,3 +118,23 @@ def test_bad_tree_budget_is_refused_naming_the_field(stack, make_drafter, tiny_t
     assert "tree_budget" in e.value.details()
     got, _ = generate_ids(v, PROMPTS[0], max_tokens=4)       # the service is still up
     assert len(got) == 4
+
+
+def test_adaptive_request_capped_at_one_node_verifies_chains_only(stack, target_model, hf_target):
+    """`tree_budget` caps the adaptive policy's trees per request; 1 (a one-node tree is a chain
+    of one draft) leaves it chains only, which is how `dflash bench --spec-modes adaptive:1,adaptive`
+    compares chain-only and tree-using adaptive speculation in one run. Without the cap the same
+    request tries trees (each budget is explored early)."""
+    block, n = 8, 40
+    refs = {f"a{kind}": PROMPTS[0] + reference(hf_target, PROMPTS[0], n) for kind in ("c", "t")}
+    oracle = ReferenceDrafter(target_model, refs, block_size=block, ranks={3: 1, 9: 1}, name="capped")
+    addr = stack.add_drafter(oracle, label="capped@1")
+    v = stack.verifier_stub()
+    want = refs["ac"][len(PROMPTS[0]):]
+    chains, c_last = generate_ids(v, PROMPTS[0], max_tokens=n, session_id="ac", ignore_eos=True,
+                                  speculation=spec(addr, mode="adaptive", budget=1))
+    trees, t_last = generate_ids(v, PROMPTS[0], max_tokens=n, session_id="at", ignore_eos=True,
+                                 speculation=spec(addr, mode="adaptive"))
+    assert chains == want and trees == want
+    assert c_last.stats.drafts > 0 and c_last.stats.tree_drafts == 0
+    assert t_last.stats.tree_drafts > 0

@@ -36,26 +36,29 @@ def _tpot(latency: float, ttft: float, n: int) -> float:
 
 
 def split_mode(spec: str) -> tuple[str, int]:
-    """A bench mode name -> (speculation mode, tree budget): ``"tree:8"`` -> ("tree", 8); other
-    names -> (name, 0 = the verifier's budget)."""
+    """A bench mode name -> (speculation mode, tree budget): ``"tree:8"`` -> ("tree", 8),
+    ``"adaptive:1"`` -> ("adaptive", 1) (trees of at most one node: chains only); other names ->
+    (name, 0 = the verifier's budget)."""
     mode, _, budget = spec.partition(":")
     return mode, int(budget) if budget else 0
 
 
 def mode_list(text: str) -> str:
     """argparse ``type`` of ``--spec-modes``: a non-empty comma-separated list of distinct
-    ``dflash.core.speculation.MODES``, a tree mode optionally with its node budget (``tree:8``);
-    returns it normalised."""
+    ``dflash.core.speculation.MODES``, a tree or adaptive mode optionally with its node budget
+    (``tree:8``; ``adaptive:8`` caps the adaptive policy's trees at 8 nodes, ``adaptive:1`` leaves
+    it chains only); returns it normalised."""
     from dflash.core.speculation import MAX_TREE_BUDGET, MODES
     from dflash.serving.argtypes import choice_list
 
     items = [x.strip() for x in text.split(",") if x.strip()]
     for item in items:
         _, sep, budget = item.partition(":")
-        if sep and not (item.startswith("tree:") and budget.isdigit()
+        if sep and not (item.startswith(("tree:", "adaptive:")) and budget.isdigit()
                         and 1 <= int(budget) <= MAX_TREE_BUDGET):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: a budget goes with tree only, tree:<nodes in [1, {MAX_TREE_BUDGET}]>")
+                f"{item!r}: a budget goes with tree or adaptive only, "
+                f"tree:<nodes> or adaptive:<largest tree>, nodes in [1, {MAX_TREE_BUDGET}]")
     if not items:
         choice_list(MODES)(text)             # the "name at least one" error
     for item in items:
