@@ -18,8 +18,15 @@ pip_install() {
   .venv/bin/python -m pip install -q "$@" 2>&1 | { grep -v -E "^WARNING: Location|is ignored" || true; }
   return "${PIPESTATUS[0]}"
 }
-pip_install --upgrade pip
-pip_install -c constraints.txt torch
-pip_install -c constraints.txt -e ".[dev,serve,bench,train,setup,kernels]"
+# A second run with the same pins, in the same checkout, installs nothing: the stamp saves
+# rebuilding the editable wheel (and setuptools' warning block) on every ./run.sh.
+STAMP=.venv/.dflash-setup
+want=$( { pwd; cat pyproject.toml constraints.txt; } | sha256sum | cut -c1-64)
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+  pip_install --upgrade pip
+  pip_install -c constraints.txt torch
+  pip_install -c constraints.txt -e ".[dev,serve,bench,train,setup,kernels]"
+fi
 .venv/bin/python -c "import torch, transformers, grpc; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 .venv/bin/python -m pip check >/dev/null || { .venv/bin/python -m pip check >&2; exit 1; }
+echo "$want" > "$STAMP"

@@ -237,7 +237,8 @@ def cmd_demo(a) -> int:
                   flush=True)
             _http_demo(stack, a.max_tokens)
     rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
-    print(f"\nacceptance over {a.num_prompts} prompts: tau {total.mean_acceptance_length:.2f}, "
+    noun = "prompt" if a.num_prompts == 1 else "prompts"
+    print(f"\nacceptance over {a.num_prompts} {noun}: tau {total.mean_acceptance_length:.2f}, "
           f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
     return 0
 

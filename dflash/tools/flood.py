@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "probe":
         probe_main(a.addrs, a.interval, a.timeout)
         return
-    result = run_stack_flood(a)
+    try:
+        result = run_stack_flood(a)
+    except KeyboardInterrupt:            # the stack's context manager has stopped every service
+        print("flood: interrupted; the stack is stopped", file=sys.stderr)
+        raise SystemExit(130) from None
     print("\n".join(result.lines()))
 
 
