@@ -51,6 +51,8 @@ def test_mode_tree_gives_every_job_its_budget_and_depth():
     jobs = [job("tree", 8, tree_budget=16), job("tree", 8, tree_budget=0),
             job("tree", 8, tree_budget=16, max_tokens=3), job("off", 8)]
     assert p.choose_shapes(jobs) == [Shape(7, 16), Shape(7, 0), Shape(1, 16), Shape(0)]
+    # a tree is no deeper than its node count: a 3-node tree asks the drafter for 3 positions
+    assert p.choose_shapes([job("tree", 16, tree_budget=3)]) == [Shape(3, 3)]
     assert Shape(7, 16).verified == 16 and Shape(7, 0).verified == 7 and Shape(0, 16).verified == 0
     assert p.choose(jobs) == [7, 7, 1, 0]
 
@@ -76,7 +78,8 @@ def test_cost_decides_between_budgets():
     # (2.0 / 0.24 s) beats a 16-node one that commits 2.3 (2.3 / 0.36 s) and every chain
     growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
     p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
-    assert p.choose_shapes([job()]) == [Shape(15, 4)]
+    # a tree of 4 nodes is at most 4 deep: the drafter is asked for 4 positions, not 15
+    assert p.choose_shapes([job()]) == [Shape(4, 4)]
 
 
 def test_each_budget_is_tried_until_measured():
@@ -97,7 +100,7 @@ def test_no_trees_for_jobs_that_may_not_verify_them():
     shapes = p.choose_shapes([job(), job(tree_budget=0)])
     assert all(sh.budget == 0 for sh in shapes)
     # a request capping its tree at 8 nodes: the 16-node arm is not offered
-    assert p.choose_shapes([job(tree_budget=8)]) == [Shape(15, 8)]
+    assert p.choose_shapes([job(tree_budget=8)]) == [Shape(8, 8)]
     # no budgets configured: chains only
     q = SpeculationPolicy("adaptive", tree_budgets=())
     assert q.tree_budgets == ()

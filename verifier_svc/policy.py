@@ -272,7 +272,7 @@ class SpeculationPolicy:
         # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
         budgets = [getattr(j, "tree_budget", 0) for j in jobs]
         shapes = [Shape(lim) if m == MODE_FIXED else
-                  Shape(lim, budgets[i] if lim else 0) if m == MODE_TREE else Shape(0)
+                  _tree_shape(lim, budgets[i]) if m == MODE_TREE else Shape(0)
                   for i, (m, lim) in enumerate(zip(modes, limits))]
         adaptive = [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE]
         if not adaptive:
@@ -343,7 +343,7 @@ class SpeculationPolicy:
                                       batch=len(jobs), expected_tokens=gain(best),
                                       cost_seconds=cost, explored=explored, budget=n_best)
         for i in adaptive:
-            shapes[i] = Shape(limits[i], n_best) if n_best and limits[i] else \
+            shapes[i] = _tree_shape(limits[i], n_best) if n_best and limits[i] else \
                 Shape(0 if n_best else min(k_best, limits[i]))
         if k_best > 0 and not n_best:
             self.acceptance.expect(adaptive, [raw(i, shapes[i].k) - 1.0 for i in adaptive])
@@ -374,6 +374,13 @@ class SpeculationPolicy:
             _Expectations(self, jobs, _limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
         return self.costs.draft_budget(len(jobs), k, tokens)
+
+
+def _tree_shape(limit: int, budget: int) -> Shape:
+    """A tree of ``budget`` nodes for a job whose block allows ``limit`` drafts: no deeper than
+    ``budget`` (each node's parent is in the tree), so the drafter is asked for
+    ``min(limit, budget)`` positions, not the whole block (a smaller, cheaper drafter block)."""
+    return Shape(min(limit, budget), budget) if limit and budget else Shape(limit)
 
 
 def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
