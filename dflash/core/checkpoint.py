@@ -59,7 +59,8 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
 
 def save_drafter(model: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.float32,
                  cfg: DrafterConfig | None = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` in the z-lab layout."""
+    """Write ``config.json`` and ``model.safetensors`` in the z-lab layout (tensors in ``dtype``,
+    copied to the host first, whatever device the model is on)."""
     import dataclasses
 
     path = Path(path)
@@ -67,8 +68,8 @@ def save_drafter(model: DFlashDrafter, path: str | Path, dtype: torch.dtype = to
     cfg = cfg or model.cfg
     dname = [k for k, v in DTYPES.items() if v == dtype][0]
     cfg = dataclasses.replace(cfg, dtype=dname)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-             if not k.startswith("rotary_emb")}
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()
+             if not k.startswith("rotary_emb")}    # from the host: a GPU-trained drafter loads anywhere
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 

@@ -4,6 +4,10 @@
 ``train`` trains on it, recomputing missing features into the local cache; ``pipeline`` does
 both. One process uses every thread (``--threads``, default 2): run one job at a time, since two
 processes sharing the cores slowed each other's OpenMP regions several-fold.
+
+``--device`` (default ``cpu``; ``cuda`` on a GPU: ``scripts/accel_train.sh``) places the target,
+the drafter and every batch. On CUDA, float32 matrix products use TF32: the taps it computes are
+stored in bf16, whose rounding is coarser than TF32's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from dflash.core.device import device_flag, resolve_device
 
 
 def _mix(text: str) -> dict[str, int]:
@@ -74,6 +80,8 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kl-weight", type=float, default=d["kl_weight"],
                     help="weight of the target-distribution term (self-logit distillation), 0..1")
     ap.add_argument("--heldout-every", type=int, default=d["heldout_every"])
+    ap.add_argument("--heldout-batch", type=int, default=d["heldout_batch"],
+                    help="held-out sequences per forward (more on a GPU; the blocks are the same)")
     ap.add_argument("--sources", default=None, help="comma-separated token-store sources to train on")
     ap.add_argument("--stop-at-step", type=int, default=None,
                     help="checkpoint and stop at this step (the schedule is unchanged; --resume "
@@ -92,7 +100,8 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        ckpt_every_min=args.ckpt_every_min, log_every=args.log_every, seed=args.seed,
                        draft_vocab_size=args.draft_vocab_size, cache_dir=args.feature_cache,
                        init_from=args.init_from, version=args.version, kl_weight=args.kl_weight, topk=args.topk,
-                       heldout_every=args.heldout_every,
+                       heldout_every=args.heldout_every, heldout_batch=args.heldout_batch,
+                       device=str(args.device),
                        sources=tuple(args.sources.split(",")) if args.sources else None)
 
 
@@ -100,10 +109,12 @@ def _datagen(args, target_dir: str) -> None:
     from dflash.core.config import default_target_layer_ids
     from dflash.train.datagen import GenConfig, generate
 
+    layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
     cfg = GenConfig(data_dir=args.data_dir, cache_dir=args.feature_cache, target_dir=target_dir,
-                    layer_ids=tuple(default_target_layer_ids(30, 5)), mix=args.mix,
+                    layer_ids=tuple(default_target_layer_ids(layers, 5)), mix=args.mix,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, topk=args.topk,
-                    seed=args.prompt_seed, budget_min=args.gen_budget_min, dtype=args.gen_dtype)
+                    seed=args.prompt_seed, budget_min=args.gen_budget_min, dtype=args.gen_dtype,
+                    device=str(args.device))
     print(f"[datagen] totals {generate(cfg)}", flush=True)
 
 
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--topk", type=int, default=16, help="target distribution kept per token")
         p.add_argument("--target-dir", default=None, help="default: dflash.tools.target_setup directory")
         p.add_argument("--cache-dir", default=None, help="where dflash.tools.target_setup builds the target")
+        p.add_argument("--device", type=device_flag, default="cpu",
+                       help="where the target, the drafter and each batch live: cpu (default), "
+                            "cuda, cuda:N")
         if name in ("datagen", "pipeline"):
             _gen_args(p)
         if name in ("train", "pipeline"):
@@ -150,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="UTC HH:MM; the training budget ends then (overrides --time-budget-min)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.device = resolve_device(args.device)       # a GPU that is not there: refused here
+    if args.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     from dflash.tools.target_setup import setup_target
 
     target_dir = args.target_dir or str(setup_target(args.cache_dir))

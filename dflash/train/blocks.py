@@ -10,6 +10,7 @@ where ``loss_mask`` is 0), with loss weight ``exp(-(k-1)/gamma)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ def sample_anchors(loss_mask: torch.Tensor, num: int, rng: random.Random) -> lis
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """[B] loss weight per block position: 0 for k=0, exp(-(k-1)/gamma) for k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
+    k = torch.arange(block_size, dtype=torch.float32, device="cpu")
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
@@ -51,6 +52,13 @@ class BlockBatch:
     soft_ids: torch.Tensor | None = None  # [b, q, K] int64 target's top-k ids of each label
     soft_p: torch.Tensor | None = None    # [b, q, K] float32 their probabilities, renormalised
 
+    def to(self, device: torch.device | str) -> BlockBatch:
+        """The same batch on ``device``: every tensor copied once (built on the host by
+        :func:`build_batch`; the trainer moves each batch here and nowhere else)."""
+        moved = {f.name: (None if (t := getattr(self, f.name)) is None else t.to(device, non_blocking=True))
+                 for f in dataclasses.fields(self)}
+        return BlockBatch(**moved)
+
 
 def block_mask(anchors: list[int], ctx_len: int, block_size: int, num_blocks: int) -> torch.Tensor:
     """Bool [q, ctx_len + q] for one sequence's blocks (q = num_blocks * B; missing blocks padded).
@@ -59,7 +67,7 @@ def block_mask(anchors: list[int], ctx_len: int, block_size: int, num_blocks: in
     padding blocks (j >= len(anchors)) see only their own block (kept finite, weight 0).
     """
     q = num_blocks * block_size
-    m = torch.zeros(q, ctx_len + q, dtype=torch.bool)
+    m = torch.zeros(q, ctx_len + q, dtype=torch.bool, device="cpu")
     for j in range(num_blocks):
         rows = slice(j * block_size, (j + 1) * block_size)
         if j < len(anchors):
@@ -77,18 +85,19 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
     # Context only needs positions < the last anchor of each sequence.
     ctx_len = max(1, max((max(a) if a else 1) for a in anchors))
     b, kh = len(seqs), seqs[0]["taps"].shape[-1]
-    feats = torch.zeros(b, ctx_len, kh, dtype=seqs[0]["taps"].dtype)
-    ids = torch.full((b, nb * B), mask_token_id, dtype=torch.int64)
-    pos = torch.zeros(b, nb * B, dtype=torch.int64)
-    labels = torch.full((b, nb * B), -100, dtype=torch.int64)
-    weights = torch.zeros(b, nb * B)
-    mask = torch.zeros(b, 1, nb * B, ctx_len + nb * B, dtype=torch.bool)
+    host = torch.device("cpu")     # built on the host; BlockBatch.to moves it once
+    feats = torch.zeros(b, ctx_len, kh, dtype=seqs[0]["taps"].dtype, device=host)
+    ids = torch.full((b, nb * B), mask_token_id, dtype=torch.int64, device=host)
+    pos = torch.zeros(b, nb * B, dtype=torch.int64, device=host)
+    labels = torch.full((b, nb * B), -100, dtype=torch.int64, device=host)
+    weights = torch.zeros(b, nb * B, device=host)
+    mask = torch.zeros(b, 1, nb * B, ctx_len + nb * B, dtype=torch.bool, device=host)
     w = position_weights(B, gamma)
     soft = "topk_ids" in seqs[0]
     if soft:
         K = seqs[0]["topk_ids"].shape[-1]
-        soft_ids = torch.zeros(b, nb * B, K, dtype=torch.int64)
-        soft_p = torch.zeros(b, nb * B, K)
+        soft_ids = torch.zeros(b, nb * B, K, dtype=torch.int64, device=host)
+        soft_p = torch.zeros(b, nb * B, K, device=host)
     for i, (s, anc) in enumerate(zip(seqs, anchors)):
         n = len(s["input_ids"])
         m = min(n, ctx_len)
@@ -97,7 +106,7 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
         for j, a in enumerate(anc):
             base = j * B
             ids[i, base] = s["input_ids"][a]
-            pos[i, base:base + B] = torch.arange(a, a + B)
+            pos[i, base:base + B] = torch.arange(a, a + B, device=host)
             for k in range(1, B):
                 t = a + k
                 if t < n and s["loss_mask"][t]:
@@ -109,8 +118,8 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
                 soft_ids[i, rows] = s["topk_ids"][ts].long()
                 soft_p[i, rows] = torch.softmax(s["topk_logp"][ts].float(), -1)
         for j in range(len(anc), nb):   # padding blocks: harmless positions
-            pos[i, j * B:(j + 1) * B] = torch.arange(B)
-    ctx_pos = torch.arange(ctx_len).expand(b, ctx_len).contiguous()
+            pos[i, j * B:(j + 1) * B] = torch.arange(B, device=host)
+    ctx_pos = torch.arange(ctx_len, device=host).expand(b, ctx_len).contiguous()
     return BlockBatch(feats, ctx_pos, ids, pos, mask, labels, weights,
                       soft_ids if soft else None, soft_p if soft else None)
 

@@ -22,12 +22,15 @@ TENSORS, META = "ckpt.safetensors", "ckpt.json"
 def save(run_dir: Path, *, drafter: dict[str, torch.Tensor], opt: dict, tensors: dict[str, torch.Tensor],
          meta: dict) -> None:
     """Write one checkpoint. ``opt`` is ``optimizer.state_dict()``; ``meta`` must be JSON-able
-    (it gains ``param_groups``); ``tensors`` are extra named tensors (RNG state, vocab)."""
-    flat = {f"drafter.{k}": v.detach().contiguous() for k, v in drafter.items()}
+    (it gains ``param_groups``); ``tensors`` are extra named tensors (RNG state, vocab).
+
+    Every tensor is written from the host, so a checkpoint taken on a GPU loads anywhere
+    (:func:`load` returns CPU tensors; ``load_state_dict`` copies them to the model's device)."""
+    flat = {f"drafter.{k}": v.detach().cpu().contiguous() for k, v in drafter.items()}
     for idx, st in opt["state"].items():
         for key, v in st.items():
-            flat[f"opt.{idx}.{key}"] = (v if torch.is_tensor(v) else torch.tensor(v)).contiguous()
-    flat.update({k: v.contiguous() for k, v in tensors.items()})
+            flat[f"opt.{idx}.{key}"] = (v.cpu() if torch.is_tensor(v) else torch.tensor(v, device="cpu")).contiguous()
+    flat.update({k: v.cpu().contiguous() for k, v in tensors.items()})
     step = str(meta["step"])
     tmp = run_dir / (TENSORS + ".tmp")
     save_file(flat, str(tmp), metadata={"step": step})

@@ -54,26 +54,34 @@ def decode_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_i
     With ``layer_ids`` the taps of every position that went through the target are returned
     (the final token never does: its row is zeros); with ``topk`` > 0 the top-k log-probabilities
     of the distribution each response token was chosen from. Sampling uses ``generator``
-    (temperature, then nucleus ``top_p``).
+    (temperature, then nucleus ``top_p``), which must live on ``model.device``
+    (:func:`generator_for`).
+
+    Runs on ``model.device``: the padded batch is built on the host and copied once; each step
+    reads the chosen ids back with one ``.tolist()`` and, when asked for, the step's taps and
+    top-k rows with one copy each. Every returned tensor is on the host.
     """
+    dev = model.device
     b, width = len(prompts), max(map(len, prompts))
-    ids = torch.full((b, width), pad_id, dtype=torch.int64)
-    attn = torch.zeros(b, width, dtype=torch.int64)
+    ids = torch.full((b, width), pad_id, dtype=torch.int64, device="cpu")
+    attn = torch.zeros(b, width, dtype=torch.int64, device="cpu")
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64, device="cpu")
         attn[i, width - len(p):] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)
     hs = hidden_state_indices(layer_ids) if layer_ids else None
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                 use_cache=True, output_hidden_states=hs, logits_to_keep=1)
-    taps = [[] for _ in range(b)]
+    taps: list[list[torch.Tensor]] = [[] for _ in range(b)]
     if hs:
-        f = tap_features(out.hidden_states, layer_ids)
+        f = tap_features(out.hidden_states, layer_ids).to(torch.bfloat16).cpu()
         for i, p in enumerate(prompts):
-            taps[i].append(f[i, width - len(p):].to(torch.bfloat16))
-    resp = [[] for _ in range(b)]
-    tk_i, tk_v = [[] for _ in range(b)], [[] for _ in range(b)]
+            taps[i].append(f[i, width - len(p):])
+    resp: list[list[int]] = [[] for _ in range(b)]
+    tk_i: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    tk_v: list[list[torch.Tensor]] = [[] for _ in range(b)]
     active = list(range(b))                      # batch row r holds sequence active[r]
     last = pos[:, -1]
     while active:
@@ -83,10 +91,11 @@ def decode_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_i
         else:
             nxt = logits.argmax(-1)
         if topk:
-            ti, tv = featcache.topk_rows(logits, topk)
+            ti, tv = (t.cpu() for t in featcache.topk_rows(logits, topk))
+        chosen = nxt.tolist()                    # the step's one read-back of the ids
         keep = []
         for r, s in enumerate(active):
-            t = int(nxt[r])
+            t = chosen[r]
             resp[s].append(t)
             if topk:
                 tk_i[s].append(ti[r])
@@ -96,7 +105,7 @@ def decode_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_i
         if len(keep) < len(active):
             if not keep:
                 break
-            sel = torch.tensor(keep)
+            sel = torch.tensor(keep, dtype=torch.int64, device=dev)
             cache.batch_select_indices(sel)
             attn, last, nxt = attn[sel], last[sel], nxt[sel]
         active = [active[r] for r in keep]
@@ -105,7 +114,7 @@ def decode_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_i
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last[:, None],
                     past_key_values=cache, use_cache=True, output_hidden_states=hs)
         if hs:
-            f = tap_features(out.hidden_states, layer_ids)[:, 0].to(torch.bfloat16)
+            f = tap_features(out.hidden_states, layer_ids)[:, 0].to(torch.bfloat16).cpu()
             for r, s in enumerate(active):
                 taps[s].append(f[r:r + 1])
     answers = []
@@ -117,6 +126,12 @@ def decode_batch(model, prompts: list[list[int]], *, max_new_tokens: int, stop_i
         answers.append(Answer(resp[s], t, torch.stack(tk_i[s]) if topk else None,
                               torch.stack(tk_v[s]) if topk else None))
     return answers
+
+
+def generator_for(model, seed: int) -> torch.Generator:
+    """A seeded generator on ``model.device`` (sampling draws on the logits' device). On a CPU
+    the draws are those of ``torch.Generator().manual_seed(seed)``; a GPU's stream differs."""
+    return torch.Generator(device=model.device).manual_seed(seed)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -141,7 +156,7 @@ def magpie_instructions(model, tok, n: int, *, seed: int, max_tokens: int = 80,
     """Up to ``n`` distinct user turns the target writes after the user header (one sampled
     batch; :func:`chat_prompts.clean_instruction` filters them, ``seen`` deduplicates)."""
     head = user_header(tok)
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator_for(model, seed)
     ans = decode_batch(model, [head] * n, max_new_tokens=max_tokens, stop_ids={tok.eos_token_id},
                        pad_id=tok.pad_token_id, temperature=temperature, top_p=top_p, generator=gen)
     texts = [tok.decode(a.response, skip_special_tokens=True) for a in ans
@@ -214,6 +229,7 @@ class GenConfig:
     seed: int = 0
     budget_min: float | None = None    # stop after the batch that crosses it
     dtype: str = "float32"             # the target's dtype while answering (see generate)
+    device: str = "cpu"                # where the target answers ("cuda" on a GPU)
 
 
 def generate(cfg: GenConfig) -> dict:
@@ -229,7 +245,7 @@ def generate(cfg: GenConfig) -> dict:
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype: {cfg.dtype!r} is not one of {sorted(DTYPES)}")
-    model, tok = load_target(cfg.target_dir, DTYPES[cfg.dtype])
+    model, tok = load_target(cfg.target_dir, DTYPES[cfg.dtype], cfg.device)
     served = cfg.dtype == "float32"
     tcfg = json.loads((Path(cfg.target_dir) / "config.json").read_text())
     fp = target_fingerprint(tcfg, load_target_head(cfg.target_dir).embed)
@@ -267,13 +283,19 @@ def generate(cfg: GenConfig) -> dict:
             if k >= len(lists[src]):
                 continue
             batch = lists[src][k]
+        if not batch:           # every sampled Magpie turn filtered out (a random test target)
+            print(f"[datagen] {_name(src, seed, k)}: no usable prompt", flush=True)
+            continue
         answers = decode_batch(model, batch, max_new_tokens=cfg.max_new_tokens, stop_ids={tok.eos_token_id},
                                pad_id=tok.pad_token_id, layer_ids=cfg.layer_ids if served else None,
                                topk=cfg.topk if served else 0)
         seqs = [featcache.as_numpy_seq(p + a.response, len(p)) for p, a in zip(batch, answers)]
         name = _name(src, seed, k)
+        # a shard answered on a GPU says so (its greedy ids are that device's); a CPU shard's
+        # entry is unchanged
+        where = {} if model.device.type == "cpu" else {"device": model.device.type}
         entry = store.add(name, seqs, source=src, vocab_size=tcfg["vocab_size"], seed=seed, batch=k,
-                          dtype=cfg.dtype)
+                          dtype=cfg.dtype, **where)
         if served:
             feats = [_cache_rows(p, a, cfg.topk) for p, a in zip(batch, answers)]
             featcache.write_entry(featcache.cache_path(cfg.cache_dir, fp, name), feats, sha256=entry["sha256"],
@@ -309,7 +331,7 @@ def second_turns(model, tok, store: TokenStore, *, seed: int, k: int, max_user_t
     plan = multiturn.follow_up_plan(len(firsts), seed * 100003 + k)
     own = [i for i, f in enumerate(plan) if f is None]
     if own:
-        gen = torch.Generator().manual_seed(seed * 100003 + k + 1)
+        gen = generator_for(model, seed * 100003 + k + 1)
         sampled = decode_batch(model, [firsts[i] + user_head for i in own], max_new_tokens=max_user_tokens,
                                stop_ids={eos}, pad_id=tok.pad_token_id, temperature=1.0, top_p=0.95,
                                generator=gen)
@@ -336,7 +358,7 @@ def _user_text(tok, prompt_ids) -> str:
 def _cache_rows(prompt: list[int], a: Answer, k: int) -> dict[str, torch.Tensor]:
     """Feature-cache rows of one sequence: top-k rows for response tokens, zeros for the prompt."""
     n = len(prompt) + len(a.response)
-    tid = torch.zeros(n, k, dtype=torch.int32)
-    tlp = torch.zeros(n, k, dtype=torch.float16)
+    tid = torch.zeros(n, k, dtype=torch.int32, device="cpu")
+    tlp = torch.zeros(n, k, dtype=torch.float16, device="cpu")
     tid[len(prompt):], tlp[len(prompt):] = a.topk_ids, a.topk_logp
     return {"taps": a.taps, "topk_ids": tid, "topk_logp": tlp}

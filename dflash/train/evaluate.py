@@ -38,22 +38,26 @@ class GenResult:
 @torch.no_grad()
 def dflash_greedy(target, drafter: DFlashDrafter, head: TargetHead, prompt_ids: list[int],
                   max_new_tokens: int, stop_ids: set[int]) -> GenResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter."""
+    """Greedy speculative decoding of one prompt with a DFlash drafter.
+
+    ``target``, ``drafter`` and ``head`` share one device (``target.device``); every tensor of
+    the loop is made there, and each round reads back the accepted length and the tokens."""
     B = drafter.cfg.block_size
+    dev = target.device
     ids_layers = drafter.cfg.target_layer_ids
     hs = hidden_state_indices(ids_layers)
     cache = DynamicCache()
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], dtype=torch.int64, device=dev)
     out = target(input_ids=ids, past_key_values=cache, output_hidden_states=hs, use_cache=True)
     bonus = int(out.logits[0, -1].argmax())
     feats = tap_features(out.hidden_states, ids_layers)                    # [1, n, kH]
-    ctx_kv = drafter.context_kv(feats.float(), torch.arange(len(prompt_ids))[None])
+    ctx_kv = drafter.context_kv(feats.float(), torch.arange(len(prompt_ids), device=dev)[None])
     start = len(prompt_ids)                                               # position of bonus
     res = GenResult(tokens=[bonus])
     mask_id = drafter.cfg.mask_token_id
     while len(res.tokens) < max_new_tokens and bonus not in stop_ids:
-        block = torch.tensor([[bonus] + [mask_id] * (B - 1)])
-        pos = torch.arange(start, start + B)[None]
+        block = torch.tensor([[bonus] + [mask_id] * (B - 1)], dtype=torch.int64, device=dev)
+        pos = torch.arange(start, start + B, device=dev)[None]
         h = drafter(head.embed_tokens(block), pos, ctx_kv)
         draft = head.logits(h[0, 1:]).argmax(-1)                         # [B-1]
         block[0, 1:] = draft
@@ -63,7 +67,7 @@ def dflash_greedy(target, drafter: DFlashDrafter, head: TargetHead, prompt_ids: 
         committed = block[0, 1:acc + 1].tolist() + [int(post[acc])]
         cache.crop(-(B - acc - 1))
         new_feats = tap_features(out.hidden_states, ids_layers)[:, :acc + 1]
-        new_kv = drafter.context_kv(new_feats.float(), torch.arange(start, start + acc + 1)[None])
+        new_kv = drafter.context_kv(new_feats.float(), torch.arange(start, start + acc + 1, device=dev)[None])
         ctx_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv)]
         res.accept_lengths.append(acc + 1)
         for t in committed:
@@ -97,8 +101,9 @@ def chat_prompts(n: int) -> list[list[dict]]:
 
 
 def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
-    """Drafter weights from a trainer run directory's checkpoint (``ckpt.safetensors`` +
-    ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises ``FileNotFoundError`` when there is none."""
+    """Drafter weights (float32, on the host) from a trainer run directory's checkpoint
+    (``ckpt.safetensors`` + ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises
+    ``FileNotFoundError`` when there is none."""
     from dflash.core.checkpoint import load_target_head
     from dflash.train import ckpt
     from dflash.train.trainer import TrainConfig, drafter_config
@@ -124,8 +129,10 @@ def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
         ids = encode_prompt(tok, p) if isinstance(p, str) else encode_messages(tok, p)
         r = dflash_greedy(target, drafter, head, ids, max_new_tokens, stop)
         if check_lossless:
-            ref = target.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            dev = target.device
+            ref = target.generate(torch.tensor([ids], device=dev), max_new_tokens=max_new_tokens,
+                                  do_sample=False,
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev))
             ref = ref[0, len(ids):].tolist()
             assert r.tokens == ref[:len(r.tokens)], "DFlash output differs from greedy"
         taus += r.accept_lengths
@@ -137,6 +144,7 @@ def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
 
 def main(argv: list[str] | None = None) -> int:
     from dflash.core.checkpoint import load_drafter, load_target_head
+    from dflash.core.device import device_flag, resolve_device
     from dflash.tools.target_setup import target_dir as default_target_dir
     from dflash.train.data import load_target
 
@@ -150,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: heldout (synthetic templates), humaneval, chat")
     ap.add_argument("--check-lossless", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", type=device_flag, default="cpu",
+                    help="where the target and the drafter run (cpu, cuda, cuda:N; float32 on both)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     sets = args.which.split(",")
@@ -159,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.drafter or args.ckpt):
         ap.error("--drafter or --ckpt: give the drafter to evaluate")
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     tdir = args.target_dir or str(default_target_dir())
-    target, tok = load_target(tdir)
-    head = load_target_head(tdir)
+    target, tok = load_target(tdir, device=device)
+    head = load_target_head(tdir).to(device)
     drafter = (drafter_from_ckpt(args.ckpt, tdir) if args.ckpt
-               else load_drafter(args.drafter, dtype=torch.float32))
+               else load_drafter(args.drafter, dtype=torch.float32)).to(device)
     results = {}
     for which in sets:
         prompts = {"heldout": heldout_prompts, "humaneval": humaneval_prompts,

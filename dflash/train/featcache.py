@@ -81,11 +81,17 @@ def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def compute_features(model, seqs: list[TokenSeq], layer_ids, k: int, max_tokens: int = 4096
+def compute_features(model, seqs: list[TokenSeq], layer_ids, k: int, max_tokens: int | None = None
                      ) -> list[dict[str, torch.Tensor]]:
     """Features of ``seqs`` from one right-padded forward per group of about ``max_tokens``
-    padded tokens (sequences sorted by length). Taps at every position; top-k rows for response
-    tokens (zeros elsewhere). Same layout as :func:`read_entry`."""
+    padded tokens (sequences sorted by length; default 4096 on a CPU, 32768 on a GPU, where a
+    larger forward costs no more per token). Taps at every position; top-k rows for response
+    tokens (zeros elsewhere). Same layout as :func:`read_entry`; the model runs on
+    ``model.device``, the inputs are copied there once per group and the rows come back to the
+    host."""
+    dev = model.device
+    if max_tokens is None:
+        max_tokens = 4096 if dev.type == "cpu" else 32768
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
     out: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
     hs = hidden_state_indices(layer_ids)
@@ -96,23 +102,24 @@ def compute_features(model, seqs: list[TokenSeq], layer_ids, k: int, max_tokens:
             j += 1
         group = [seqs[g] for g in order[i:j]]
         width = max(len(s.ids) for s in group)
-        ids = torch.zeros(len(group), width, dtype=torch.int64)
-        attn = torch.zeros(len(group), width, dtype=torch.int64)
+        ids = torch.zeros(len(group), width, dtype=torch.int64, device="cpu")
+        attn = torch.zeros(len(group), width, dtype=torch.int64, device="cpu")
         for r, s in enumerate(group):
             ids[r, :len(s.ids)] = torch.from_numpy(s.ids)
             attn[r, :len(s.ids)] = 1
-        res = model(input_ids=ids, attention_mask=attn, output_hidden_states=hs)
-        feats = tap_features(res.hidden_states, layer_ids)
+        res = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), output_hidden_states=hs)
+        feats = tap_features(res.hidden_states, layer_ids).to(torch.bfloat16).cpu()
         for r, (g, s) in enumerate(zip(order[i:j], group)):
             n = len(s.ids)
-            tid = torch.zeros(n, k, dtype=torch.int32)
-            tlp = torch.zeros(n, k, dtype=torch.float16)
+            tid = torch.zeros(n, k, dtype=torch.int32, device="cpu")
+            tlp = torch.zeros(n, k, dtype=torch.float16, device="cpu")
             resp = torch.from_numpy(s.loss_mask.astype(bool))
             resp[0] = False                         # token 0 has no prediction
             rows = torch.nonzero(resp).flatten()
             if len(rows):
-                tid[rows], tlp[rows] = topk_rows(res.logits[r, rows - 1], k)
-            taps = feats[r, :n].to(torch.bfloat16)
+                top_i, top_v = topk_rows(res.logits[r, (rows - 1).to(dev)], k)
+                tid[rows], tlp[rows] = top_i.cpu(), top_v.cpu()
+            taps = feats[r, :n].clone()
             taps[-1] = 0            # as generation leaves it: the last token never ran (unused)
             out[g] = {"taps": taps, "topk_ids": tid, "topk_logp": tlp}
         i = j

@@ -45,6 +45,8 @@ class TrainConfig:
     kl_weight: float = 0.0              # loss = (1-w) CE(target's token) + w CE(target's top-k dist)
     topk: int = 16                      # target distribution kept per token (feature cache)
     heldout_every: int = 20             # every n-th sequence (stable hash) is held out; 0 = none
+    heldout_batch: int = 4              # held-out sequences per forward (same anchors whatever it is)
+    device: str = "cpu"                 # where the drafter, the frozen head and each batch live
     sources: tuple[str, ...] | None = None   # train on these token-store sources only
     out_dir: str | None = None          # final bf16 drafter (save_drafter); None = skip
     block_size: int = 16
@@ -164,7 +166,7 @@ def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head
     acc_pos = (correct & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)
     accepted = torch.cumprod(correct.int(), dim=-1).sum(-1)[has_block].float()
     stats = {"acc_pos": acc_pos.tolist(), "accept_len": accepted.mean().item() if accepted.numel() else 0.0,
-             "correct": (correct & valid).sum((0, 1)), "valid": valid.sum((0, 1)),
+             "correct": (correct & valid).sum((0, 1)).cpu(), "valid": valid.sum((0, 1)).cpu(),
              "accepted_sum": accepted.sum().item(), "blocks": int(accepted.numel())}
     return loss, stats
 
@@ -175,12 +177,14 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tcfg = json.loads((Path(cfg.target_dir) / "config.json").read_text())
+        self.device = torch.device(cfg.device)
         self.head = load_target_head(cfg.target_dir)
-        self.dcfg = drafter_config(cfg, self.tcfg, self.head)
+        self.dcfg = drafter_config(cfg, self.tcfg, self.head)     # fingerprint: from the host copy
+        self.head = self.head.to(self.device)
         self.seqs: list[dict[str, torch.Tensor]] = []
         self.heldout: list[dict[str, torch.Tensor]] = []
         self.shards: list[str] = []         # shard file names in load order (seqs index order)
-        self.vocab = torch.zeros(0, dtype=torch.int64)
+        self.vocab = torch.zeros(0, dtype=torch.int64, device="cpu")   # softmax ids, on the host
         self._target = None
         self.add_shards()
         if not self.seqs:
@@ -189,6 +193,7 @@ class Trainer:
         self.drafter = DFlashDrafter(self.dcfg)
         if cfg.init_from:
             self._warm_start(cfg.init_from)
+        self.drafter.to(self.device)      # built and warm-started on the host: same weights anywhere
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.rng = random.Random(cfg.seed)
@@ -222,7 +227,7 @@ class Trainer:
             from dflash.train.data import load_target
 
             print("[train] computing features of shards missing from the feature cache", flush=True)
-            self._target = load_target(self.cfg.target_dir)[0]
+            self._target = load_target(self.cfg.target_dir, device=self.device)[0]
         return self._target
 
     def add_shards(self, names: list[str] | None = None) -> int:
@@ -260,10 +265,11 @@ class Trainer:
         seen = torch.unique(torch.cat([s["input_ids"] for s in self.seqs]))
         new = seen[~torch.isin(seen, self.vocab)]
         if len(new) or not hasattr(self, "label_map"):
-            self.vocab = torch.cat([self.vocab, new])
-            self.label_map = torch.full((self.head.vocab_size,), -1, dtype=torch.int64)
-            self.label_map[self.vocab] = torch.arange(len(self.vocab))
-            self.head_w = self.head.lm_head[self.vocab].contiguous()
+            self.vocab = torch.cat([self.vocab, new])          # host (checkpointed)
+            vocab = self.vocab.to(self.device)
+            self.label_map = torch.full((self.head.vocab_size,), -1, dtype=torch.int64, device=self.device)
+            self.label_map[vocab] = torch.arange(len(vocab), device=self.device)
+            self.head_w = self.head.lm_head[vocab].contiguous()
 
     def softmax_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(LM head rows, id -> row map) of the training softmax at the current progress.
@@ -294,6 +300,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- data
     def next_batch(self) -> BlockBatch:
+        """The next step's blocks, on the trainer's device."""
         picked = []
         for _ in range(self.cfg.seqs_per_step):
             if not self.order:
@@ -302,14 +309,20 @@ class Trainer:
                 self.epoch += 1
             picked.append(self.seqs[self.order.pop()])
         anchors = [sample_anchors(s["loss_mask"], self.cfg.anchors_per_seq, self.rng) for s in picked]
-        return build_batch(picked, anchors, block_size=self.cfg.block_size,
-                           mask_token_id=self.cfg.mask_token_id, gamma=self.cfg.loss_gamma)
+        return self._batch(picked, anchors)
+
+    def _batch(self, seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]]) -> BlockBatch:
+        """Blocks built on the host and moved to the trainer's device: the one place a batch moves."""
+        return build_batch(seqs, anchors, block_size=self.cfg.block_size, mask_token_id=self.cfg.mask_token_id,
+                           gamma=self.cfg.loss_gamma).to(self.device)
 
     # ----------------------------------------------------------------- held-out evaluation
     @torch.no_grad()
-    def evaluate_heldout(self, anchors_per_seq: int = 8, seqs_per_batch: int = 4) -> dict:
+    def evaluate_heldout(self, anchors_per_seq: int = 8, seqs_per_batch: int | None = None) -> dict:
         """Teacher-forced acceptance on the held-out split, full vocabulary, fixed anchors
-        (seeded per sequence, so two runs on the same data are compared on the same blocks).
+        (seeded per sequence, so two runs on the same data are compared on the same blocks),
+        ``seqs_per_batch`` sequences per forward (default ``heldout_batch``; the anchors do not
+        depend on it, the reported loss, a mean over batches, slightly does).
 
         Returns ``{"tau": 1 + mean accepted drafts per block, "acc_pos": [B-1] accuracy per
         block position, "blocks": n, "loss": weighted CE}``; ``{}`` without held-out data."""
@@ -318,14 +331,14 @@ class Trainer:
         was = self.drafter.training
         self.drafter.eval()
         B = self.cfg.block_size
-        correct, valid = torch.zeros(B - 1), torch.zeros(B - 1)
+        seqs_per_batch = seqs_per_batch or self.cfg.heldout_batch
+        correct, valid = torch.zeros(B - 1, device="cpu"), torch.zeros(B - 1, device="cpu")
         acc_sum, blocks, loss_sum, n_batches = 0.0, 0, 0.0, 0
         for i in range(0, len(self.heldout), seqs_per_batch):
             group = self.heldout[i:i + seqs_per_batch]
             anchors = [sample_anchors(s["loss_mask"], anchors_per_seq, random.Random(1234 + i + j))
                        for j, s in enumerate(group)]
-            batch = build_batch(group, anchors, block_size=B, mask_token_id=self.cfg.mask_token_id,
-                                gamma=self.cfg.loss_gamma)
+            batch = self._batch(group, anchors)
             loss, st = batch_loss(self.drafter, self.head, batch, self.head.lm_head, None, self.cfg.logit_chunk)
             correct += st["correct"].float()
             valid += st["valid"].float()
