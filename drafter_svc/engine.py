@@ -142,13 +142,14 @@ class DrafterEngine:
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
         0 = the full vocabulary, N = its first N ids (``dflash.core.draft_vocab.load_draft_vocab``).
         ``device`` / ``dtype``: ``dflash.core.device.resolve_device`` / ``resolve_dtype`` (``auto``
-        = the drafter checkpoint's dtype on a GPU, float32 on a CPU).
+        = the drafter checkpoint's dtype on a GPU; on a CPU bfloat16 where it has bf16
+        instructions, else float32).
 
         Raises:
             dflash.core.device.DeviceError: naming ``--device`` / ``--dtype``.
         """
         dev = resolve_device(device)
-        td = resolve_dtype(dtype, checkpoint_dtype(drafter_dir), dev)
+        td = resolve_dtype(dtype, checkpoint_dtype(drafter_dir), dev, cpu_bf16=True)
         drafter = load_drafter(drafter_dir, dtype=td)
         if name or version:
             drafter.cfg = dataclasses.replace(drafter.cfg, name=name or drafter.cfg.name,

@@ -57,6 +57,7 @@ def test_dtype_auto_is_the_checkpoints_on_a_gpu_and_float32_on_a_cpu(tmp_path):
     assert dev.resolve_dtype("auto", None, gpu) == torch.float32
     assert dev.resolve_dtype("bfloat16", "float32", cpu) == torch.bfloat16   # explicit wins
     assert dev.resolve_dtype("float32", "bfloat16", gpu) == torch.float32
+
     with pytest.raises(DeviceError) as e:
         dev.resolve_dtype("int8", None, cpu)
     assert e.value.field == "--dtype"
@@ -178,3 +179,27 @@ def test_models_refuse_a_missing_gpu_and_graphs_on_the_cpu(gpus, tiny_target, ma
     t = TargetModel(tiny_target, device="auto", dtype="auto")   # no GPU: the CPU, float32
     assert t.device == torch.device("cpu") and t.dtype == torch.float32
     assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1"      # the CPU's SDPA switch
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_drafter_auto_dtype_on_a_cpu_follows_its_bf16_instructions(monkeypatch, native):
+    """A drafter's ``auto`` on a CPU is bfloat16 only where the CPU multiplies bf16 natively;
+    the target's stays float32, and an explicit dtype always wins."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dev, "cpu_native_bf16", lambda: native)
+    want = torch.bfloat16 if native else torch.float32
+    assert dev.resolve_dtype("auto", "bfloat16", cpu, cpu_bf16=True) == want
+    assert dev.resolve_dtype("auto", "bfloat16", cpu) == torch.float32
+    assert dev.resolve_dtype("float32", None, cpu, cpu_bf16=True) == torch.float32
+
+
+def test_cpu_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
+    real = dev.Path
+    for flags, want in (("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True),
+                        ("fpu avx2 avx512f", False)):
+        f = tmp_path / "cpuinfo"
+        f.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(dev, "Path", lambda p, f=f: f if p == "/proc/cpuinfo" else real(p))
+        assert dev.cpu_native_bf16() is want
+    monkeypatch.setattr(dev, "Path", lambda p: tmp_path / "absent")
+    assert dev.cpu_native_bf16() is False

@@ -6,7 +6,11 @@ Every model process (the verifier, a drafter, each expert-parallel rank) takes
   ``cuda:0`` when torch sees a GPU, else ``cpu``; ``cuda`` is ``cuda:0``;
 * ``--dtype`` ``auto`` | ``bfloat16`` | ``float16`` | ``float32`` (env ``DFLASH_DTYPE``):
   ``auto`` is the checkpoint's own dtype (config.json ``dtype`` / ``torch_dtype``) on a GPU and
-  float32 on a CPU (bf16 matrix products on a CPU are slow, and the CPU tests compare in float32).
+  float32 on a CPU (bf16 matrix products on a CPU without bf16 instructions are slow, and the
+  target's greedy output is compared in float32), except a drafter's on a CPU with bf16
+  dot-product instructions (:func:`cpu_native_bf16`), which is bfloat16: a drafter's dtype
+  changes only how often its drafts are accepted, never the output, and there its block costs
+  about half (docs/trees.md, "Row counts and the drafter's dtype").
 
 A device that is not there is refused when the service starts, naming the flag
 (:class:`DeviceError`, a ``FieldError``), before any weight is read. :func:`to_device` is the
@@ -62,8 +66,9 @@ def add_device_args(p: argparse.ArgumentParser, what: str) -> None:
                         "cpu, cuda (= cuda:0) or cuda:N; a GPU that is not there is refused at "
                         "start [DFLASH_DEVICE]")
     p.add_argument("--dtype", type=dtype_flag, default=env("DFLASH_DTYPE", "auto"),
-                   help="weights and compute dtype: auto (the checkpoint's dtype on a GPU, "
-                        "float32 on a CPU), bfloat16, float16 or float32 [DFLASH_DTYPE]")
+                   help="weights and compute dtype: auto (the checkpoint's dtype on a GPU; "
+                        "on a CPU float32, or bfloat16 for a drafter where the CPU has bf16 "
+                        "instructions), bfloat16, float16 or float32 [DFLASH_DTYPE]")
 
 
 def resolve_device(flag: str | torch.device, *, field: str = "--device") -> torch.device:
@@ -109,12 +114,27 @@ def checkpoint_dtype(path: str | Path) -> str | None:
     return None
 
 
+def cpu_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions: ``avx512_bf16`` or ``amx_bf16``
+    among the flags of ``/proc/cpuinfo`` (False where there is no such file). Without them torch
+    emulates bf16 products, slower than float32."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(flag: str | torch.dtype, checkpoint: str | None, device: torch.device, *,
-                  field: str = "--dtype") -> torch.dtype:
+                  field: str = "--dtype", cpu_bf16: bool = False) -> torch.dtype:
     """``--dtype`` -> the dtype of the weights and the compute (module docstring).
 
     ``checkpoint``: the checkpoint's declared dtype (:func:`checkpoint_dtype`); ``auto`` on a
     GPU takes it (float32 when it declares none or one outside bfloat16 / float16 / float32).
+    ``cpu_bf16``: ``auto`` on a CPU is bfloat16 when the CPU has bf16 instructions
+    (:func:`cpu_native_bf16`; a drafter), else float32.
 
     Raises:
         DeviceError: naming ``field`` for a dtype outside :data:`DTYPE_FLAGS`.
@@ -124,7 +144,7 @@ def resolve_dtype(flag: str | torch.dtype, checkpoint: str | None, device: torch
     name = flag.strip().replace("torch.", "")
     if name == "auto":
         if device.type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if cpu_bf16 and cpu_native_bf16() else torch.float32
         return _DTYPES.get((checkpoint or "").replace("torch.", ""), torch.float32)
     if name not in _DTYPES:
         raise DeviceError(field, f"{flag!r}: use one of {', '.join(DTYPE_FLAGS)}")

@@ -76,7 +76,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-port", type=int, default=50050)
     p.add_argument("--verifier-port", type=int, default=50051)
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="every model service's --dtype: auto (float32 on a CPU, but bfloat16 for "
+                        "drafters where the CPU has bf16 instructions; the checkpoint's on a GPU), "
+                        "bfloat16, float16 or float32")
     p.add_argument("--run-dir", default="runs/up", help="where service logs go")
     p.add_argument("--ep-size", type=int, default=1,
                    help="expert-parallel ranks for the verifier (a mixture-of-experts target; "

@@ -43,7 +43,8 @@ class StackConfig:
     http_port: int = 0                 # the gateway's OpenAI-compatible HTTP API; 0 = off
     admin_port: int | None = None      # GatewayAdmin (loopback, no token); None: gateway_port + 10
     verifier_port: int = 50051
-    dtype: str = "float32"
+    dtype: str = "auto"               # each service's --dtype (dflash.core.device: auto = float32 on
+                                      # a CPU, bfloat16 for a drafter on a CPU with bf16 instructions)
     run_dir: str = "runs/up"
     metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
