@@ -57,7 +57,9 @@ __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "P
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
 #: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
-DEFAULT_TREE_BUDGETS = (4, 8, 16)
+#: With the anchor a tree of n nodes is n + 1 rows: 4, 8 and 16 rows suit a CPU's vector
+#: kernels, one row more costs up to a third more (docs/trees.md, "Row counts").
+DEFAULT_TREE_BUDGETS = (3, 7, 15)
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
 #: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.

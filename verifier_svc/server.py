@@ -107,10 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "cost) or tree (always a DDTree of --tree-budget nodes); requests may "
                         "override with speculation.mode [DFLASH_SPEC_MODE]")
     p.add_argument("--tree-budget", type=in_range(1, MAX_TREE_BUDGET),
-                   default=env("DFLASH_TREE_BUDGET", "16"),
+                   default=env("DFLASH_TREE_BUDGET", "15"),
                    help="nodes of a draft tree in mode tree when the request names none "
                         "[DFLASH_TREE_BUDGET]")
-    p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", "4,8,16"),
+    p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", "3,7,15"),
                    help="tree budgets (nodes) the adaptive policy may choose besides chains; "
                         f"each <= {MAX_TREE_BUDGET}; empty = chains only [DFLASH_TREE_BUDGETS]")
     p.add_argument("--prefill-chunk", type=int, default=int(env("DFLASH_PREFILL_CHUNK", "256")),
