@@ -21,11 +21,13 @@ def job(mode="adaptive", block=16, tree_budget=16, max_tokens=1000, emitted=1):
                                                            proposer=types.SimpleNamespace(card=card)))
 
 
-def policy(chain_rate: float, tree_tokens: dict[int, float], cost_fn, budgets=(4, 8, 16)):
+def policy(chain_rate: float, tree_tokens: dict[int, float], cost_fn, budgets=(4, 8, 16),
+           tree_max_batch=0):
     """Chains accept each position with ``chain_rate`` (unconditional rate_p = chain_rate^p);
     a tree of budget n commits ``tree_tokens[n]`` per step; a step verifying k tokens after
     the anchor costs ``cost_fn(k)`` seconds."""
-    p = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=budgets)
+    p = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=budgets,
+                          tree_max_batch=tree_max_batch)
     for _ in range(200):
         # blocks of 15 drafts whose acceptance reproduces rate_p = chain_rate ** p on average
         p.observe_acceptance(LABEL, [(15, a) for a in range(16)
@@ -117,3 +119,18 @@ def test_tree_steps_do_not_feed_chain_acceptance_or_calibration():
                            trees={LABEL: [(16, 9)]}, committed=[9]))
     assert p.rates(LABEL) == before and p.accuracy == acc
     assert p.acceptance.tree_table()[(LABEL, 16)] > 2.6
+
+
+def test_trees_only_up_to_the_largest_tree_batch():
+    """``--tree-max-batch``: steps of more adaptive sessions verify chains only (trees cost
+    3-6% against chains at 8 and 32 sessions on the CPUs measured); 0 lifts the limit; the
+    default is 1; a negative limit is refused."""
+    jobs = [job(), job()]
+    capped = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat, tree_max_batch=1)
+    assert capped.choose_shapes([job()])[0].budget > 0
+    assert all(sh.budget == 0 and sh.k > 0 for sh in capped.choose_shapes(jobs))
+    free = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat, tree_max_batch=0)
+    assert all(sh.budget > 0 for sh in free.choose_shapes(jobs))
+    assert SpeculationPolicy("adaptive").tree_max_batch == 1
+    with pytest.raises(ValueError, match="tree_max_batch"):
+        SpeculationPolicy("adaptive", tree_max_batch=-1)

@@ -38,7 +38,14 @@ from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED, MODE_OFF, MODE_
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
-from verifier_svc.policy import DEFAULT_TREE_BUDGETS, Decision, Shape, SpeculationPolicy, StepFeedback
+from verifier_svc.policy import (
+    DEFAULT_TREE_BUDGETS,
+    DEFAULT_TREE_MAX_BATCH,
+    Decision,
+    Shape,
+    SpeculationPolicy,
+    StepFeedback,
+)
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
 from verifier_svc.sessions import CacheHandle, Session, SessionStore
@@ -91,6 +98,8 @@ class VerifierEngine:
         spec_mode: default speculation mode (one of ``dflash.core.speculation.MODES``;
             ``verifier_svc.policy``; the services default to adaptive, ``--spec-mode``).
         tree_budget: nodes of a tree in mode "tree" when the request names none (``--tree-budget``).
+        tree_max_batch: adaptive steps of more sessions verify chains only (``--tree-max-batch``;
+            0: any batch).
         tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
             chains only). Trees need a target with ``supports_trees``.
         admission: bounds on waiting requests (``verifier_svc.scheduler.Admission``; default
@@ -108,7 +117,7 @@ class VerifierEngine:
                  spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = 15, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
-                 admission: Admission | None = None):
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -119,7 +128,8 @@ class VerifierEngine:
         self.spec_mode = spec_mode
         self.tree_budget = tree_budget
         self.trees = target.supports_trees
-        self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else ())
+        self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else (),
+                                        tree_max_batch=tree_max_batch)
         self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    max_unread=max_unread, admission=admission)
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,

@@ -60,6 +60,8 @@ __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "P
 #: With the anchor a tree of n nodes is n + 1 rows: 4, 8 and 16 rows suit a CPU's vector
 #: kernels, one row more costs up to a third more (docs/trees.md, "Row counts").
 DEFAULT_TREE_BUDGETS = (3, 7, 15)
+#: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
+DEFAULT_TREE_MAX_BATCH = 1
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
 #: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
@@ -159,16 +161,23 @@ class SpeculationPolicy:
         alpha: EMA weight of a new observation.
         explore_every: adaptive steps between re-measurements of a neighbouring k (0: never).
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
+        tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
+            batch). On the CPUs measured trees paid at batch 1 and cost 3-6% against chains at
+            8 and 32 sessions, where every row is compute (docs/trees.md, "Under load").
     """
 
     def __init__(self, mode: str = MODE_FIXED, *, alpha: float = 0.05, explore_every: int = 25,
-                 tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS):
+                 tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS,
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH):
         if mode not in MODES:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
         if any(n < 1 for n in tree_budgets):
             raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
         self.mode = mode
+        if tree_max_batch < 0:
+            raise ValueError(f"tree_max_batch: must be >= 0, got {tree_max_batch}")
         self.tree_budgets = tuple(sorted(set(tree_budgets)))
+        self.tree_max_batch = tree_max_batch
         self.alpha = alpha
         self.explore_every = explore_every
         self.acceptance = AcceptanceEstimator(alpha)
@@ -290,7 +299,8 @@ class SpeculationPolicy:
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
         # tree arms: only when every adaptive job may verify that budget (one shape per step)
         tree_cap = min(budgets[i] for i in adaptive)
-        arms = [n for n in self.tree_budgets if n <= tree_cap] if top else []
+        trees_ok = top and (not self.tree_max_batch or len(jobs) <= self.tree_max_batch)
+        arms = [n for n in self.tree_budgets if n <= tree_cap] if trees_ok else []
         ex = self._expectations(jobs, limits)
         e, e_tree, raw, label = ex.chain, ex.tree, ex.raw, ex.label
         costs = self.costs

@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", "3,7,15"),
                    help="tree budgets (nodes) the adaptive policy may choose besides chains; "
                         f"each <= {MAX_TREE_BUDGET}; empty = chains only [DFLASH_TREE_BUDGETS]")
+    p.add_argument("--tree-max-batch", type=in_range(0, 1 << 16),
+                   default=env("DFLASH_TREE_MAX_BATCH", "1"),
+                   help="adaptive steps of more sessions than this verify chains only; 0 = any "
+                        "batch (on a CPU trees paid at batch 1, not at 8 or 32: docs/trees.md) "
+                        "[DFLASH_TREE_MAX_BATCH]")
     p.add_argument("--prefill-chunk", type=int, default=int(env("DFLASH_PREFILL_CHUNK", "256")),
                    help="prompt tokens prefilled between two decode steps of the running batch "
                         "[DFLASH_PREFILL_CHUNK]")
@@ -208,7 +213,7 @@ def main(argv=None) -> None:
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
                             threads=threads, tree_budget=a.tree_budget,
-                            tree_budgets=_budgets(a.tree_budgets),
+                            tree_budgets=_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
                             admission=Admission(max_waiting=a.max_waiting,
                                                 max_waiting_tokens=a.max_waiting_tokens))
     _warmup(engine)
