@@ -26,4 +26,4 @@ def test_demo_streams_over_grpc_and_http(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"OpenAI-compatible HTTP API, http://127.0.0.1:{http}/v1" in r.stdout
     assert re.search(r"\[HTTP\] 8 tokens, finish=length, mean acceptance length \d", r.stdout)
-    assert "acceptance over 1 prompts: tau" in r.stdout
+    assert "acceptance over 1 prompt: tau" in r.stdout

@@ -230,7 +230,7 @@ def test_module_extras_name_declared_extras_and_the_client_is_core_only():
 
 def test_setup_and_dockerfile_install_with_the_constraints():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    installs = [line for line in setup.splitlines() if line.startswith("pip_install ")]
+    installs = [line.strip() for line in setup.splitlines() if line.strip().startswith("pip_install ")]
     assert installs and all("-c constraints.txt" in line or "--upgrade pip" in line for line in installs)
     (editable,) = [line for line in installs if " -e " in line]
     extras = set(re.search(r'"\.\[([^\]]+)\]"', editable).group(1).split(","))
