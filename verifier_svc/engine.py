@@ -39,6 +39,7 @@ from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
 from verifier_svc.policy import (
+    DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
     DEFAULT_TREE_MAX_BATCH,
     Decision,
@@ -116,7 +117,7 @@ class VerifierEngine:
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
                  spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
-                 tree_budget: int = 15, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
+                 tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
                  tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")

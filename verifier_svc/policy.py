@@ -60,6 +60,8 @@ __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "P
 #: With the anchor a tree of n nodes is n + 1 rows: 4, 8 and 16 rows suit a CPU's vector
 #: kernels, one row more costs up to a third more (docs/trees.md, "Row counts").
 DEFAULT_TREE_BUDGETS = (3, 7, 15)
+#: Nodes of a tree in mode "tree" when the request names none (``--tree-budget``): 16 rows.
+DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
@@ -173,9 +175,9 @@ class SpeculationPolicy:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
         if any(n < 1 for n in tree_budgets):
             raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
-        self.mode = mode
         if tree_max_batch < 0:
             raise ValueError(f"tree_max_batch: must be >= 0, got {tree_max_batch}")
+        self.mode = mode
         self.tree_budgets = tuple(sorted(set(tree_budgets)))
         self.tree_max_batch = tree_max_batch
         self.alpha = alpha

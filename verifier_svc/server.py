@@ -27,6 +27,7 @@ from dflash.serving.tls import TLSConfigError
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
+from verifier_svc.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS, DEFAULT_TREE_MAX_BATCH
 from verifier_svc.scheduler import Admission
 from verifier_svc.servicer import DrafterPool
 
@@ -107,14 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "cost) or tree (always a DDTree of --tree-budget nodes); requests may "
                         "override with speculation.mode [DFLASH_SPEC_MODE]")
     p.add_argument("--tree-budget", type=in_range(1, MAX_TREE_BUDGET),
-                   default=env("DFLASH_TREE_BUDGET", "15"),
+                   default=env("DFLASH_TREE_BUDGET", str(DEFAULT_TREE_BUDGET)),
                    help="nodes of a draft tree in mode tree when the request names none "
                         "[DFLASH_TREE_BUDGET]")
-    p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", "3,7,15"),
+    p.add_argument("--tree-budgets", type=int_list(1, MAX_TREE_BUDGET), default=env("DFLASH_TREE_BUDGETS", ",".join(map(str, DEFAULT_TREE_BUDGETS))),
                    help="tree budgets (nodes) the adaptive policy may choose besides chains; "
                         f"each <= {MAX_TREE_BUDGET}; empty = chains only [DFLASH_TREE_BUDGETS]")
     p.add_argument("--tree-max-batch", type=in_range(0, 1 << 16),
-                   default=env("DFLASH_TREE_MAX_BATCH", "1"),
+                   default=env("DFLASH_TREE_MAX_BATCH", str(DEFAULT_TREE_MAX_BATCH)),
                    help="adaptive steps of more sessions than this verify chains only; 0 = any "
                         "batch (on a CPU trees paid at batch 1, not at 8 or 32: docs/trees.md) "
                         "[DFLASH_TREE_MAX_BATCH]")
