@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -177,7 +178,11 @@ def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and "verdict: healthy" in text
     assert "all: tau 8.00" in text and "<- fits better" not in text
-    assert "speculation (all): speculation at block 8 is" in text and "adaptive chooses k = 7" in text
+    assert "speculation (all): speculation at block 8 is" in text
+    # every draft is accepted (tau 8), so adaptive speculates and expects a gain; which k wins
+    # (6 or 7 on these tiny shapes) rests on measured milliseconds, so it is not pinned
+    m = re.search(r"adaptive chooses k = (\d+); expected ([\d.]+)x", text)
+    assert m and int(m.group(1)) >= 1 and float(m.group(2)) > 1.0, text
 
 
 def test_cli_refuses_bad_arguments(tap, capsys):
