@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
-from dflash.core.sampling import probs_from_logits, sample_from
+from dflash.core.sampling import coupled_choice, position_noise, probs_from_logits, sample_from
 from dflash.serving.threads import claim
 from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
 
@@ -352,20 +351,27 @@ class DrafterEngine:
         return out
 
     def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:
-        """Drafts (and q for sampled drafts) in target ids: with a draft vocabulary, logits are
-        over its ids and q is scattered into a full-vocabulary [k, V] tensor, zero elsewhere."""
+        """Drafts (and q for unseeded sampled drafts) in target ids: with a draft vocabulary,
+        logits are over its ids and q is scattered into a full-vocabulary [k, V] tensor, zero
+        elsewhere. Seeded drafts are ``argmax(q_t / position_noise(seed, t))`` for the sequence
+        indices t after the anchor (``dflash.core.sampling.position_noise``), sent without q."""
         ids = self.draft_vocab
         if r.sampling.greedy:
             tok = logits.argmax(-1)
             return Proposal(tokens=ids[tok] if ids is not None else tok)
-        if r.sampling.seed is not None:
-            gen = _draft_generator(r.sampling.seed, sess.length, self.device)
-        else:
-            if sess.generator is None:
-                sess.generator = r.sampling.generator(self.device)
-            gen = sess.generator
         probs = probs_from_logits(logits, r.sampling)
-        tok = sample_from(probs, gen)
+        if r.sampling.seed is not None:
+            # the verifier's own noise for these sequence indices (the anchor sits at
+            # sess.length): coupled, a draft is accepted iff the target's race picks it too
+            first = sess.length + 1
+            noise = position_noise(r.sampling.seed, range(first, first + probs.shape[0]),
+                                   self.cfg.vocab_size, self.device)
+            tok = coupled_choice(probs, noise if ids is None else noise[:, ids])
+            # no q: coupled verification never reads it (and it is [k, V] floats on the wire)
+            return Proposal(tokens=ids[tok] if ids is not None else tok)
+        if sess.generator is None:
+            sess.generator = r.sampling.generator(self.device)
+        tok = sample_from(probs, sess.generator)
         if ids is None:
             return Proposal(tokens=tok, probs=probs)
         full = probs.new_zeros((probs.shape[0], self.cfg.vocab_size))
@@ -453,16 +459,3 @@ def _to_host(out: list, device: torch.device) -> list:
                     setattr(p, name, t.to("cpu", non_blocking=True))
     torch.cuda.current_stream(device).synchronize()
     return out
-
-
-def _draft_generator(seed: int, anchor_position: int,
-                     device: torch.device | str = "cpu") -> torch.Generator:
-    """The drafts' random stream for a seeded request: keyed by (seed, anchor position).
-
-    Never ``Sampling.generator()``, which the verifier uses: seeded alike, the drafts reused the
-    very noise the verifier samples with, so they did not follow q (a seeded request repeated its
-    first token about half the time: sampling was not lossless). Keyed by position rather than
-    kept per session, so the same seed reproduces the same drafts on any turn of a session.
-    """
-    h = hashlib.blake2b(f"dflash-draft/{seed}/{anchor_position}".encode(), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(h, "little") >> 1)

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from dflash.core.proposer import DrafterCard, Proposal
+from dflash.core.sampling import coupled_choice, position_noise
 
 HIDDEN = 8
 
@@ -85,8 +86,9 @@ class TableDrafter:
     """A Proposer over the target's states, drafting from ``q`` ``[2, V, V]`` (rows sum to 1).
 
     Like a real drafter it learns the anchor's position from the context it is sent
-    (``context_start + len(context)``), so it asks for one tapped layer. Seeded per session and
-    request seed, so a seeded run is reproducible."""
+    (``context_start + len(context)``), so it asks for one tapped layer. A seeded request's draft
+    at sequence index t races q against ``position_noise(seed, t)`` (coupled sampling, as the
+    DFlash drafter); unseeded ones sample q from a stream per session."""
 
     def __init__(self, q: torch.Tensor, block_size: int):
         self.q = q.float()
@@ -105,9 +107,13 @@ class TableDrafter:
             anchor_pos = r.context_start + r.context.shape[0]
             prev, toks = r.anchor_token, []
             for j in range(r.block_size - 1):
-                cum = self._cum[(anchor_pos + j) % 2][prev]
-                u = rng.random() * cum[-1]
-                prev = next(t for t in range(len(cum)) if u < cum[t])
+                if r.sampling.seed is not None:   # as the DFlash drafter: coupled with the target
+                    e = position_noise(r.sampling.seed, [anchor_pos + 1 + j], self.q.shape[-1])
+                    prev = int(coupled_choice(self.q[(anchor_pos + j) % 2, prev], e[0]))
+                else:
+                    cum = self._cum[(anchor_pos + j) % 2][prev]
+                    u = rng.random() * cum[-1]
+                    prev = next(t for t in range(len(cum)) if u < cum[t])
                 toks.append(prev)
             k = len(toks)
             q = self.q[(anchor_pos + torch.arange(k)) % 2,

@@ -83,11 +83,20 @@ def test_sampled_greedy_and_seeded_in_one_batch_do_not_interact(batch_stack, mak
     ps = prompts(10, seed=3)
     seeded = [common_pb2.SamplingParams(temperature=0.8, seed=7),
               common_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=123)]
-    alone = [generate_ids(v, ps[i], max_tokens=MAX_NEW, sampling=s, speculation=spec(addr, "fixed"))[0]
+    # a seeded request's output is its output without speculation (coupled sampling), in
+    # every mode, alone or in a batch, whatever the drafts, block lengths or a late drafter
+    alone = [generate_ids(v, ps[i], max_tokens=MAX_NEW, sampling=s, speculation=spec(addr, "off"))[0]
              for i, s in enumerate(seeded)]
+    for mode in ("fixed", "tree", "adaptive"):
+        for i, s in enumerate(seeded):
+            got, last = generate_ids(v, ps[i], max_tokens=MAX_NEW, sampling=s,
+                                     speculation=spec(addr, mode))
+            assert got == alone[i], f"seeded request {i} in mode {mode} differs from no speculation"
+            assert last.stats.drafts > 0 or mode == "adaptive"
     for other_seed in (1, 2):  # two different batch compositions around the seeded requests
         others = prompts(8, seed=10 + other_seed)
-        calls = [dict(prompt_ids=ps[i], max_tokens=MAX_NEW, sampling=s, speculation=spec(addr, "fixed"))
+        calls = [dict(prompt_ids=ps[i], max_tokens=MAX_NEW, sampling=s,
+                      speculation=spec(addr, ("fixed", "tree")[other_seed - 1]))
                  for i, s in enumerate(seeded)]
         calls += [dict(prompt_ids=p, max_tokens=MAX_NEW, speculation=spec(addr, MODES[i % 4]))
                   for i, p in enumerate(others[:4])]                                # greedy
@@ -289,14 +298,19 @@ def test_engine_frees_pool_rows_of_finished_requests(target_model):
     pool = target_model.pool
     before = pool.resident
 
-    def run(i):
-        sid = f"kept-{i % 3}" if i % 2 else ""
-        for _ in engine.generate(Request(request_id=f"j{i}", session_id=sid,
-                                         prompt=[5 + i % 7, 6, 7], max_tokens=3, ignore_eos=True)):
-            pass
+    def worker(w):
+        # a kept session belongs to one worker: two turns of one session never overlap (the
+        # engine refuses that, PreconditionError), whatever order the threads run in
+        for j in range(30):
+            i = 30 * w + j
+            sid = f"kept-{w}" if w < 3 and j % 2 else ""
+            for _ in engine.generate(Request(request_id=f"j{i}", session_id=sid,
+                                             prompt=[5 + i % 7, 6, 7], max_tokens=3,
+                                             ignore_eos=True)):
+                pass
 
     with ThreadPoolExecutor(4) as ex:
-        list(ex.map(run, range(120)))
+        list(ex.map(worker, range(4)))
     assert pool.resident == before
     assert engine.num_sessions == 3
     for sid in ("kept-0", "kept-1", "kept-2"):

@@ -9,7 +9,7 @@ import torch
 
 from dflash.core.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
 from dflash.core.proposer import ProposalRequest
-from dflash.core.sampling import Sampling
+from dflash.core.sampling import Sampling, position_noise, probs_from_logits
 from drafter_svc.engine import DrafterEngine
 
 from conftest import generate_ids
@@ -77,7 +77,7 @@ def test_drafts_are_the_argmax_over_the_draft_vocab(make_drafter, tiny_target, t
 def test_sampled_drafts_carry_a_full_vocabulary_q_zero_outside(make_drafter, tiny_target, tmp_path):
     _, sub, ids = _engines(make_drafter, tiny_target, tmp_path, 40)
     ctx = torch.randn(6, sub.cfg.context_size, generator=torch.Generator().manual_seed(2))
-    p = sub.propose([_req(ctx, Sampling(temperature=1.0, seed=3))])[0]
+    p = sub.propose([_req(ctx, Sampling(temperature=1.0))])[0]      # unseeded: q is sent
     assert p.probs.shape == (7, sub.cfg.vocab_size)
     outside = torch.ones(sub.cfg.vocab_size, dtype=torch.bool)
     outside[ids] = False
@@ -96,3 +96,20 @@ def test_greedy_output_unchanged_with_a_draft_vocab(stack, make_drafter, tiny_ta
         got, last = generate_ids(v, prompt, max_tokens=24, speculation=spec(addr))
         assert_same_tokens(hf_target, prompt, got, reference(hf_target, prompt, 24))
         assert last.stats.drafts > 0
+
+
+def test_seeded_drafts_race_the_verifiers_noise_over_the_draft_vocab(make_drafter, tiny_target,
+                                                                      tmp_path):
+    """A seeded draft at sequence index t is argmax(q_t / position_noise(seed, t)) over the draft
+    vocabulary (the verifier's noise restricted to its ids), with the anchor at index 6 after
+    6 context rows; no q is sent."""
+    _, sub, ids = _engines(make_drafter, tiny_target, tmp_path, 40)
+    ctx = torch.randn(6, sub.cfg.context_size, generator=torch.Generator().manual_seed(2))
+    s = Sampling(temperature=1.0, seed=3)
+    p = sub.propose([_req(ctx, s, "seeded")])[0]
+    assert p.probs is None
+    with torch.inference_mode():
+        lg = sub._draft_blocks([(_req(ctx, s), sub._sessions["seeded"])])[0]     # [7, |ids|]
+    noise = position_noise(3, range(7, 14), sub.cfg.vocab_size)[:, ids]
+    want = ids[(probs_from_logits(lg, s) / noise).argmax(-1)]
+    assert p.tokens.tolist() == want.tolist()

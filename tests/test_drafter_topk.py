@@ -83,7 +83,7 @@ def test_greedy_top_ids_lead_with_the_drafts_and_are_the_log_softmax(engines):
 
 
 def test_top_k_zero_gives_none_and_top_k_leaves_the_chain_bit_identical(engines):
-    """The chain (tokens, q) does not depend on top_k; the top-k is the drafter's temperature-1
+    """The chain (tokens) does not depend on top_k; the top-k is the drafter's temperature-1
     distribution whatever the request's sampling."""
     with_k, without = engines
     samplings = [Sampling(), Sampling(temperature=0.8, seed=3),
@@ -95,9 +95,8 @@ def test_top_k_zero_gives_none_and_top_k_leaves_the_chain_bit_identical(engines)
         b = without.propose([_req(f"s{i}", ctx, top_k=0, sampling=s)])[0]
         assert b.top_ids is None and b.top_logprobs is None
         assert torch.equal(a.tokens, b.tokens)
-        assert (a.probs is None) == (b.probs is None) == s.greedy
-        if a.probs is not None:
-            assert torch.equal(a.probs, b.probs)
+        # greedy and seeded drafts carry no q (seeded ones are verified by coupling)
+        assert a.probs is None and b.probs is None
         tops.append((a.top_ids, a.top_logprobs))
     for ids, lp in tops[1:]:
         assert torch.equal(ids, tops[0][0]) and torch.equal(lp, tops[0][1])

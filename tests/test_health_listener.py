@@ -64,7 +64,9 @@ def test_the_listener_is_its_own_process_and_goes_not_serving_when_the_service_i
     NOT_SERVING; the next line brings the mirrored status back; heartbeats keep it."""
     import os
 
-    child = HealthProcess("127.0.0.1:0", heartbeat_s=60, stale_s=0.4)    # no beat in time
+    # stale_s 1.0: 20 beats of 0.05 s; at 0.4 one stall of the test process (CI, two cores)
+    # read as silence
+    child = HealthProcess("127.0.0.1:0", heartbeat_s=60, stale_s=1.0)    # no beat in time
     try:
         assert child.proc.pid != os.getpid() and child.proc.poll() is None
         child.set("", SERVING)
@@ -75,11 +77,11 @@ def test_the_listener_is_its_own_process_and_goes_not_serving_when_the_service_i
         assert status(child.port) == SERVING
     finally:
         child.stop()
-    beating = HealthProcess("127.0.0.1:0", heartbeat_s=0.05, stale_s=0.4)
+    beating = HealthProcess("127.0.0.1:0", heartbeat_s=0.05, stale_s=1.0)
     try:
         beating.set("", SERVING)
         beating.start()
-        deadline = time.monotonic() + 1.5
+        deadline = time.monotonic() + 3.0       # three times stale_s: only beats keep it up
         while time.monotonic() < deadline:   # the behaviour under test is "stays SERVING"
             assert status(beating.port) == SERVING
             time.sleep(0.05)

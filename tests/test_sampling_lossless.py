@@ -9,6 +9,11 @@ target likes and heavy on the ones top-p removes), so rejections, recovered toke
 tokens all really happen (asserted). The parity in the state makes the fake target's KV "cache"
 matter: a wrong crop after a rejection shifts every later position and changes the distribution.
 
+Both sampling paths run: seeded requests (coupled sampling: the target's token at sequence index
+t is the race of p against ``position_noise(seed, t)``, the double drafts the race of q against
+the same noise, as the DFlash drafter does) and unseeded ones (rejection sampling against q, the
+double sampling its drafts from q).
+
 Each generated sequence is cut into transitions (state -> next token). Conditional on how often
 each state was visited, the transition counts are multinomial with the target probabilities
 (Anderson & Goodman 1957), so
@@ -42,8 +47,10 @@ drafts must not reuse the verifier's random draws (they did, and copied the prev
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -52,7 +59,7 @@ from scipy import stats
 from scipy.optimize import brentq
 
 from dflash.core.proposer import DrafterCard, Proposal
-from dflash.core.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, coupled_choice, position_noise, probs_from_logits
 from dflash.v1 import common_pb2, gateway_pb2
 from verifier_svc.engine import Request, VerifierEngine
 
@@ -151,8 +158,9 @@ class FixedQDrafter:
     Like a real drafter it learns the anchor's position from the context it is sent
     (``context_start + len(context)``), so it asks for one tapped layer."""
 
-    def __init__(self, q: torch.Tensor, block_size: int = BLOCK_SIZE):
+    def __init__(self, q: torch.Tensor, block_size: int = BLOCK_SIZE, coupled: bool = False):
         self.q = q.float()
+        self.coupled = coupled      # seeded drafts race q against the verifier's position noise
         self.card = DrafterCard(name="fixed-q", version="1", block_size=block_size, mask_token_id=0,
                                 target_layer_ids=(0,), hidden_size=MarkovTarget.hidden_size,
                                 vocab_size=V, dtype="float32")
@@ -166,9 +174,14 @@ class FixedQDrafter:
             anchor_pos = r.context_start + r.context.shape[0]
             prev, toks = r.anchor_token, []
             for j in range(r.block_size - 1):
-                cum = self._cum[(anchor_pos + j) % 2][prev]
-                u = rng.random() * cum[-1]
-                prev = next(t for t in range(V) if u < cum[t])
+                if self.coupled:    # as the DFlash drafter: the noise of sequence index t
+                    t = anchor_pos + 1 + j
+                    e = position_noise(r.sampling.seed, [t], V)[0]
+                    prev = int(coupled_choice(self.q[(anchor_pos + j) % 2, prev], e))
+                else:
+                    cum = self._cum[(anchor_pos + j) % 2][prev]
+                    u = rng.random() * cum[-1]
+                    prev = next(t for t in range(V) if u < cum[t])
                 toks.append(prev)
             k = len(toks)
             probs = self.q[(anchor_pos + torch.arange(k)) % 2, torch.tensor([r.anchor_token] + toks[:-1])]
@@ -266,22 +279,29 @@ def homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int, float]:
 
 # ---------------------------------------------------------------------------- sampling runs
 @functools.cache
-def run(setting: int, speculative: bool) -> tuple[np.ndarray, dict]:
+def run(setting: int, speculative: bool, seeded: bool = True) -> tuple[np.ndarray, dict]:
     """Sample with the engine (N_TRANSITIONS tokens with speculation, N_PLAIN without); returns
-    (transition counts, step info). Cached: each setting runs once per module."""
+    (transition counts, step info). Cached: each setting runs once per module.
+
+    ``seeded``: every request has its own seed (coupled sampling, the drafter double racing q
+    against the same position noise); else requests are unseeded (rejection sampling), their
+    generators seeded from a fixed sequence in place of the OS so the test is deterministic."""
     sampling = SETTINGS[setting]
     engine = VerifierEngine(MarkovTarget())
-    drafter = FixedQDrafter(draft_probs(sampling)) if speculative else None
+    drafter = FixedQDrafter(draft_probs(sampling), coupled=seeded) if speculative else None
     n_tokens = N_TRANSITIONS if speculative else N_PLAIN
     seqs, info = [], {"steps": 0, "drafted_steps": 0, "rejected_steps": 0, "full_steps": 0}
+    os_bits = itertools.count(7_000_000 * (setting + 1) + (500_000 if speculative else 0))
     for i in range(-(-n_tokens // TOKENS_PER_REQUEST)):
         seed = 1000 * setting + i + (500 if speculative else 0)
         req = Request(request_id=f"r{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
                       sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                        seed=seed),
+                                        seed=seed if seeded else None),
                       proposer=drafter)
         out = []
-        for ev in engine.generate(req):
+        with mock.patch("secrets.randbits", lambda _bits: next(os_bits)):
+            events = list(engine.generate(req))
+        for ev in events:
             out += ev.tokens
             info["steps"] += 1
             if ev.drafted:
@@ -294,15 +314,19 @@ def run(setting: int, speculative: bool) -> tuple[np.ndarray, dict]:
     return transition_counts(seqs), info
 
 
+SEEDED = pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+
+
 @pytest.mark.slow   # statistical: 21,000 transitions per setting
+@SEEDED
 @pytest.mark.parametrize("setting", range(len(SETTINGS)),
                          ids=[f"T{s.temperature}-top_p{s.top_p}" for s in SETTINGS])
-def test_speculative_sampling_matches_target_distribution(setting):
+def test_speculative_sampling_matches_target_distribution(setting, seeded):
     p = exact_transition_probs(SETTINGS[setting])
     need, df_need = required_samples(p)
     assert N_TRANSITIONS >= need, f"{N_TRANSITIONS} transitions cannot see a {BIAS:.0%} bias ({need} needed)"
 
-    spec, info = run(setting, True)
+    spec, info = run(setting, True, seeded)
     assert spec.sum() >= N_TRANSITIONS
     # Rejections with recovered tokens and fully accepted blocks (bonus tokens) both happened.
     assert info["rejected_steps"] > 0.3 * info["drafted_steps"]
@@ -314,19 +338,36 @@ def test_speculative_sampling_matches_target_distribution(setting):
 
 
 @pytest.mark.slow   # statistical: 21,000 transitions per setting, twice
+@SEEDED
 @pytest.mark.parametrize("setting", range(len(SETTINGS)),
                          ids=[f"T{s.temperature}-top_p{s.top_p}" for s in SETTINGS])
-def test_speculative_matches_plain_sampling(setting):
+def test_speculative_matches_plain_sampling(setting, seeded):
     p = exact_transition_probs(SETTINGS[setting])
-    plain, info = run(setting, False)
+    plain, info = run(setting, False, seeded)
     assert info["drafted_steps"] == 0
     # The plain loop itself follows the target (the baseline is right) ...
     stat, df, pval = goodness_of_fit(plain, p)
     assert pval > ALPHA, f"plain sampling is biased: chi2={stat:.1f} df={df} p={pval:.2e}"
     # ... and speculative and plain samples come from the same distribution.
-    spec, _ = run(setting, True)
+    spec, _ = run(setting, True, seeded)
     stat, df, pval = homogeneity(spec, plain)
     assert pval > ALPHA, f"spec vs plain differ: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_seeded_drafts_from_the_target_itself_are_all_accepted():
+    """Coupling's alignment: a drafter whose q is the target's p, racing the noise of the
+    sequence indices it drafts, is accepted at every position (noise keyed one index off on
+    either side would reject most drafts and only show as a lower tau)."""
+    sampling = SETTINGS[1]
+    engine = VerifierEngine(MarkovTarget())
+    drafter = FixedQDrafter(probs_from_logits(TARGET_LOGITS, sampling), coupled=True)
+    for seed in range(3):
+        req = Request(request_id=f"p{seed}", prompt=list(PROMPT), max_tokens=200,
+                      sampling=Sampling(temperature=sampling.temperature, seed=seed),
+                      proposer=drafter)
+        events = list(engine.generate(req))
+        drafted = [ev for ev in events if ev.drafted and ev.finish is None]
+        assert drafted and all(ev.accepted == ev.drafted for ev in drafted)
 
 
 def test_the_test_detects_a_biased_sampler():

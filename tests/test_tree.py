@@ -35,7 +35,7 @@ import torch
 from scipy import stats
 from scipy.optimize import brentq
 
-from dflash.core.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, coupled_choice, position_noise, probs_from_logits
 from verifier_svc.tree import MAX_TREE_BUDGET, DraftTree, TreeVerified, ancestor_mask, build_tree, verify_trees
 from verifier_svc.verification import RowParams, commit_cut, verify_batch
 
@@ -118,8 +118,8 @@ class PathTarget:
 
 
 def params(sampling: Sampling = GREEDY, gen: torch.Generator | None = None,
-           stops: frozenset[int] = frozenset(), room: int = 1000) -> RowParams:
-    return RowParams(sampling=sampling, generator=gen, stops=stops, room=room)
+           stops: frozenset[int] = frozenset(), room: int = 1000, position: int = 0) -> RowParams:
+    return RowParams(sampling=sampling, generator=gen, stops=stops, room=room, position=position)
 
 
 def planted_topk(truth: list[int], ranks: list[int], k: int, vocab: int,
@@ -677,7 +677,7 @@ def test_the_lossless_test_catches_a_biased_walk(mode):
 def test_sampled_walk_draws_one_noise_per_visited_node():
     target, tree = _lossless_setup()
     logits = target.tree_logits(CONTEXT, tree)
-    s = Sampling(temperature=1.0, seed=3)
+    s = Sampling(temperature=1.0)                             # unseeded: the row's generator
     seen = set()
     for seed in range(40):
         gen, twin = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
@@ -686,12 +686,35 @@ def test_sampled_walk_draws_one_noise_per_visited_node():
             torch.empty(V_TINY).exponential_(generator=twin)
         assert torch.equal(gen.get_state(), twin.get_state())
         again, = verify_trees([tree], [logits], [params(s, torch.Generator().manual_seed(seed))])
-        assert again == v                                     # seeded: reproducible
+        assert again == v                                     # same generator: reproducible
         seen.add(len(v.path))
     assert len(seen) >= 3
     g = torch.Generator().manual_seed(4)
     verify_trees([tree], [logits], [params(GREEDY, g)])       # greedy rows draw nothing
     assert torch.equal(g.get_state(), torch.Generator().manual_seed(4).get_state())
+
+
+def test_seeded_walk_emits_the_tokens_of_decoding_without_drafts():
+    """A seeded row takes, at each visited node, the race of p against the noise of the
+    sequence index it fills: the emitted tokens are those decoding would choose one at a time
+    (each the race at its own index), whatever the tree; the row's generator is not used."""
+    target, tree = _lossless_setup()
+    logits = target.tree_logits(CONTEXT, tree)
+    seen = set()
+    for seed in range(40):
+        s = Sampling(temperature=1.0, top_p=0.9, seed=seed)
+        start = len(CONTEXT) + seed                       # any sequence index of the anchor's child
+        g = torch.Generator().manual_seed(4)
+        v, = verify_trees([tree], [logits], [params(s, g, position=start)])
+        assert torch.equal(g.get_state(), torch.Generator().manual_seed(4).get_state())
+        seq = tuple(CONTEXT)
+        for m, tok in enumerate(v.tokens):                # decoding, one token at a time
+            p = probs_from_logits(target.logits(seq), s)
+            want = int(coupled_choice(p, position_noise(seed, [start + m], p.shape[-1])[0]))
+            assert tok == want, f"seed {seed}: token {m} is {tok}, decoding chooses {want}"
+            seq += (tok,)
+        seen.add(v.accepted)
+    assert len(seen) >= 2                                 # drafts were accepted and rejected
 
 
 # ------------------------------------------------------------------------------ batches

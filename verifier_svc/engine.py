@@ -33,7 +33,7 @@ import torch
 from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
-from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits, sample_from
+from dflash.core.sampling import InvalidParam, Sampling, coupled_choice, position_noise, probs_from_logits, sample_from
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED, MODE_OFF, MODE_TREE, TREE_MODES
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
@@ -297,7 +297,7 @@ class VerifierEngine:
         s.prefix_group = req.prefix_group        # cache, taps and tokens agree on the prompt
         raw = logits[-1:]                                       # [1, V]
         first = self._sample(job.processor.apply(raw) if job.processor else raw,
-                             req.sampling, job.gen)
+                             req.sampling, job.gen, len(req.prompt))
         s.tokens.append(first)
         if job.processor:
             job.processor.commit([first])
@@ -361,7 +361,8 @@ class VerifierEngine:
     def _verify(jobs: list[Job], drafts: list[DraftOutcome], trees: list[DraftTree | None],
                 logits: list[torch.Tensor]) -> list[Verified]:
         """Chains through ``verify_batch``, trees through ``verify_trees``, results in job order."""
-        params = [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted) for j in jobs]
+        params = [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted,
+                            position=len(j.session.tokens)) for j in jobs]
         chain = [i for i, tr in enumerate(trees) if tr is None]
         tree = [(i, tr) for i, tr in enumerate(trees) if tr is not None]
         out: list[Verified | None] = [None] * len(jobs)
@@ -461,11 +462,19 @@ class VerifierEngine:
         self.scheduler.stop()
 
     @staticmethod
-    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
+    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None,
+                position: int) -> int:
+        """The token at sequence index ``position`` from the last row of ``logits`` [n, V]:
+        argmax, the seeded race against ``position_noise`` (as verification does), or a draw
+        from ``gen``."""
         if sampling.greedy:
             return int(logits[-1].argmax())
+        probs = probs_from_logits(logits[-1], sampling)
+        if sampling.seed is not None:
+            return int(coupled_choice(probs, position_noise(sampling.seed, [position],
+                                                            logits.shape[-1], logits.device)[0]))
         assert gen is not None                      # a sampled request's job has its generator
-        return int(sample_from(probs_from_logits(logits[-1], sampling), gen))
+        return int(sample_from(probs, gen))
 
 
 def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | None

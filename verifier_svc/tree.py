@@ -31,6 +31,9 @@ own path), and the tree's shape depends only on the drafter, so by induction the
 is distributed exactly as the target's own sampling (temperature, top-k, top-p as processed by
 :func:`dflash.core.sampling.probs_from_logits`); greedy is the same walk with ``t_j = argmax``. No
 drafter probabilities are needed, unlike chain rejection sampling (Leviathan et al. 2023).
+A seeded row draws with the noise of the sequence index it fills
+(:func:`dflash.core.sampling.position_noise`): same law, and the token decoding without
+speculation would have chosen there, whatever the tree.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import math
 
 import torch
 
-from dflash.core.sampling import probs_from_logits, sample_from
+from dflash.core.sampling import coupled_choice, position_noise, probs_from_logits, sample_from
 from dflash.core.speculation import MAX_TREE_BUDGET  # nodes per tree (root not counted)
 from verifier_svc.verification import RowParams, Verified, commit_cut
 
@@ -221,7 +224,10 @@ def verify_trees(trees: list[DraftTree], logits: list[torch.Tensor], params: lis
         One :class:`TreeVerified` per row, in row order.
 
     Choice at a visited block index j: greedy rows take ``argmax(logits[j])`` (first index on
-    ties, as ``kernels.greedy_accept``) and draw nothing; sampled rows draw one token with
+    ties, as ``kernels.greedy_accept``) and draw nothing; seeded rows take
+    ``coupled_choice(p, position_noise(seed, position + depth))`` (the noise of the sequence
+    index the node's child fills, so the output is the one without speculation) and draw
+    nothing either; unseeded sampled rows draw one token with
     :func:`dflash.core.sampling.sample_from` from ``probs_from_logits(logits[j], sampling)`` moved to
     the generator's device, one draw (Exp(1) noise ``[V]``) per visited node, in walk order,
     rows in order, so a seeded request is reproducible and a generator shared by rows is
@@ -262,9 +268,20 @@ def _walk(tree: DraftTree, logits: torch.Tensor, par: RowParams) -> TreeVerified
             # Per visited node, not all n + 1 rows at once: a walk visits few of a wide tree's
             # rows, and each row is a reduction over the whole vocabulary.
             return int(logits[j].argmax())
+    elif par.coupled:
+        seed = par.sampling.seed
+        assert seed is not None                 # coupled = seeded
+        depth = [0] * len(tree.parents)
+        for j in range(1, len(tree.parents)):
+            depth[j] = depth[tree.parents[j]] + 1
+
+        def choose(j: int) -> int:
+            # keyed by the sequence index the choice fills: the output is the one without drafts
+            e = position_noise(seed, [par.position + depth[j]], logits.shape[-1], logits.device)
+            return int(coupled_choice(probs_from_logits(logits[j], par.sampling), e[0]))
     else:
         gen = par.generator
-        assert gen is not None                  # RowParams requires one for a sampled row
+        assert gen is not None                  # RowParams requires one for an unseeded row
 
         def choose(j: int) -> int:
             p = probs_from_logits(logits[j], par.sampling).to(gen.device)

@@ -10,7 +10,14 @@ reference elsewhere; see :mod:`kernels.reference`):
 * greedy rows (temperature < ``GREEDY_EPS``): longest prefix with ``draft[j] ==
   argmax(logits[j])``, then the bonus token ``argmax(logits[accepted])`` (z-lab/dflash
   ``dflash_generate`` greedy acceptance, ``kernels.greedy_accept``);
-* sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al.
+* seeded sampled rows (``sampling.seed`` set): coupled sampling. The target's token at block
+  position j is ``argmax(p_j / e_j)`` with ``e_j = position_noise(seed, position + j)``
+  (:func:`dflash.core.sampling.position_noise`, keyed by sequence index), so an exact draw from
+  ``p_j``; the drafts are accepted while they equal those tokens (``kernels.greedy_accept`` on
+  the scores ``p / e``), then that token is the bonus. The output is the one of decoding
+  without speculation whatever the drafts: the seeded drafter drafts ``argmax(q_j / e_j)`` with
+  the same noise, so a draft is accepted as often as the two races agree;
+* unseeded sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al.
   2023 (``kernels.rejection_sample``): draft ``d_j`` accepted when ``u_j * q_j(d_j) <=
   p_j(d_j)`` with ``p_j(d_j) > 0`` and ``q_j(d_j) > 0``, the recovered token drawn from
   ``max(p - q, 0)`` at the first rejection, else the bonus token from ``p_K``. ``p =
@@ -37,12 +44,12 @@ row-independent). Padding a shorter block up to a common k instead would need th
 to be rejected with probability 1 (and their random numbers not drawn), which the kernels do not
 express.
 
-Randomness: each sampled row draws from its own generator exactly as the per-session loop did
+Randomness: each unseeded sampled row draws from its own generator exactly as the per-session loop did
 (``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise shaped like
 ``p`` ``[1, k + 1, V]``, rows in order, so seeded requests keep their outputs bit for bit. A
 uniform of exactly 0 becomes 1 (:func:`_uniforms_open_closed`): ``u`` lies in (0, 1] and no
 other draw changes. The numbers are drawn on the generator's device and moved to the logits'
-device. Greedy rows draw nothing.
+device. Greedy and seeded rows draw nothing from a generator.
 
 Commit cut per row (:func:`commit_cut`, shared with tree verification): the accepted drafts
 plus the bonus/recovered token, cut after the first token in ``stops`` (finish ``"stop"``), then
@@ -58,7 +65,7 @@ import torch
 
 import kernels
 from dflash.core.finish import FINISH_LENGTH, FINISH_STOP
-from dflash.core.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, position_noise, probs_from_logits
 
 __all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
 
@@ -67,20 +74,33 @@ __all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
 class RowParams:
     """Per-request parameters of one row.
 
-    ``generator`` is required when ``sampling`` is not greedy; ``room`` is how many tokens the
-    request may still emit (``max_tokens - emitted``, >= 1).
+    ``generator`` is required when ``sampling`` is sampled and unseeded; ``room`` is how many
+    tokens the request may still emit (``max_tokens - emitted``, >= 1); ``position`` is the
+    sequence index (prompt included, 0-based) of the token after the anchor: the index a
+    seeded row's noise is keyed by (:func:`dflash.core.sampling.position_noise`).
     """
 
     sampling: Sampling
     generator: torch.Generator | None
     stops: frozenset[int]
     room: int
+    position: int = 0
 
     def __post_init__(self):
         if self.room < 1:
             raise ValueError(f"room must be >= 1, got {self.room}")
-        if not self.sampling.greedy and self.generator is None:
-            raise ValueError("generator is required for a sampled row")
+        if self.position < 0:
+            raise ValueError(f"position must be >= 0, got {self.position}")
+        if self.coupled is False and self.generator is None:
+            raise ValueError("generator is required for an unseeded sampled row")
+
+    @property
+    def coupled(self) -> bool | None:
+        """None for a greedy row, True for a seeded sampled row (coupled sampling), False for
+        an unseeded one (rejection sampling)."""
+        if self.sampling.greedy:
+            return None
+        return self.sampling.seed is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +139,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
     # same order as the per-row loop would).
     noise: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, par in enumerate(params):
-        if par.sampling.greedy:
+        if par.coupled is not False:       # greedy and seeded rows draw nothing
             continue
         k, gen = drafts[i].shape[0], par.generator
         assert gen is not None                # RowParams requires one for a sampled row
@@ -128,16 +148,23 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
                         device=gen.device).exponential_(generator=gen)
         noise[i] = (u, e)
 
-    groups: dict[tuple[bool, int], list[int]] = {}
+    groups: dict[tuple[bool | None, int], list[int]] = {}
     for i, par in enumerate(params):
-        groups.setdefault((par.sampling.greedy, drafts[i].shape[0]), []).append(i)
+        groups.setdefault((par.coupled, drafts[i].shape[0]), []).append(i)
 
     raw: list[tuple[int, list[int]] | None] = [None] * n
-    for (greedy, _k), rows in groups.items():
+    for (coupled, k), rows in groups.items():
         device = logits[rows[0]].device
         d = torch.stack([drafts[i].to(device=device, dtype=torch.int64) for i in rows])  # [m, k]
-        if greedy:
+        if coupled is None:
             acc, out = kernels.greedy_accept(d, torch.stack([logits[i] for i in rows]))
+        elif coupled:
+            scores = torch.stack([                                                   # [m, k+1, V]
+                probs_from_logits(logits[i], params[i].sampling)
+                / position_noise(seed, range(params[i].position, params[i].position + k + 1),
+                                 vocab, device)
+                for i in rows if (seed := params[i].sampling.seed) is not None])
+            acc, out = kernels.greedy_accept(d, scores)
         else:
             p = torch.stack([probs_from_logits(logits[i], params[i].sampling) for i in rows])
             q = torch.stack([

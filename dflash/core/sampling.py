@@ -12,6 +12,7 @@ to the target's logits only, in :mod:`dflash.core.logits_processors`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import secrets
 from collections.abc import Iterable, Mapping
@@ -113,7 +114,8 @@ class Sampling:
                         seed=self.seed, min_p=self.min_p)
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator:
-        """A fresh generator: seeded from ``seed`` (reproducible) or from the OS."""
+        """A fresh generator: seeded from ``seed`` (reproducible) or from the OS. Unseeded
+        requests sample from it; seeded ones use :func:`position_noise` instead."""
         g = torch.Generator(device=device)
         g.manual_seed(self.seed % 2**63 if self.seed is not None else secrets.randbits(63))
         return g
@@ -175,3 +177,34 @@ def sample_from(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Draw one index per row of ``probs`` [..., V] (exponential race, same rule as kernels)."""
     e = torch.empty_like(probs).exponential_(generator=g)
     return (probs / e).argmax(-1)
+
+
+def position_noise(seed: int, positions: Iterable[int], vocab: int,
+                   device: str | torch.device = "cpu") -> torch.Tensor:
+    """The Exp(1) noise float32 ``[len(positions), V]`` a seeded request samples with: row i
+    belongs to sequence index ``positions[i]`` (0-based, prompt included) and depends on
+    ``(seed, position)`` only.
+
+    A seeded request chooses the token at index t as ``argmax(p_t / noise_t)``
+    (:func:`coupled_choice`), an exponential race, so an exact draw from ``p_t`` (the noise of
+    t is independent of ``p_t``, which depends on earlier indices only). Verifier and drafter
+    compute the same rows: the drafter drafts ``argmax(q_t / noise_t)`` and a draft is accepted
+    iff it equals the target's own choice, so the output does not depend on the drafts, the
+    block length, the batch or a late drafter: it equals the output without speculation.
+    Drawn by a generator on ``device`` (CPU and CUDA generators draw different numbers for the
+    same seed, so verifier and drafter agree when both are on the same kind of device).
+    """
+    rows = []
+    for t in positions:
+        h = hashlib.blake2b(f"dflash-sample/{seed}/{t}".encode(), digest_size=8).digest()
+        g = torch.Generator(device=device).manual_seed(int.from_bytes(h, "little") >> 1)
+        rows.append(torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=g))
+    if not rows:
+        return torch.empty((0, vocab), dtype=torch.float32, device=device)
+    return torch.stack(rows)
+
+
+def coupled_choice(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``argmax(probs / noise)`` per row of ``probs`` [..., V] (any float; noise broadcast to
+    it, moved to its device): a seeded request's token, or a seeded draft (with q for p)."""
+    return (probs.float() / noise.to(probs.device)).argmax(-1)
