@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 from dflash.core.errors import FieldError
+from dflash.core.flags import DEVICE_FLAGS, DTYPE_FLAGS
 
-DEVICE_FLAGS = ("auto", "cpu", "cuda", "cuda:N")
-DTYPE_FLAGS = ("auto", "bfloat16", "float16", "float32")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash.core.flags import DTYPE_FLAGS
 from dflash.serving.argtypes import positive_float
 
 if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
@@ -76,7 +77,7 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-port", type=int, default=50050)
     p.add_argument("--verifier-port", type=int, default=50051)
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+    p.add_argument("--dtype", choices=DTYPE_FLAGS, default="auto",
                    help="every model service's --dtype: auto (float32 on a CPU, but bfloat16 for "
                         "drafters where the CPU has bf16 instructions; the checkpoint's on a GPU), "
                         "bfloat16, float16 or float32")

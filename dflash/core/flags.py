@@ -1,0 +1,7 @@
+"""Flag vocabularies shared by the model services (:mod:`dflash.core.device`) and the ``dflash``
+CLI, which builds its parsers without importing torch: one list of each, importable anywhere."""
+
+from __future__ import annotations
+
+DEVICE_FLAGS = ("auto", "cpu", "cuda", "cuda:N")
+DTYPE_FLAGS = ("auto", "bfloat16", "float16", "float32")
