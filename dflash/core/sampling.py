@@ -198,7 +198,11 @@ def position_noise(seed: int, positions: Iterable[int], vocab: int,
     for t in positions:
         h = hashlib.blake2b(f"dflash-sample/{seed}/{t}".encode(), digest_size=8).digest()
         g = torch.Generator(device=device).manual_seed(int.from_bytes(h, "little") >> 1)
-        rows.append(torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=g))
+        # -log(u): Exp(1). torch.rand is [0, 1) on a 2^-24 grid; a 0 is raised to 2^-25, so
+        # the noise is finite and > 0 (p / 0 would pick a token of p = 0). 3x faster on a CPU
+        # than exponential_, and this runs for k + 1 rows x V every seeded step.
+        u = torch.rand(vocab, generator=g, device=device)
+        rows.append(u.clamp_(min=2.0 ** -25).log_().neg_())
     if not rows:
         return torch.empty((0, vocab), dtype=torch.float32, device=device)
     return torch.stack(rows)
