@@ -35,7 +35,7 @@ import torch
 from scipy import stats
 from scipy.optimize import brentq
 
-from dflash.core.sampling import Sampling, coupled_choice, position_noise, probs_from_logits
+from dflash.core.sampling import Sampling, coupled_choice, exp_noise, position_noise, probs_from_logits
 from verifier_svc.tree import MAX_TREE_BUDGET, DraftTree, TreeVerified, ancestor_mask, build_tree, verify_trees
 from verifier_svc.verification import RowParams, commit_cut, verify_batch
 
@@ -683,7 +683,7 @@ def test_sampled_walk_draws_one_noise_per_visited_node():
         gen, twin = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         v, = verify_trees([tree], [logits], [params(s, gen)])
         for _ in range(len(v.path) + 1):
-            torch.empty(V_TINY).exponential_(generator=twin)
+            exp_noise((V_TINY,), twin)
         assert torch.equal(gen.get_state(), twin.get_state())
         again, = verify_trees([tree], [logits], [params(s, torch.Generator().manual_seed(seed))])
         assert again == v                                     # same generator: reproducible

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from dflash.core.sampling import Sampling, probs_from_logits
+from dflash.core.sampling import Sampling, exp_noise, probs_from_logits
 from verifier_svc import verification
 from verifier_svc.verification import RowParams, Verified, verify_batch
 
@@ -34,7 +34,7 @@ def _ref_verify(block: list[int], logits: torch.Tensor, draft_probs: torch.Tenso
         q = draft_probs[None].float() if draft_probs is not None else \
             torch.nn.functional.one_hot(drafts, p.shape[-1]).float()
         u = torch.rand((1, k), generator=gen)
-        e = torch.empty_like(p).exponential_(generator=gen)
+        e = exp_noise(tuple(p.shape), gen)
         acc, out = kernels.rejection_sample(drafts, q, p, u, e)
     a = int(acc[0])
     return a, out[0, :a + 1].tolist()
@@ -164,7 +164,7 @@ def test_sampled_rows_consume_their_generators():
                  [RowParams(Sampling(temperature=1.0), g, frozenset(), 10),
                   RowParams(Sampling(temperature=0.0), other, frozenset(), 10)])
     torch.rand((1, k), generator=twin)
-    torch.empty((1, k + 1, V)).exponential_(generator=twin)
+    exp_noise((1, k + 1, V), twin)
     assert torch.equal(g.get_state(), twin.get_state())
     assert torch.equal(other.get_state(), torch.Generator().manual_seed(8).get_state())
 

@@ -46,7 +46,7 @@ express.
 
 Randomness: each unseeded sampled row draws from its own generator exactly as the per-session loop did
 (``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise shaped like
-``p`` ``[1, k + 1, V]``, rows in order, so seeded requests keep their outputs bit for bit. A
+``p`` ``[1, k + 1, V]`` (:func:`dflash.core.sampling.exp_noise`), rows in order, so seeded requests keep their outputs bit for bit. A
 uniform of exactly 0 becomes 1 (:func:`_uniforms_open_closed`): ``u`` lies in (0, 1] and no
 other draw changes. The numbers are drawn on the generator's device and moved to the logits'
 device. Greedy and seeded rows draw nothing from a generator.
@@ -65,7 +65,7 @@ import torch
 
 import kernels
 from dflash.core.finish import FINISH_LENGTH, FINISH_STOP
-from dflash.core.sampling import Sampling, position_noise, probs_from_logits
+from dflash.core.sampling import Sampling, exp_noise, position_noise, probs_from_logits
 
 __all__ = ["RowParams", "Verified", "commit_cut", "verify_batch"]
 
@@ -144,8 +144,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         k, gen = drafts[i].shape[0], par.generator
         assert gen is not None                # RowParams requires one for a sampled row
         u = _uniforms_open_closed(torch.rand((1, k), generator=gen, device=gen.device))
-        e = torch.empty((1, k + 1, vocab), dtype=torch.float32,
-                        device=gen.device).exponential_(generator=gen)
+        e = exp_noise((1, k + 1, vocab), gen)
         noise[i] = (u, e)
 
     groups: dict[tuple[bool | None, int], list[int]] = {}
