@@ -230,8 +230,7 @@ def verify_trees(trees: list[DraftTree], logits: list[torch.Tensor], params: lis
     nothing either; unseeded sampled rows draw one token with
     :func:`dflash.core.sampling.sample_from` from ``probs_from_logits(logits[j], sampling)`` moved to
     the generator's device, one draw (Exp(1) noise ``[V]``) per visited node, in walk order,
-    rows in order, so a seeded request is reproducible and a generator shared by rows is
-    consumed as by a loop over them. If siblings carry the same token the first (lowest block
+    rows in order, so a generator shared by rows is consumed as by a loop over them. If siblings carry the same token the first (lowest block
     index) is taken.
 
     Raises:

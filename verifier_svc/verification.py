@@ -17,8 +17,8 @@ reference elsewhere; see :mod:`kernels.reference`):
   the scores ``p / e``), then that token is the bonus. The output is the one of decoding
   without speculation whatever the drafts: the seeded drafter drafts ``argmax(q_j / e_j)`` with
   the same noise, so a draft is accepted as often as the two races agree;
-* unseeded sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen et al.
-  2023 (``kernels.rejection_sample``): draft ``d_j`` accepted when ``u_j * q_j(d_j) <=
+* unseeded sampled rows: speculative (rejection) sampling, Leviathan et al. 2023 Alg. 1 / Chen
+  et al. 2023 (``kernels.rejection_sample``): draft ``d_j`` accepted when ``u_j * q_j(d_j) <=
   p_j(d_j)`` with ``p_j(d_j) > 0`` and ``q_j(d_j) > 0``, the recovered token drawn from
   ``max(p - q, 0)`` at the first rejection, else the bonus token from ``p_K``. ``p =
   probs_from_logits(logits, sampling)``; ``q`` is the drafter's probabilities (checked finite,
@@ -44,9 +44,10 @@ row-independent). Padding a shorter block up to a common k instead would need th
 to be rejected with probability 1 (and their random numbers not drawn), which the kernels do not
 express.
 
-Randomness: each unseeded sampled row draws from its own generator exactly as the per-session loop did
-(``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise shaped like
-``p`` ``[1, k + 1, V]`` (:func:`dflash.core.sampling.exp_noise`), rows in order, so seeded requests keep their outputs bit for bit. A
+Randomness: each unseeded sampled row draws from its own generator exactly as the per-session
+loop did (``VerifierEngine._verify``): ``u = rand((1, k))`` first, then ``e = Exp(1)`` noise
+shaped like ``p`` ``[1, k + 1, V]`` (:func:`dflash.core.sampling.exp_noise`), rows in order, so
+a generator shared by rows is consumed as by a loop over them. A
 uniform of exactly 0 becomes 1 (:func:`_uniforms_open_closed`): ``u`` lies in (0, 1] and no
 other draw changes. The numbers are drawn on the generator's device and moved to the logits'
 device. Greedy and seeded rows draw nothing from a generator.
