@@ -5,7 +5,9 @@ value (``echo: false``, ``response_format: {"type": "text"}``...), and the exten
 names where vLLM has one: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``chat_template_kwargs``; and ``drafter``, ``speculation``, ``speculation_mode``,
 ``tree_budget``, ``block_size``, ``session_id``). Any other field is refused (``extra="forbid"``):
-nothing a client sends is silently ignored. Responses follow ``openai.types`` (field names and
+nothing a client sends is silently ignored. Integer fields take JSON integers only
+(``StrictInt``): ``true``, ``"5"`` or ``1.0`` for a seed or a token count is a 400 naming the
+field, not a silent 1 or 5. Responses follow ``openai.types`` (field names and
 shapes are checked against them in tests/test_http_api.py) plus ``metrics.speculative_decoding``
 (vLLM's per-request statistics) at the top level and on each choice.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class _Body(BaseModel):
@@ -31,35 +33,35 @@ class _Sampling(_Body):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None          # OpenAI's default is 1.0
     top_p: float | None = None
-    n: int | None = None
-    seed: int | None = None
+    n: StrictInt | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None                   # an end-user id for the caller's records; no effect
     # extensions (vLLM's names)
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     # extensions (this server)
     drafter: str | None = None                # "name" or "name@version"
     speculation: bool | None = None           # false: no drafter (the baseline)
     speculation_mode: str | None = None       # "off" | "fixed" | "adaptive" | "tree"
-    tree_budget: int | None = None
-    block_size: int | None = None
+    tree_budget: StrictInt | None = None
+    block_size: StrictInt | None = None
     session_id: str | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[Any]
-    logprobs: int | None = None               # top alternatives per token, 0..20
+    logprobs: StrictInt | None = None         # top alternatives per token, 0..20
     # accepted only at their no-op values
-    best_of: int | None = None                # == n
+    best_of: StrictInt | None = None          # == n
     echo: bool | None = None                  # false
     suffix: str | None = None                 # null or ""
 
@@ -75,9 +77,9 @@ class ResponseFormat(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted only at their no-op values
     response_format: ResponseFormat | None = None   # {"type": "text"}

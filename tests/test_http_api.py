@@ -170,15 +170,14 @@ def test_stop_string_and_max_tokens(served):
 
 def test_seed_reproduces_a_sampled_answer(served):
     _, _, client = served
-    # speculation off: under adaptive (or a fallback step) block lengths depend on timing, and a
-    # seeded sample is then a different, equally exact draw (docs/batching.md)
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0,
-              extra_body={"speculation_mode": "off"})
-    a = client.completions.create(seed=7, **kw).choices[0].text
-    b = client.completions.create(seed=7, **kw).choices[0].text
-    c = client.completions.create(seed=8, **kw).choices[0].text
-    assert a == b
-    assert a != c
+    # coupled sampling: a seeded answer is the one without speculation, in every mode
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0)
+    a = client.completions.create(seed=7, extra_body={"speculation_mode": "off"}, **kw)
+    b = client.completions.create(seed=7, **kw)                               # adaptive
+    f = client.completions.create(seed=7, extra_body={"speculation_mode": "fixed"}, **kw)
+    c = client.completions.create(seed=8, extra_body={"speculation_mode": "off"}, **kw)
+    assert a.choices[0].text == b.choices[0].text == f.choices[0].text
+    assert a.choices[0].text != c.choices[0].text
 
 
 def test_n3_sampled_samples_are_distinct_each_with_its_statistics(served):
@@ -285,6 +284,12 @@ BAD = [  # (endpoint, body fields, the parameter the 400 names)
     ("completions", {"n": 0}, "n"),
     ("completions", {"n": 999}, "n"),
     ("completions", {"seed": -1}, "seed"),
+    ("completions", {"seed": True}, "seed"),                      # JSON integers only
+    ("completions", {"seed": "5"}, "seed"),
+    ("completions", {"seed": 1.0}, "seed"),
+    ("completions", {"seed": 1e20}, "seed"),
+    ("completions", {"max_tokens": "8"}, "max_tokens"),
+    ("chat", {"n": True}, "n"),
     ("completions", {"stop": [""]}, "stop[0]"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"presence_penalty": 3}, "presence_penalty"),
