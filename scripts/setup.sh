@@ -12,10 +12,14 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# pip, minus this machine's "Location ... is ignored" noise; a failed install fails the script
-# (the filter's own status is ignored: grep exits 1 when it prints nothing).
+# pip, minus this machine's "Location ... is ignored" noise and setuptools' boxed warning about
+# editable installs (it reads like an error on a first ./run.sh); a failed install fails the
+# script (pip's own status is returned).
 pip_install() {
-  .venv/bin/python -m pip install -q "$@" 2>&1 | { grep -v -E "^WARNING: Location|is ignored" || true; }
+  .venv/bin/python -m pip install -q "$@" 2>&1 | awk '
+    /BuildBackendWarning: Editable installation/ { skip = 1 }
+    !skip && !/^WARNING: Location|is ignored/ { print }
+    skip && /WheelFile\(/ { skip = 0 }'
   return "${PIPESTATUS[0]}"
 }
 # A second run with the same pins, in the same checkout, installs nothing: the stamp saves
