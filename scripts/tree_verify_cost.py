@@ -2,6 +2,7 @@
 
     python scripts/tree_verify_cost.py [--context 300] [--nodes 4,8,16,32] [--reps 15]
                                        [--skinny-max-rows -1] [--threads 0] [--json out.json]
+                                       [--batch 1]
 
 One session with ``--context`` cached positions (batch 1), then, interleaved round by round so
 drift and other load on the machine fall on every shape alike:
@@ -69,6 +70,9 @@ def main() -> None:
                    help="as the verifier's flag; -1 (default) = tune at start, as it does")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sessions per forward (TargetModel.forward_batch; contexts staggered by "
+                        "up to 7 positions): every session's block a chain, or every one a tree")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -82,9 +86,15 @@ def main() -> None:
     rows = t.tune_skinny()
     g = torch.Generator().manual_seed(0)
     vocab = min(t.vocab_size, 20000)
-    cache = t.new_cache()
-    t.forward(torch.randint(100, vocab, (a.context,), generator=g).tolist(), cache, None,
-              logits_to_keep=1)
+    caches, lens = [], []
+    for i in range(max(a.batch, 1)):
+        c = t.new_cache()
+        n_ctx = a.context + (i % 8 if a.batch > 1 else 0)
+        t.forward(torch.randint(100, vocab, (n_ctx,), generator=g).tolist(), c, None,
+                  logits_to_keep=1)
+        caches.append(c)
+        lens.append(n_ctx)
+    cache = caches[0]
     sizes = [int(x) for x in a.nodes.split(",")]
     trees = {n: synthetic_tree(n) for n in sizes}
 
@@ -96,6 +106,8 @@ def main() -> None:
         fn()
         return 1e3 * (time.perf_counter() - t0)
 
+    if a.batch > 1:
+        return batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows)
     samples: dict[str, list[float]] = {"decode": []}
     for n in sizes:
         samples[f"chain {n}"], samples[f"tree {n}"], samples[f"keep {n}"] = [], [], []
@@ -137,6 +149,56 @@ def main() -> None:
             json.dump({"target": str(path), "context": a.context, "reps": a.reps,
                        "threads": torch.get_num_threads(), "skinny_max_rows": rows,
                        "tree_depths": {n: trees[n].max_depth for n in sizes},
+                       "median_ms": med, "tree_over_chain_paired": paired,
+                       "samples_ms": samples}, f, indent=1)
+
+
+def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None:
+    """``--batch`` > 1: per round, one decode step of every session, then per size one batched
+    forward with every session's block a chain and one with every block a tree (the same row
+    count); each followed by crops back to the sessions' contexts (not timed)."""
+    b = len(caches)
+
+    def crop_all() -> None:
+        for c, n in zip(caches, lens):
+            t.crop(c, n)
+
+    samples: dict[str, list[float]] = {"decode": []}
+    for n in sizes:
+        samples[f"chain {n}"], samples[f"tree {n}"] = [], []
+    for rnd in range(a.reps + 1):
+        got = {"decode": timed(lambda: t.forward_batch([tokens(1) for _ in caches], caches,
+                                                       [()] * b))}
+        crop_all()
+        for n in sizes:
+            blks = [tokens(n + 1) for _ in caches]
+            got[f"chain {n}"] = timed(lambda blks=blks: t.forward_batch(blks, caches, [()] * b))
+            crop_all()
+            par = [trees[n].parents] * b
+            got[f"tree {n}"] = timed(lambda blks=blks, par=par: t.forward_batch(
+                blks, caches, [()] * b, parents=par))
+            crop_all()
+        if rnd:
+            for k, v in got.items():
+                samples[k].append(v)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    paired = {n: statistics.median([x / y for x, y in zip(samples[f"tree {n}"],
+                                                           samples[f"chain {n}"])])
+              for n in sizes}
+    print(f"target {path}: batch {b}, {a.context}-{a.context + 7} cached positions, torch "
+          f"threads {torch.get_num_threads()}, skinny rows {rows}, median of {a.reps} rounds")
+    print(f"{'shape':<10} {'rows':>6} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
+    print(f"{'decode':<10} {b:>6} {med['decode']:>8.1f} {1.0:>9.2f}")
+    for n in sizes:
+        for kind in ("chain", "tree"):
+            m = med[f"{kind} {n}"]
+            ratio = f" {paired[n]:>10.3f}" if kind == "tree" else ""
+            print(f"{kind + ' ' + str(n):<10} {b * (n + 1):>6} {m:>8.1f} "
+                  f"{m / med['decode']:>9.2f}" + ratio)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"target": str(path), "batch": b, "context": a.context, "reps": a.reps,
+                       "threads": torch.get_num_threads(), "skinny_max_rows": rows,
                        "median_ms": med, "tree_over_chain_paired": paired,
                        "samples_ms": samples}, f, indent=1)
 
