@@ -126,11 +126,7 @@ def main() -> None:
         if rnd:                                   # round 0 warms up
             for k, v in got.items():
                 samples[k].append(v)
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    # tree over chain of the same size within each round: drift between rounds cancels
-    paired = {n: statistics.median([x / y for x, y in zip(samples[f"tree {n}"],
-                                                           samples[f"chain {n}"])])
-              for n in sizes}
+    med, paired = summarize(samples, sizes)
     print(f"target {path}: {a.context} cached positions, batch 1, torch threads "
           f"{torch.get_num_threads()}, skinny rows {rows}, median of {a.reps} interleaved rounds")
     print(f"{'shape':<10} {'tokens':>6} {'depth':>5} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
@@ -151,6 +147,17 @@ def main() -> None:
                        "tree_depths": {n: trees[n].max_depth for n in sizes},
                        "median_ms": med, "tree_over_chain_paired": paired,
                        "samples_ms": samples}, f, indent=1)
+
+
+def summarize(samples: dict[str, list[float]], sizes: list[int]
+              ) -> tuple[dict[str, float], dict[int, float]]:
+    """Median ms per shape, and per size the median of the per-round ratio tree / chain (paired
+    within each round, so drift between rounds cancels)."""
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    paired = {n: statistics.median([x / y for x, y in zip(samples[f"tree {n}"],
+                                                           samples[f"chain {n}"])])
+              for n in sizes}
+    return med, paired
 
 
 def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None:
@@ -181,10 +188,7 @@ def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None
         if rnd:
             for k, v in got.items():
                 samples[k].append(v)
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    paired = {n: statistics.median([x / y for x, y in zip(samples[f"tree {n}"],
-                                                           samples[f"chain {n}"])])
-              for n in sizes}
+    med, paired = summarize(samples, sizes)
     print(f"target {path}: batch {b}, {a.context}-{a.context + 7} cached positions, torch "
           f"threads {torch.get_num_threads()}, skinny rows {rows}, median of {a.reps} rounds")
     print(f"{'shape':<10} {'rows':>6} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")

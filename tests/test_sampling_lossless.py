@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import random
 import threading
 from unittest import mock
 
@@ -58,10 +57,11 @@ import torch
 from scipy import stats
 from scipy.optimize import brentq
 
-from dflash.core.proposer import DrafterCard, Proposal
-from dflash.core.sampling import Sampling, coupled_choice, position_noise, probs_from_logits
+from dflash.core.sampling import Sampling, probs_from_logits
 from dflash.v1 import common_pb2, gateway_pb2
 from verifier_svc.engine import Request, VerifierEngine
+
+from markov import TableDrafter
 
 V = 4
 ALPHA = 1e-3
@@ -149,48 +149,6 @@ class MarkovTarget:
     @staticmethod
     def own(cache) -> None:
         pass
-
-
-class FixedQDrafter:
-    """A Proposer over the same states as the target: draft j is drawn from
-    ``q[parity of its predecessor's position, predecessor]``; returns those rows of q.
-
-    Like a real drafter it learns the anchor's position from the context it is sent
-    (``context_start + len(context)``), so it asks for one tapped layer."""
-
-    def __init__(self, q: torch.Tensor, block_size: int = BLOCK_SIZE, coupled: bool = False):
-        self.q = q.float()
-        self.coupled = coupled      # seeded drafts race q against the verifier's position noise
-        self.card = DrafterCard(name="fixed-q", version="1", block_size=block_size, mask_token_id=0,
-                                target_layer_ids=(0,), hidden_size=MarkovTarget.hidden_size,
-                                vocab_size=V, dtype="float32")
-        self._cum = self.q.double().cumsum(-1).tolist()
-        self._rngs: dict[str, random.Random] = {}
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            rng = self._rngs.setdefault(r.session_id, random.Random(f"{r.session_id}/{r.sampling.seed}"))
-            anchor_pos = r.context_start + r.context.shape[0]
-            prev, toks = r.anchor_token, []
-            for j in range(r.block_size - 1):
-                if self.coupled:    # as the DFlash drafter: the noise of sequence index t
-                    t = anchor_pos + 1 + j
-                    e = position_noise(r.sampling.seed, [t], V)[0]
-                    prev = int(coupled_choice(self.q[(anchor_pos + j) % 2, prev], e))
-                else:
-                    cum = self._cum[(anchor_pos + j) % 2][prev]
-                    u = rng.random() * cum[-1]
-                    prev = next(t for t in range(V) if u < cum[t])
-                toks.append(prev)
-            k = len(toks)
-            probs = self.q[(anchor_pos + torch.arange(k)) % 2, torch.tensor([r.anchor_token] + toks[:-1])]
-            out.append(Proposal(tokens=torch.tensor(toks, dtype=torch.int64), probs=probs.reshape(k, V)))
-        return out
-
-    def release(self, session_ids):
-        for s in session_ids:
-            self._rngs.pop(s, None)
 
 
 def draft_probs(sampling: Sampling) -> torch.Tensor:
@@ -288,7 +246,7 @@ def run(setting: int, speculative: bool, seeded: bool = True) -> tuple[np.ndarra
     generators seeded from a fixed sequence in place of the OS so the test is deterministic."""
     sampling = SETTINGS[setting]
     engine = VerifierEngine(MarkovTarget())
-    drafter = FixedQDrafter(draft_probs(sampling), coupled=seeded) if speculative else None
+    drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE) if speculative else None
     n_tokens = N_TRANSITIONS if speculative else N_PLAIN
     seqs, info = [], {"steps": 0, "drafted_steps": 0, "rejected_steps": 0, "full_steps": 0}
     os_bits = itertools.count(7_000_000 * (setting + 1) + (500_000 if speculative else 0))
@@ -360,7 +318,7 @@ def test_seeded_drafts_from_the_target_itself_are_all_accepted():
     either side would reject most drafts and only show as a lower tau)."""
     sampling = SETTINGS[1]
     engine = VerifierEngine(MarkovTarget())
-    drafter = FixedQDrafter(probs_from_logits(TARGET_LOGITS, sampling), coupled=True)
+    drafter = TableDrafter(probs_from_logits(TARGET_LOGITS, sampling), BLOCK_SIZE)
     for seed in range(3):
         req = Request(request_id=f"p{seed}", prompt=list(PROMPT), max_tokens=200,
                       sampling=Sampling(temperature=sampling.temperature, seed=seed),

@@ -21,18 +21,18 @@ import functools
 import numpy as np
 import pytest
 
-from dflash.core.proposer import Proposal
 from dflash.core.sampling import Sampling
 from verifier_svc.engine import Request, VerifierEngine
 
+from markov import TableDrafter
 from test_sampling_lossless import (
     ALPHA,
     BIAS,
+    BLOCK_SIZE,
     N_TRANSITIONS,
     PROMPT,
     SETTINGS,
     TOKENS_PER_REQUEST,
-    FixedQDrafter,
     MarkovTarget,
     draft_probs,
     exact_transition_probs,
@@ -46,24 +46,6 @@ BUDGET = 8
 pytestmark = pytest.mark.slow
 
 
-class TopKQDrafter(FixedQDrafter):
-    """:class:`FixedQDrafter` plus, per draft position, the support of the q row it drew from
-    (ids by descending q, log q), as a DFlash drafter's top-k."""
-
-    def propose(self, requests):
-        out = []
-        for r, res in zip(requests, super().propose(requests)):
-            if not r.top_k or not res.tokens.numel():
-                out.append(res)
-                continue
-            q = res.probs                                               # [k, V]
-            cols = min(r.top_k, int((q > 0).sum(-1).min()))
-            vals, ids = q.sort(dim=-1, descending=True, stable=True)
-            out.append(Proposal(tokens=res.tokens, probs=q, top_ids=ids[:, :cols].contiguous(),
-                                top_logprobs=vals[:, :cols].log().float().contiguous()))
-        return out
-
-
 @functools.cache
 def run(setting: int, positions_by_slot: bool = False) -> tuple[np.ndarray, dict]:
     sampling = SETTINGS[setting]
@@ -73,7 +55,7 @@ def run(setting: int, positions_by_slot: bool = False) -> tuple[np.ndarray, dict
         target.forward = lambda tokens, cache, layer_ids, logits_to_keep=0, parents=None: plain(
             tokens, cache, layer_ids, logits_to_keep)
     engine = VerifierEngine(target, spec_mode="tree", tree_budget=BUDGET)
-    drafter = TopKQDrafter(draft_probs(sampling))
+    drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE)
     seqs, info = [], {"tree_steps": 0, "nodes": 0, "accepted": 0, "deep": 0}
     for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
         req = Request(request_id=f"t{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,

@@ -159,11 +159,7 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         if coupled is None:
             acc, out = kernels.greedy_accept(d, torch.stack([logits[i] for i in rows]))
         elif coupled:
-            scores = torch.stack([                                                   # [m, k+1, V]
-                probs_from_logits(logits[i], params[i].sampling)
-                / position_noise(seed, range(params[i].position, params[i].position + k + 1),
-                                 vocab, device)
-                for i in rows if (seed := params[i].sampling.seed) is not None])
+            scores = torch.stack([_coupled_scores(logits[i], params[i], k) for i in rows])
             acc, out = kernels.greedy_accept(d, scores)
         else:
             p = torch.stack([probs_from_logits(logits[i], params[i].sampling) for i in rows])
@@ -186,6 +182,15 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         results.append(Verified(tokens=new, accepted=accepted, drafted=drafts[i].shape[0],
                                 finish=finish))
     return results
+
+
+def _coupled_scores(logits: torch.Tensor, par: RowParams, k: int) -> torch.Tensor:
+    """``p / e`` [k + 1, V] of a seeded row: block position j races against the noise of
+    sequence index ``par.position + j``; its argmax is the target's token there."""
+    assert par.sampling.seed is not None                  # coupled rows are the seeded ones
+    noise = position_noise(par.sampling.seed, range(par.position, par.position + k + 1),
+                           logits.shape[-1], logits.device)
+    return probs_from_logits(logits, par.sampling) / noise
 
 
 def commit_cut(tokens: list[int], accepted: int, params: RowParams
