@@ -289,11 +289,15 @@ def test_pool_rows_are_reused_with_no_growth_over_1000_join_leave_cycles():
     assert kept.resident == 0 and kept.k and kept.nbytes <= kept.keep_idle_bytes
 
 
-def test_engine_frees_pool_rows_of_finished_requests(target_model):
+def test_engine_frees_pool_rows_of_finished_requests(tiny_target):
     """Requests that come and go (one-shot and kept sessions, some concurrent) leave no rows
     behind: one-shot sessions free theirs, kept sessions spill out of the pool between turns."""
     from verifier_svc.engine import Request, VerifierEngine
+    from verifier_svc.target import TargetModel
 
+    # a target of its own: the shared one's pool holds other tests' idle sessions, which may
+    # spill while this test runs
+    target_model = TargetModel(tiny_target)
     engine = VerifierEngine(target_model)
     pool = target_model.pool
     before = pool.resident
