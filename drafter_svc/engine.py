@@ -24,12 +24,22 @@ import torch
 from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.core.draft_vocab import load_draft_vocab
+from dflash.core.flags import PACKED_CHOICES
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
 from dflash.core.sampling import coupled_choice, position_noise, probs_from_logits, sample_from
 from dflash.serving.threads import claim
-from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
+from kernels.skinny_linear import (
+    AUTO,
+    DEFAULT_MAX_ROWS,
+    packed_summary,
+    set_packed,
+    tune_max_rows,
+    tune_packed,
+    tuning_summary,
+    use_skinny_linear,
+)
 
 log = logging.getLogger("dflash.drafter")
 CONTEXT_SCHED = ("idle", "normal")
@@ -64,6 +74,9 @@ class DrafterEngine:
             None = the full vocabulary. Its LM head is then ``N x H`` instead of ``V x H``.
         skinny_max_rows: linear layers and the LM head with 2..N rows use the transposed
             product (``kernels.skinny_linear``); 0 = plain ``F.linear``.
+        packed_linear: "on": linear layers and the LM head take oneDNN products on prepacked
+            weights (``kernels.packed_linear``; CPU only); "auto": measured at :meth:`warmup`;
+            "off" (default) never. Raises ValueError for other values.
         threads: torch threads of the engine's compute thread, which runs every draft (calls
             come from any gRPC thread); it then is the process's only multi-threaded torch
             thread (``dflash.serving.threads.claim``). 0 = leave torch's threads alone.
@@ -84,7 +97,10 @@ class DrafterEngine:
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
-                 threads: int = 0, context_threads: int = 1, context_sched: str = "idle"):
+                 packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
+                 context_sched: str = "idle"):
+        if packed_linear not in PACKED_CHOICES:
+            raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -98,9 +114,11 @@ class DrafterEngine:
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
-        use_skinny_linear(drafter, skinny_max_rows)
+        self.packed_linear = packed_linear if self.device.type == "cpu" else "off"
+        use_skinny_linear(drafter, skinny_max_rows, always=self.packed_linear != "off")
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
+        set_packed(drafter, int(self.packed_linear == "on"), also=[head])
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=functools.partial(claim, threads) if threads else None)
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
@@ -134,8 +152,9 @@ class DrafterEngine:
                         dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                         name: str | None = None,
                         version: str | None = None, draft_vocab_size: int = -1,
-                        skinny_max_rows: int = DEFAULT_MAX_ROWS, threads: int = 0,
-                        context_threads: int = 1, context_sched: str = "idle") -> "DrafterEngine":
+                        skinny_max_rows: int = DEFAULT_MAX_ROWS, packed_linear: str = "off",
+                        threads: int = 0, context_threads: int = 1,
+                        context_sched: str = "idle") -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -160,7 +179,7 @@ class DrafterEngine:
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
-                   threads=threads, context_threads=context_threads, context_sched=context_sched)
+                   packed_linear=packed_linear, threads=threads, context_threads=context_threads, context_sched=context_sched)
 
     @property
     def num_sessions(self) -> int:
@@ -175,7 +194,9 @@ class DrafterEngine:
         """One tiny draft so first requests don't pay lazy initialisation; then, with
         ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
         compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
-        and without the transposed product; ``kernels.skinny_linear.tune_max_rows``)."""
+        and without the transposed product; ``kernels.skinny_linear.tune_max_rows``); with
+        ``packed_linear`` "auto", blocks of 1 / 4 / 16 with and without the prepacked product
+        (``kernels.skinny_linear.tune_packed``)."""
         from dflash.core.sampling import Sampling
 
         def req(block: int, rows: int = 2) -> ProposalRequest:
@@ -194,6 +215,16 @@ class DrafterEngine:
 
             self.skinny_max_rows, timings = self._compute.submit(tune).result()
             log.info("%s", tuning_summary(self.skinny_max_rows, timings))
+        if self.packed_linear == "auto":
+            blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
+
+            def tune_p():
+                return tune_packed(self.drafter, lambda n: self._propose_on([req(n, 64)]),
+                                   rows=blocks, also=[self.head])
+
+            packed, ptimes = self._compute.submit(tune_p).result()
+            self.packed_linear = "on" if packed == 1 else f"from {packed} rows" if packed else "off"
+            log.info("%s", packed_summary(packed, ptimes))
         self.release(["__warmup__"])
 
     # ------------------------------------------------------------------ Proposer

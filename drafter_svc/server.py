@@ -94,7 +94,8 @@ def main(argv=None) -> None:
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
                                            name=a.name,
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
-                                           skinny_max_rows=a.skinny_max_rows, threads=threads,
+                                           skinny_max_rows=a.skinny_max_rows,
+                                           packed_linear=a.packed_linear, threads=threads,
                                            context_threads=a.context_threads,
                                            context_sched=a.context_sched)
     engine.warmup()

@@ -30,6 +30,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from kernels.packed_linear import applies as packed_applies, available as packed_available, packed_linear
+
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
 #: ``max_rows`` value meaning "measure at start" (:func:`tune_max_rows`); switched layers use
@@ -40,9 +42,12 @@ MARGIN = 0.03
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  max_rows: int = DEFAULT_MAX_ROWS, one_row: bool = False) -> torch.Tensor:
+                  max_rows: int = DEFAULT_MAX_ROWS, one_row: bool = False,
+                  packed: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``(weight @ x2d.T).T`` when it has 2..``max_rows`` rows
-    (and, with ``one_row``, for one row, computed as two copies of it).
+    (and, with ``one_row``, for one row, computed as two copies of it); with ``packed``, as the
+    oneDNN product on the prepacked weight (:mod:`kernels.packed_linear`) at every row count
+    where that applies.
 
     Args:
         x: [..., in_features]; rows = the product of the leading dimensions.
@@ -54,12 +59,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             of it: on some CPUs both ``F.linear`` and ``weight @ x`` of one row take a slow
             matrix-vector kernel that a two-column product avoids. Same conditions as
             ``max_rows``; :func:`tune_max_rows` decides it.
+        packed: from this many rows on (0 = never), take
+            :func:`kernels.packed_linear.packed_linear` (CPU, float32 or bfloat16, no autograd)
+            before either; :func:`tune_packed` decides it.
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if packed and rows >= packed and packed_applies(x, weight):
+        return packed_linear(x, weight, bias)
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or torch.get_num_threads() < 2
             or not (2 <= rows <= max_rows or (rows == 1 and one_row))):
@@ -84,16 +94,20 @@ class SkinnyLinear(torch.nn.Linear):
 
     skinny_max_rows: int = DEFAULT_MAX_ROWS
     skinny_one_row: bool = False
+    skinny_packed: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows, self.skinny_one_row)
+        return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows, self.skinny_one_row,
+                             self.skinny_packed)
 
 
-def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
+                      always: bool = False) -> int:
     """Switch every plain ``nn.Linear`` in ``model`` to :class:`SkinnyLinear`, in place.
 
     Parameters, hooks and the state dict are untouched (only the class changes). Subclasses of
-    ``nn.Linear`` (quantised or sharded layers) are left alone. ``max_rows`` 0 changes nothing;
+    ``nn.Linear`` (quantised or sharded layers) are left alone. ``max_rows`` 0 changes nothing
+    unless ``always`` (then the layers switch with limit 0, for :func:`set_packed`);
     :data:`AUTO` (-1) switches with ``DEFAULT_MAX_ROWS`` (then :func:`tune_max_rows`).
 
     Returns:
@@ -103,7 +117,7 @@ def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) 
     """
     if max_rows < AUTO:
         raise ValueError(f"skinny_max_rows: must be -1 (tune), 0 (off) or a row limit, got {max_rows}")
-    if max_rows == 0:
+    if max_rows == 0 and not always:
         return 0
     if max_rows == AUTO:
         max_rows = DEFAULT_MAX_ROWS
@@ -128,6 +142,66 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[Any] = ()
                 m.skinny_one_row = one_row
     for o in also:
         o.skinny_max_rows = max_rows
+
+
+def set_packed(model: torch.nn.Module, packed: int, also: Iterable[Any] = ()) -> None:
+    """Set the prepacked product's row threshold (:mod:`kernels.packed_linear`; 0 = off, 1 =
+    every row count, 2 = two rows or more) of every :class:`SkinnyLinear` in ``model`` and of
+    each object in ``also`` (``skinny_packed``)."""
+    for m in model.modules():
+        if isinstance(m, SkinnyLinear):
+            m.skinny_packed = packed
+    for o in also:
+        o.skinny_packed = packed
+
+
+def tune_packed(model: torch.nn.Module, probe: Callable[[int], object], *,
+                rows: tuple[int, ...] = (1, 4, 16), reps: int = 5, margin: float = MARGIN,
+                also: Iterable[Any] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
+    """Decide the prepacked product of ``model``'s skinny layers (and ``also``'s) by timing the
+    real workload, after :func:`tune_max_rows` chose the other paths.
+
+    ``probe(n)`` runs ``reps`` times per ``n`` in ``rows`` with the packed product at every row
+    count and ``reps`` times without, interleaved, after one untimed call each way (which also
+    packs the weights). Multi-row blocks (a verify) take it when the sum of its medians over the
+    ``rows`` above 1 beats the other's by more than ``margin``; one row (a decode, where the
+    two-copy product may already be fast) when its own median does as well. ``model`` (and
+    ``also``) are left at the result. Returns (threshold for :func:`set_packed`, {n: (packed
+    median s, unpacked median s)}); (0, {}) when no layer is a :class:`SkinnyLinear` or oneDNN
+    is missing.
+    """
+    also = list(also)
+    if not packed_available(torch.float32) or (
+            not also and not any(isinstance(m, SkinnyLinear) for m in model.modules())):
+        return 0, {}
+    runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
+    for state in (True, False):
+        set_packed(model, int(state), also)
+        for n in rows:
+            probe(n)
+    for r in range(reps):
+        for state in ((True, False) if r % 2 else (False, True)):
+            set_packed(model, int(state), also)
+            for n in rows:
+                t0 = time.perf_counter()
+                probe(n)
+                runs[n][state].append(time.perf_counter() - t0)
+    timings = {n: (statistics.median(v[True]), statistics.median(v[False])) for n, v in runs.items()}
+    multi = [t for n, t in timings.items() if n > 1]
+    threshold = 0
+    if multi and wins(sum(t[0] for t in multi), sum(t[1] for t in multi), margin):
+        threshold = 1 if 1 in timings and wins(*timings[1], margin) else 2
+    set_packed(model, threshold, also)
+    return threshold, timings
+
+
+def packed_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:
+    """One log line for a :func:`tune_packed` result."""
+    if not timings:
+        return "packed linear: unavailable (no oneDNN or no switchable layer)"
+    parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
+    state = {0: "off", 1: "on", 2: "on from 2 rows"}.get(threshold, f"on from {threshold} rows")
+    return f"packed linear: {state} (ms, packed vs other: {parts})"
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,

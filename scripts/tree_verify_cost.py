@@ -1,7 +1,8 @@
 """What a tree verify costs on the real target: the curve tree verification (DDTree) rests on.
 
     python scripts/tree_verify_cost.py [--context 300] [--nodes 4,8,16,32] [--reps 15]
-                                       [--skinny-max-rows -1] [--threads 0] [--json out.json]
+                                       [--skinny-max-rows -1] [--packed-linear auto]
+                                       [--threads 0] [--json out.json]
                                        [--batch 1]
 
 One session with ``--context`` cached positions (batch 1), then, interleaved round by round so
@@ -68,6 +69,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15, help="timed rounds (one untimed warm-up first)")
     p.add_argument("--skinny-max-rows", type=int, default=AUTO,
                    help="as the verifier's flag; -1 (default) = tune at start, as it does")
+    p.add_argument("--packed-linear", default="auto", choices=("auto", "on", "off"),
+                   help="as the verifier's flag; auto (default) = tune at start, as it does")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--batch", type=int, default=1,
@@ -82,7 +85,7 @@ def main() -> None:
         from dflash.tools.target_setup import setup_target
 
         path = setup_target()
-    t = TargetModel(path, skinny_max_rows=a.skinny_max_rows)
+    t = TargetModel(path, skinny_max_rows=a.skinny_max_rows, packed_linear=a.packed_linear)
     rows = t.tune_skinny()
     g = torch.Generator().manual_seed(0)
     vocab = min(t.vocab_size, 20000)
@@ -128,7 +131,7 @@ def main() -> None:
                 samples[k].append(v)
     med, paired = summarize(samples, sizes)
     print(f"target {path}: {a.context} cached positions, batch 1, torch threads "
-          f"{torch.get_num_threads()}, skinny rows {rows}, median of {a.reps} interleaved rounds")
+          f"{torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, median of {a.reps} interleaved rounds")
     print(f"{'shape':<10} {'tokens':>6} {'depth':>5} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
     print(f"{'decode':<10} {1:>6} {'':>5} {med['decode']:>8.1f} {1.0:>9.2f}")
     for n in sizes:

@@ -273,7 +273,8 @@ def _load_target(a, rt, devices):
 
     if a.ep_size <= 1:
         target = TargetModel(a.target, dtype=a.dtype, device=devices[0],
-                             skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs)
+                             skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs,
+                             packed_linear=a.packed_linear)
         log.info("target on %s in %s%s", target.device, target.dtype,
                  ", CUDA graphs" if a.cuda_graphs else "")
         return target
@@ -287,8 +288,8 @@ def _load_target(a, rt, devices):
 
 
 def _warmup(engine) -> None:
-    """Tune the skinny-product row limit on the scheduler thread (``TargetModel.tune_skinny``;
-    expert-parallel targets keep theirs), then one tiny request."""
+    """Tune the skinny-product row limit and the prepacked product on the scheduler thread
+    (``TargetModel.tune_skinny``; expert-parallel targets keep theirs), then one tiny request."""
     from verifier_svc.engine import Request
 
     engine.scheduler.run_on_loop(engine.target.tune_skinny)

@@ -25,9 +25,19 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.core.checkpoint import target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
+from dflash.core.flags import PACKED_CHOICES
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.taps import hidden_state_indices
-from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, tune_max_rows, tuning_summary, use_skinny_linear
+from kernels.skinny_linear import (
+    AUTO,
+    DEFAULT_MAX_ROWS,
+    packed_summary,
+    set_packed,
+    tune_max_rows,
+    tune_packed,
+    tuning_summary,
+    use_skinny_linear,
+)
 from verifier_svc.tree import ancestor_mask, check_tree
 
 log = logging.getLogger("dflash.verifier.target")
@@ -68,6 +78,9 @@ class TargetModel:
             shape (``verifier_svc.graphs``); CUDA only, off by default.
         skinny_max_rows: linear layers with 2..N input rows use the transposed product
             (``kernels.skinny_linear``; CPU only); 0 = plain ``F.linear`` everywhere.
+        packed_linear: "on": the linear layers (LM head included) take oneDNN products on
+            prepacked weights (``kernels.packed_linear``; CPU only); "auto": measured against
+            the other paths by :meth:`tune_skinny`; "off" (default) never.
 
     On CPU it calls :func:`grouped_kv_attention` before loading.
 
@@ -79,7 +92,7 @@ class TargetModel:
 
     def __init__(self, path: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, packed_linear: str = "off"):
         self.path = Path(path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
@@ -91,7 +104,11 @@ class TargetModel:
             grouped_kv_attention()
         self.model = self._load()
         self.skinny_max_rows = skinny_max_rows
-        use_skinny_linear(self.model, skinny_max_rows)
+        if packed_linear not in PACKED_CHOICES:
+            raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
+        self.packed_linear = packed_linear if self.device.type == "cpu" else "off"
+        use_skinny_linear(self.model, skinny_max_rows, always=self.packed_linear != "off")
+        set_packed(self.model, int(self.packed_linear == "on"))
         self.config = self.model.config
         raw = json.loads((self.path / "config.json").read_text())
         text = raw.get("text_config", raw)
@@ -267,9 +284,12 @@ class TargetModel:
         verify-shaped forwards (1 / 2 / 4 / 8 / 16 tokens after ``context`` cached positions)
         with and without the transposed product and keep the faster, per row count for one
         row (``kernels.skinny_linear.tune_max_rows``).
+        With ``packed_linear`` "auto", then time 1 / 4 / 16 tokens with and without the
+        prepacked product and keep it when faster (``kernels.skinny_linear.tune_packed``).
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
         when it was set explicitly, or off the CPU: the transposed product is CPU-only)."""
-        if self.skinny_max_rows != AUTO or self.device.type != "cpu":
+        tune_rows = self.skinny_max_rows == AUTO and self.device.type == "cpu"
+        if not tune_rows and self.packed_linear != "auto":
             return self.skinny_max_rows
         cache = self.new_cache()
         ids = [i % self.vocab_size for i in range(1, context + 1)]
@@ -280,8 +300,13 @@ class TargetModel:
             self.crop(cache, context)
 
         with self.lock:
-            self.skinny_max_rows, timings = tune_max_rows(self.model, probe, rows=(1, 2, 4, 8, 16))
-        log.info("%s", tuning_summary(self.skinny_max_rows, timings))
+            if tune_rows:
+                self.skinny_max_rows, timings = tune_max_rows(self.model, probe, rows=(1, 2, 4, 8, 16))
+                log.info("%s", tuning_summary(self.skinny_max_rows, timings))
+            if self.packed_linear == "auto":
+                packed, ptimes = tune_packed(self.model, probe)
+                self.packed_linear = "on" if packed == 1 else f"from {packed} rows" if packed else "off"
+                log.info("%s", packed_summary(packed, ptimes))
         return self.skinny_max_rows
 
     def crop(self, cache: PoolSeq, length: int) -> None:

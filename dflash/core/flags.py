@@ -5,3 +5,6 @@ from __future__ import annotations
 
 DEVICE_FLAGS = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_FLAGS = ("auto", "bfloat16", "float16", "float32")
+#: ``--packed-linear``: oneDNN products on prepacked weights (``kernels.packed_linear``);
+#: "auto" = measured at start against the other CPU paths.
+PACKED_CHOICES = ("auto", "on", "off")

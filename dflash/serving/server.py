@@ -321,7 +321,9 @@ def upstream_tls_from_args(a: argparse.Namespace) -> "ClientTLS | None":
 def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and
-    ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS)."""
+    ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS) and
+    ``--packed-linear`` (``kernels.packed_linear``; env DFLASH_PACKED_LINEAR)."""
+    from dflash.core.flags import PACKED_CHOICES
     from kernels.skinny_linear import AUTO  # here: the gateway never imports torch
 
     env = os.environ.get
@@ -333,6 +335,11 @@ def add_compute_args(p, thread: str) -> None:
                    help="CPU float32: linear layers with 2..N input rows (a verify block) use the "
                         "transposed product, 0 = off, -1 = measure both at start and keep the "
                         "faster (kernels/skinny_linear.py) [DFLASH_SKINNY_MAX_ROWS]")
+    p.add_argument("--packed-linear", choices=PACKED_CHOICES,
+                   default=env("DFLASH_PACKED_LINEAR", "auto"),
+                   help="CPU: linear layers take oneDNN products on weights prepacked once (one "
+                        "more copy of the weights in memory); auto = measure at start and keep "
+                        "the faster (kernels/packed_linear.py) [DFLASH_PACKED_LINEAR]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:
