@@ -72,7 +72,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with ``weight`` prepacked (falls back to ``F.linear`` where
+    """``F.linear(x, weight, bias)`` with ``weight`` prepacked (``F.linear`` itself where
     :func:`applies` is false).
 
     Args:
@@ -84,6 +84,20 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
     Raises:
         RuntimeError: shape mismatch (from torch / oneDNN).
     """
-    if not applies(x, weight):
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+    out = try_packed_linear(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
+
+
+def try_packed_linear(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`packed_linear`'s product, or None where :func:`applies` is false."""
+    held = getattr(weight, _ATTR, None)
+    # the common case, checked cheaply (a forward makes ~200 of these calls): this weight was
+    # packed as it is now, x matches it, no autograd
+    if (held is None or held[0][:2] != (weight.data_ptr(), weight._version)
+            or x.dtype != weight.dtype or x.device.type != "cpu" or x.shape[-1] == 0
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        if not applies(x, weight):
+            return None
+        held = (None, packed_weight(weight))
+    return torch.ops.mkldnn._linear_pointwise(x, held[1], bias, "none", [], "")

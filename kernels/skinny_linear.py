@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from kernels.packed_linear import applies as packed_applies, available as packed_available, packed_linear
+from kernels.packed_linear import available as packed_available, try_packed_linear
 
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
@@ -68,8 +68,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed and rows >= packed and packed_applies(x, weight):
-        return packed_linear(x, weight, bias)
+    if packed and rows >= packed:
+        out = try_packed_linear(x, weight, bias)
+        if out is not None:
+            return out
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or torch.get_num_threads() < 2
             or not (2 <= rows <= max_rows or (rows == 1 and one_row))):

@@ -52,6 +52,17 @@ def test_a_weight_changed_in_place_is_packed_again():
     assert w._dflash_packed[1] is w._dflash_packed[1]
 
 
+def test_a_parameter_given_new_data_is_packed_again():
+    """A reload that swaps a parameter's tensor (``param.data = ...``) changes its storage."""
+    lin = torch.nn.Linear(8, 16, bias=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        pl.packed_linear(x, lin.weight)
+        lin.weight.data = torch.randn(16, 8)
+        torch.testing.assert_close(pl.packed_linear(x, lin.weight), F.linear(x, lin.weight),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_autograd_and_other_devices_keep_f_linear():
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(2, 8, requires_grad=True)
@@ -66,8 +77,8 @@ def test_autograd_and_other_devices_keep_f_linear():
 
 def test_skinny_layers_take_it_from_their_threshold(monkeypatch):
     seen = []
-    real = pl.packed_linear
-    monkeypatch.setattr(sk, "packed_linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    real = pl.try_packed_linear
+    monkeypatch.setattr(sk, "try_packed_linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
     w = torch.randn(8, 4)
     with torch.no_grad():
         for threshold in (0, 1, 2):
