@@ -164,7 +164,7 @@ class SpeculationPolicy:
         explore_every: adaptive steps between re-measurements of a neighbouring k (0: never).
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
-            batch). On the CPUs measured trees paid at batch 1 and cost 3-6% against chains at
+            batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
             8 and 32 sessions, where every row is compute (docs/trees.md, "Under load").
     """
 
