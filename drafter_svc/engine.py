@@ -179,7 +179,8 @@ class DrafterEngine:
                                               target_fingerprint=target_fingerprint(tcfg, head.embed))
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
-                   packed_linear=packed_linear, threads=threads, context_threads=context_threads, context_sched=context_sched)
+                   packed_linear=packed_linear, threads=threads, context_threads=context_threads,
+                   context_sched=context_sched)
 
     @property
     def num_sessions(self) -> int:
@@ -195,8 +196,8 @@ class DrafterEngine:
         ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
         compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
         and without the transposed product; ``kernels.skinny_linear.tune_max_rows``); with
-        ``packed_linear`` "auto", blocks of 1 / 4 / 16 with and without the prepacked product
-        (``kernels.skinny_linear.tune_packed``)."""
+        ``packed_linear`` "auto", a one-row context update and blocks of 4 / 16 with and without
+        the prepacked product (``kernels.skinny_linear.tune_packed``)."""
         from dflash.core.sampling import Sampling
 
         def req(block: int, rows: int = 2) -> ProposalRequest:
@@ -219,7 +220,9 @@ class DrafterEngine:
             blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
 
             def tune_p():
-                return tune_packed(self.drafter, lambda n: self._propose_on([req(n, 64)]),
+                # block 1 = a context update: of one row, the products' one-row case
+                return tune_packed(self.drafter,
+                                   lambda n: self._propose_on([req(n, 1 if n == 1 else 64)]),
                                    rows=blocks, also=[self.head])
 
             packed, ptimes = self._compute.submit(tune_p).result()
