@@ -134,3 +134,21 @@ def test_trees_only_up_to_the_largest_tree_batch():
     assert SpeculationPolicy("adaptive").tree_max_batch == 1
     with pytest.raises(ValueError, match="tree_max_batch"):
         SpeculationPolicy("adaptive", tree_max_batch=-1)
+
+
+def test_exploration_from_a_tree_tries_the_chains_of_about_its_size():
+    """Exploring from a tree of n nodes tries the chains of about n drafts, its neighbours by
+    rows verified. Listed after every chain, a small tree's neighbours were the longest chain
+    and the next tree: under load the chains it had displaced were never measured again."""
+    growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
+    p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
+    assert p.choose_shapes([job()]) == [Shape(4, 4)]                  # the best arm: 4 nodes
+    p.explore_every = 3
+    picks = []
+    for _ in range(12):
+        sh = p.choose_shapes([job()])[0]
+        picks.append((sh.k, sh.budget, p.last_decision.explored))
+    explored = {(k, n) for k, n, e in picks if e}
+    above = min(c for c in CANDIDATES if c > 4)
+    assert explored == {(4, 0), (above, 0)}                 # chain of 4 drafts, the next chain up
+    assert all((k, n) == (4, 4) for k, n, e in picks if not e)

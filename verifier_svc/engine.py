@@ -451,9 +451,10 @@ class VerifierEngine:
             fell_back=frozenset(i for i, d in enumerate(drafts) if d.fallback)))
         if log.isEnabledFor(logging.DEBUG):
             d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
-            log.debug("step batch=%d waiting=%d joining=%s k=%d explored=%s expected=%.2f "
-                      "committed=%d estimated=%.1fms measured verify=%.1fms draft=%.1fms mode=%s",
-                      len(jobs), plan.waiting, joining, d.k, d.explored, d.expected_tokens,
+            log.debug("step batch=%d waiting=%d joining=%s k=%d budget=%d explored=%s "
+                      "expected=%.2f committed=%d estimated=%.1fms measured verify=%.1fms "
+                      "draft=%.1fms mode=%s",
+                      len(jobs), plan.waiting, joining, d.k, d.budget, d.explored, d.expected_tokens,
                       sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
                       1e3 * verify_s, 1e3 * draft_s, d.mode or "-")
 

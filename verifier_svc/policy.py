@@ -342,13 +342,17 @@ class SpeculationPolicy:
             if untried:
                 best, explored = (0, untried[0]), True   # each budget is measured once, early
             elif self.explore_every and self._steps % self.explore_every == 0:
-                # alternately the next longer and the next shorter arm; at either end the one
-                # neighbour every time (from k = 0 the alternation would make every other
-                # exploration a plain k = 0 step)
-                i = all_arms.index(best)
+                # alternately the next larger and the next smaller arm by rows verified, a tree
+                # of n nodes just after the chain of n drafts (its neighbours are the chains of
+                # about its cost: listed after every chain, a small tree's neighbours were the
+                # longest chain and the next tree, and the chains it beat were never measured
+                # again, docs/trees.md "Under load"); at either end the one neighbour every time
+                # (from k = 0 the alternation would make every other exploration a k = 0 step)
+                by_size = sorted(all_arms, key=lambda a: (a[0] or a[1], a[1] > 0))
+                i = by_size.index(best)
                 up = (self._steps // self.explore_every) % 2 == 1 or i == 0
-                nb = all_arms[min(i + 1, len(all_arms) - 1)] if up and i + 1 < len(all_arms) \
-                    else all_arms[max(i - 1, 0)]
+                nb = by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
+                    else by_size[max(i - 1, 0)]
                 best, explored = nb, nb != best
         priced = model is not None or costs.measured(b, size(best))
         cost = costs.estimate(b, size(best), model) if priced else 0.0
