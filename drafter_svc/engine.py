@@ -24,7 +24,6 @@ import torch
 from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.core.draft_vocab import load_draft_vocab
-from dflash.core.flags import PACKED_CHOICES
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
@@ -33,12 +32,12 @@ from dflash.serving.threads import claim
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
+    packed_state,
     packed_summary,
-    set_packed,
+    switch_linear,
     tune_max_rows,
     tune_packed,
     tuning_summary,
-    use_skinny_linear,
 )
 
 log = logging.getLogger("dflash.drafter")
@@ -99,8 +98,6 @@ class DrafterEngine:
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
                  context_sched: str = "idle"):
-        if packed_linear not in PACKED_CHOICES:
-            raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -114,11 +111,10 @@ class DrafterEngine:
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
-        self.packed_linear = packed_linear if self.device.type == "cpu" else "off"
-        use_skinny_linear(drafter, skinny_max_rows, always=self.packed_linear != "off")
+        self.packed_linear = switch_linear(drafter, skinny_max_rows, packed_linear, self.device,
+                                           also=[head])
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
-        set_packed(drafter, int(self.packed_linear == "on"), also=[head])
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=functools.partial(claim, threads) if threads else None)
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
@@ -226,7 +222,7 @@ class DrafterEngine:
                                    rows=blocks, also=[self.head])
 
             packed, ptimes = self._compute.submit(tune_p).result()
-            self.packed_linear = "on" if packed == 1 else f"from {packed} rows" if packed else "off"
+            self.packed_linear = packed_state(packed)
             log.info("%s", packed_summary(packed, ptimes))
         self.release(["__warmup__"])
 

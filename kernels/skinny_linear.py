@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from dflash.core.flags import PACKED_CHOICES
 from kernels.packed_linear import available as packed_available, try_packed_linear
 
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
@@ -146,6 +147,30 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[Any] = ()
         o.skinny_max_rows = max_rows
 
 
+def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, device: torch.device,
+                  also: Iterable[Any] = ()) -> str:
+    """A model service's linear layers at load: :func:`use_skinny_linear` with ``max_rows``
+    (switching even at 0 when packed products may be taken), and the packed product on at every
+    row count for ``packed_linear`` "on" (``model``'s layers and ``also``'s).
+
+    Returns:
+        The packed mode in force: ``packed_linear``, or "off" off the CPU.
+    Raises:
+        ValueError: ``packed_linear`` not one of ``PACKED_CHOICES``; ``max_rows`` below AUTO.
+    """
+    if packed_linear not in PACKED_CHOICES:
+        raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
+    mode = packed_linear if device.type == "cpu" else "off"
+    use_skinny_linear(model, max_rows, always=mode != "off")
+    set_packed(model, int(mode == "on"), also)
+    return mode
+
+
+def packed_state(threshold: int) -> str:
+    """The packed mode a :func:`tune_packed` threshold leaves: "on", "from N rows" or "off"."""
+    return "on" if threshold == 1 else f"from {threshold} rows" if threshold else "off"
+
+
 def set_packed(model: torch.nn.Module, packed: int, also: Iterable[Any] = ()) -> None:
     """Set the prepacked product's row threshold (:mod:`kernels.packed_linear`; 0 = off, 1 =
     every row count, 2 = two rows or more) of every :class:`SkinnyLinear` in ``model`` and of
@@ -202,8 +227,7 @@ def packed_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> s
     if not timings:
         return "packed linear: unavailable (no oneDNN or no switchable layer)"
     parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
-    state = {0: "off", 1: "on", 2: "on from 2 rows"}.get(threshold, f"on from {threshold} rows")
-    return f"packed linear: {state} (ms, packed vs other: {parts})"
+    return f"packed linear: {packed_state(threshold)} (ms, packed vs other: {parts})"
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,

@@ -131,7 +131,8 @@ def main() -> None:
                 samples[k].append(v)
     med, paired = summarize(samples, sizes)
     print(f"target {path}: {a.context} cached positions, batch 1, torch threads "
-          f"{torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, median of {a.reps} interleaved rounds")
+          f"{torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, "
+          f"median of {a.reps} interleaved rounds")
     print(f"{'shape':<10} {'tokens':>6} {'depth':>5} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
     print(f"{'decode':<10} {1:>6} {'':>5} {med['decode']:>8.1f} {1.0:>9.2f}")
     for n in sizes:
@@ -143,13 +144,8 @@ def main() -> None:
                   + ratio)
         print(f"{'keep ' + str(n):<10} {len(deepest_path(trees[n].parents, trees[n].depths)):>6} "
               f"{'':>5} {med[f'keep {n}']:>8.2f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"target": str(path), "context": a.context, "reps": a.reps,
-                       "threads": torch.get_num_threads(), "skinny_max_rows": rows,
-                       "tree_depths": {n: trees[n].max_depth for n in sizes},
-                       "median_ms": med, "tree_over_chain_paired": paired,
-                       "samples_ms": samples}, f, indent=1)
+    write_json(a, t, path, rows, samples, med, paired,
+               tree_depths={n: trees[n].max_depth for n in sizes})
 
 
 def summarize(samples: dict[str, list[float]], sizes: list[int]
@@ -161,6 +157,17 @@ def summarize(samples: dict[str, list[float]], sizes: list[int]
                                                            samples[f"chain {n}"])])
               for n in sizes}
     return med, paired
+
+
+def write_json(a, t, path, rows, samples, med, paired, **extra) -> None:
+    """With ``--json``: the run's settings, medians, paired ratios and every sample."""
+    if not a.json:
+        return
+    with open(a.json, "w") as f:
+        json.dump({"target": str(path), "context": a.context, "reps": a.reps,
+                   "threads": torch.get_num_threads(), "skinny_max_rows": rows,
+                   "packed_linear": t.packed_linear, **extra, "median_ms": med,
+                   "tree_over_chain_paired": paired, "samples_ms": samples}, f, indent=1)
 
 
 def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None:
@@ -193,7 +200,8 @@ def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None
                 samples[k].append(v)
     med, paired = summarize(samples, sizes)
     print(f"target {path}: batch {b}, {a.context}-{a.context + 7} cached positions, torch "
-          f"threads {torch.get_num_threads()}, skinny rows {rows}, median of {a.reps} rounds")
+          f"threads {torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, "
+          f"median of {a.reps} rounds")
     print(f"{'shape':<10} {'rows':>6} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
     print(f"{'decode':<10} {b:>6} {med['decode']:>8.1f} {1.0:>9.2f}")
     for n in sizes:
@@ -202,12 +210,7 @@ def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None
             ratio = f" {paired[n]:>10.3f}" if kind == "tree" else ""
             print(f"{kind + ' ' + str(n):<10} {b * (n + 1):>6} {m:>8.1f} "
                   f"{m / med['decode']:>9.2f}" + ratio)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"target": str(path), "batch": b, "context": a.context, "reps": a.reps,
-                       "threads": torch.get_num_threads(), "skinny_max_rows": rows,
-                       "median_ms": med, "tree_over_chain_paired": paired,
-                       "samples_ms": samples}, f, indent=1)
+    write_json(a, t, path, rows, samples, med, paired, batch=b)
 
 
 if __name__ == "__main__":

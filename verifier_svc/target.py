@@ -25,18 +25,17 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.core.checkpoint import target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
-from dflash.core.flags import PACKED_CHOICES
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.taps import hidden_state_indices
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
+    packed_state,
     packed_summary,
-    set_packed,
+    switch_linear,
     tune_max_rows,
     tune_packed,
     tuning_summary,
-    use_skinny_linear,
 )
 from verifier_svc.tree import ancestor_mask, check_tree
 
@@ -104,11 +103,7 @@ class TargetModel:
             grouped_kv_attention()
         self.model = self._load()
         self.skinny_max_rows = skinny_max_rows
-        if packed_linear not in PACKED_CHOICES:
-            raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
-        self.packed_linear = packed_linear if self.device.type == "cpu" else "off"
-        use_skinny_linear(self.model, skinny_max_rows, always=self.packed_linear != "off")
-        set_packed(self.model, int(self.packed_linear == "on"))
+        self.packed_linear = switch_linear(self.model, skinny_max_rows, packed_linear, self.device)
         self.config = self.model.config
         raw = json.loads((self.path / "config.json").read_text())
         text = raw.get("text_config", raw)
@@ -305,7 +300,7 @@ class TargetModel:
                 log.info("%s", tuning_summary(self.skinny_max_rows, timings))
             if self.packed_linear == "auto":
                 packed, ptimes = tune_packed(self.model, probe)
-                self.packed_linear = "on" if packed == 1 else f"from {packed} rows" if packed else "off"
+                self.packed_linear = packed_state(packed)
                 log.info("%s", packed_summary(packed, ptimes))
         return self.skinny_max_rows
 
