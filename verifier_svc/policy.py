@@ -434,7 +434,8 @@ class SpeculationPolicy:
         ``argmax_n expected(n) / suffix_cost(b, n)`` over ``0..budget`` (0: none pays)."""
         if offer is None or not limit or not budget:
             return 0
-        usable = len([j for j in offer.order[:budget] if offer.trie.depths()[j] <= limit])
+        depths = offer.trie.depths
+        usable = sum(1 for j in offer.order[:budget] if depths[j] <= limit)
         model = self.costs.fit()
         best, best_rate = 0, 1.0 / max(self.suffix_cost(b, 0, model), 1e-9)
         for n in range(1, usable + 1):

@@ -118,7 +118,7 @@ class SuffixOffer:
     def build(trie: SuffixTrie, calibration: SuffixCalibration, rates: SessionRates | None
               ) -> "SuffixOffer":
         b = match_bucket(trie.match)
-        depths = trie.depths()
+        depths = trie.depths
         probs = [1.0] * len(trie.parents)
         for j in range(1, len(trie.parents)):
             p = trie.parents[j]
@@ -139,7 +139,7 @@ class SuffixOffer:
 
     def above(self, threshold: float, limit: int) -> list[int]:
         """Its nodes worth more than ``threshold`` and no deeper than ``limit``, best first."""
-        depths = self.trie.depths()
+        depths = self.trie.depths
         return [j for j in self.order if self.probs[j] > threshold and depths[j] <= limit]
 
 
@@ -174,7 +174,7 @@ class Sourced:
 def suffix_tree(offer: SuffixOffer, n: int, limit: int) -> Sourced | None:
     """The tree of ``offer``'s ``n`` most probable nodes no deeper than ``limit`` (None when
     that leaves none)."""
-    depths = offer.trie.depths()
+    depths = offer.trie.depths
     chosen = [j for j in offer.order if depths[j] <= limit][:n]
     if not chosen:
         return None

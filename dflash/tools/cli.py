@@ -243,7 +243,9 @@ def cmd_demo(a) -> int:
     rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
     noun = "prompt" if a.num_prompts == 1 else "prompts"
     print(f"\nacceptance over {a.num_prompts} {noun}: tau {total.mean_acceptance_length:.2f}, "
-          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
+          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, accepted by source: "
+          f"drafter {total.drafter_accepted_tokens}, suffix {total.suffix_accepted_tokens}; "
+          f"per-position [{rates}]")
     return 0
 
 
