@@ -9,8 +9,8 @@ import grpc
 
 from dflash.core import wire
 from dflash.core.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
-from dflash.core.proposer import DraftError, Proposal, ProposalRequest
 from dflash.core.errors import PreconditionError
+from dflash.core.proposer import DraftError, Proposal, ProposalRequest
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners

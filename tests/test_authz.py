@@ -21,8 +21,15 @@ import torch
 from dflash.core import wire
 from dflash.serving.authz import DEFAULT_TRUST_DOMAIN, AuthzConfigError, PeerIds, RoleAuthz, spiffe_id
 from dflash.serving.tls import ClientTLS, Issued, ServerTLS, TLSFiles, channel, issue, make_dev_certs, new_ca
-from dflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from dflash.v1 import verifier_pb2, verifier_pb2_grpc
+from dflash.v1 import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 HOSTS = ["localhost", "127.0.0.1"]
 DENIED = grpc.StatusCode.PERMISSION_DENIED
