@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -200,6 +201,9 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     first: list[grpc.ServerInterceptor] = []
     if authz is not None and tls is not None and tls.require_client_cert:
         first.append(RoleAuthz(authz, tls.peer_ids))    # refused before taking a stream slot
+    elif authz is not None and not _loopback(bind):
+        log.warning("%s on %s without mTLS (--tls-ca): whoever reaches it may call every RPC "
+                    "(docs/deployment.md, \"Trust model\")", "/".join(service_names), bind)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + CONTROL_WORKERS),
                          interceptors=first + [limit] + list(interceptors), options=opts)
     add_servicers(server)
@@ -212,6 +216,16 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
                  streams=limit, tls=tls)
     rt.set_serving(False)
     return rt
+
+
+def _loopback(bind: str) -> bool:
+    host = bind.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_port(server: grpc.Server, bind: str, credentials=None) -> int:
