@@ -204,7 +204,3 @@ class RoleAuthz(grpc.ServerInterceptor):
         self.refused += 1
         context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
-
-def policy_for(service_descriptor, role: str) -> dict[str, str]:
-    """Every method of a protobuf service (its ``DESCRIPTOR.services_by_name[...]``) -> ``role``."""
-    return {f"/{service_descriptor.full_name}/{m.name}": role for m in service_descriptor.methods}
