@@ -74,10 +74,9 @@ def check_value(obj, max_depth: int = MAX_JSON_DEPTH) -> None:
     while stack:
         value, parts = stack.pop()
         deep = len(parts) >= max_depth       # its members would be nested too deep
-        is_dict = type(value) is dict
-        items = value.items() if is_dict else enumerate(value)   # type: ignore[union-attr]
+        items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
-            if is_dict and not k.isascii() and _SURROGATE.search(k):
+            if isinstance(k, str) and not k.isascii() and _SURROGATE.search(k):
                 raise BodyError(_path(parts + (_SURROGATE.sub("?", k),))[:128],
                                 "is a key that is not valid UTF-8 (invalid bytes or a lone "
                                 "UTF-16 surrogate escape)")
