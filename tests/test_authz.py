@@ -480,3 +480,26 @@ def test_plaintext_ports_are_not_checked(stack):
     stub = stack.verifier_stub()
     assert stub.Describe(verifier_pb2.DescribeTargetRequest(), timeout=10).vocab_size > 0
     assert not stub.CloseSession(verifier_pb2.CloseSessionRequest(session_id="x"), timeout=10).existed
+
+
+def test_identity_flags_and_their_errors(tmp_path, capsys):
+    from dflash.serving.server import server_tls_from_args
+    from dflash.serving.tls import TLSConfigError
+    from dflash.tools.cli import main
+    from verifier_svc.server import parse_args
+
+    paths = make_dev_certs(tmp_path / "c", HOSTS, trust_domain="prod.example")
+    cert, key = map(str, paths["verifier"])
+    base = ["--target", "t", "--tls-cert", cert, "--tls-key", key, "--tls-ca", str(paths["ca"][0])]
+    tls = server_tls_from_args(parse_args(base + ["--tls-trust-domain", "prod.example",
+                                                  "--tls-peer-ids", "admin=urn:ops:me"]))
+    assert tls.peer_ids.ids["gateway"] == {"spiffe://prod.example/dflash/gateway"}
+    assert tls.peer_ids.ids["admin"] == {"urn:ops:me"}
+    with pytest.raises(TLSConfigError, match="--tls-trust-domain"):
+        server_tls_from_args(parse_args(base + ["--tls-trust-domain", "Prod Example"]))
+    with pytest.raises(TLSConfigError, match="--tls-peer-ids: 'boss=urn:x'"):
+        server_tls_from_args(parse_args(base + ["--tls-peer-ids", "boss=urn:x"]))
+    assert main(["certs", "--out", str(tmp_path / "d"), "--trust-domain", "ops.example"]) == 0
+    assert "spiffe://ops.example/dflash/admin" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="error: --trust-domain: 'NO WAY' is not a SPIFFE"):
+        main(["certs", "--out", str(tmp_path / "e"), "--trust-domain", "NO WAY"])

@@ -257,8 +257,8 @@ def cmd_certs(a) -> int:
         raise SystemExit("dflash certs: error: --hosts: at least one host name or IP address")
     try:
         spiffe_id(a.trust_domain, "client")
-    except AuthzConfigError as e:
-        raise SystemExit(f"dflash certs: error: {e}") from None
+    except AuthzConfigError as e:   # named for the services' flag: this command's is --trust-domain
+        raise SystemExit(f"dflash certs: error: --trust-domain: {str(e).partition(': ')[2]}") from None
     paths = make_dev_certs(a.out, hosts, days=a.days, trust_domain=a.trust_domain)
     for name, (cert, key) in paths.items():
         ident = "" if name == "ca" else f"  {spiffe_id(a.trust_domain, name)}"
