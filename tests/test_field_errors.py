@@ -37,6 +37,9 @@ class _Context:
     def set_trailing_metadata(self, md) -> None:
         pass
 
+    def auth_context(self) -> dict:
+        return {}           # a plaintext connection: no client certificate
+
 
 def _servicer() -> VerifierServicer:
     engine = SimpleNamespace(target=SimpleNamespace(failure=None),
