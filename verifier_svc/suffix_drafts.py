@@ -188,7 +188,7 @@ def hybrid_tree(drafter: DraftTree, offer: SuffixOffer | None, budget: int, thre
     most ``budget`` nodes in all: the drafter keeps its first ``m`` nodes for the largest ``m``
     that fits, a suffix node equal to a drafter node costs nothing."""
     chosen = sorted(offer.above(threshold, limit)[:budget]) if offer is not None else []
-    if not chosen:
+    if offer is None or not chosen:
         return Sourced(drafter, [0] + [DRAFTER] * len(drafter.tokens), {})
     n_d = len(drafter.tokens)
     for m in range(min(n_d, budget), -1, -1):
@@ -219,15 +219,16 @@ def _merge(drafter: DraftTree | None, offer: SuffixOffer, chosen: list[int]) -> 
     for t in chosen:
         parent = where[trie.parents[t]]
         tok = trie.tokens[t - 1]
-        j = children[parent].get(tok)
-        if j is None:
+        found = children[parent].get(tok)
+        if found is None:
             tokens.append(tok)
             parents.append(parent)
             depths.append(depths[parent] + 1)
             sources.append(0)
             children.append({})
-            j = len(tokens)
-            children[parent][tok] = j
+            found = len(tokens)
+            children[parent][tok] = found
+        j = found
         sources[j] |= SUFFIX
         where[t] = j
         trie_nodes[j] = t
