@@ -105,7 +105,7 @@ def test_a_tenants_answers_are_its_own():
 
 
 def test_answer_store_bounds_and_isolation():
-    store = AnswerStore(max_tokens=500, max_total=3000, max_answers=8)
+    store = AnswerStore(max_tokens=500, max_total=3000, segments=4)
     rng = random.Random(0)
     for i in range(10_000):
         tenant = f"t{i % 37}"
@@ -113,13 +113,18 @@ def test_answer_store_bounds_and_isolation():
         assert store.tokens <= 3000
     for t in range(37):
         held = store.indexes(f"t{t}")
-        assert sum(len(ix) for ix in held) <= 500 and len(held) <= 8
+        # segments of at most 125 tokens, each at least half full but the newest: a lookup
+        # reads a handful of indexes however many answers were kept
+        assert sum(len(ix) for ix in held) <= 500 and len(held) <= 9
+        assert all(len(ix) <= 125 for ix in held)
     assert store.tokens == sum(len(ix) for t in range(37) for ix in store.indexes(f"t{t}"))
     assert store.nbytes > 0
     # a tenant's answers are only ever handed to that tenant
     store = AnswerStore()
     store.add("a", [1, 2, 3, 4])
-    assert store.indexes("b") == [] and [ix.tokens for ix in store.indexes("a")] == [[1, 2, 3, 4]]
+    store.add("a", [5, 6])
+    assert store.indexes("b") == []
+    assert [ix.tokens for ix in store.indexes("a")] == [[1, 2, 3, 4, -1, 5, 6]]
     assert AnswerStore(max_tokens=0).indexes("a") == []
 
 
@@ -216,3 +221,23 @@ def test_speculation_off_verifies_no_suffix_candidates(stack):
     # disabled with no mode named: the engine's default (here fixed, which needs a drafter)
     _, last = generate_ids(v, p, max_tokens=MAX_NEW, speculation=spec(mode=""))
     assert last.stats.drafts == 0
+
+
+def test_candidate_probabilities_never_grow_down_a_branch():
+    """However well a session copies, a child is never more probable than its parent, so the
+    best-first candidates are always a tree (the parents of the chosen ones chosen first)."""
+    from dflash.core.suffix import SuffixIndex
+    from verifier_svc.suffix_drafts import SessionRates, SuffixCalibration, offer_for, suffix_tree
+
+    cal, rates = SuffixCalibration(), SessionRates()
+    for _ in range(200):                         # every candidate of half frequency taken
+        for d in range(1, 17):
+            cal.observe(1, d, 0.5, True, rates)
+    ix = SuffixIndex([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
+    offer = offer_for(ix, [], 8, cal, rates)
+    assert offer is not None
+    for j in range(1, len(offer.probs)):
+        assert offer.probs[j] <= offer.probs[offer.trie.parents[j]] <= 1.0
+    for n in range(1, offer.size + 1):
+        src = suffix_tree(offer, n, 8)
+        assert src is not None and len(src.tree.tokens) == n

@@ -12,6 +12,7 @@ from dflash.core.suffix import (
     MAX_OCCURRENCES,
     MAX_TRIE_NODES,
     NGRAM_SIZES,
+    SEPARATOR,
     SuffixIndex,
     build_trie,
     proposal_depth,
@@ -138,3 +139,11 @@ def test_a_copy_is_proposed_as_deep_as_its_match():
     assert trie.match == 10
     assert trie.tokens == text[10:26]          # one occurrence: a chain, 16 deep
     assert trie.counts == [1] * 17
+
+
+def test_no_match_or_continuation_crosses_a_separator():
+    ix = SuffixIndex([5, 6, 7, SEPARATOR, 8, 9])
+    assert [(m.length, m.end) for m in ix.matches([1, 5, 6])] == [(2, 1)]
+    assert ix.matches([7]) == []                  # followed by the separator only
+    trie = build_trie([6], [(ix, False)], depth=8)
+    assert trie.tokens == [7]                     # stops at the separator

@@ -30,7 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dflash.core.suffix import MAX_MATCH, SuffixIndex, SuffixTrie, build_trie
+from dflash.core.suffix import MAX_MATCH, SEPARATOR, SuffixIndex, SuffixTrie, build_trie
 from verifier_svc.tree import DraftTree
 
 __all__ = ["DRAFTER", "SUFFIX", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore",
@@ -75,12 +75,14 @@ class SuffixCalibration:
         self._off = [[PRIOR_WEIGHT] * MAX_DEPTH for _ in MATCH_BUCKETS]
 
     def rate(self, b: int, depth: int, own: SessionRates | None) -> float:
+        """At most 1, so a child is never more probable than its parent (a candidate taken
+        at half its siblings' frequency would otherwise count twice)."""
         d = min(depth, MAX_DEPTH) - 1
-        g = self._acc[b][d] / self._off[b][d]
+        g = min(1.0, self._acc[b][d] / self._off[b][d])
         cell = own.cells.get((b, d)) if own is not None else None
         if cell is None:
             return g
-        return (cell[0] + PRIOR_WEIGHT * g) / (cell[1] + PRIOR_WEIGHT)
+        return min(1.0, (cell[0] + PRIOR_WEIGHT * g) / (cell[1] + PRIOR_WEIGHT))
 
     def observe(self, b: int, depth: int, offered: float, accepted: bool, own: SessionRates | None
                 ) -> None:
@@ -99,7 +101,7 @@ class SuffixCalibration:
 
     def table(self) -> list[list[float]]:
         """Per bucket, per depth: the verifier-wide conditional rate (a copy, for metrics)."""
-        return [[a / o for a, o in zip(acc, off)] for acc, off in zip(self._acc, self._off)]
+        return [[min(1.0, a / o) for a, o in zip(acc, off)] for acc, off in zip(self._acc, self._off)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,23 +254,26 @@ def observe_walk(calibration: SuffixCalibration, offer: SuffixOffer, sourced: So
 
 
 class AnswerStore:
-    """Recent answers, one list per tenant, each answer indexed on its own.
+    """Recent answers, per tenant, in a few segment indexes.
 
     Args:
-        max_tokens: tokens kept per tenant (oldest answers dropped first; 0 disables the store).
+        max_tokens: tokens kept per tenant (0 disables the store).
         max_total: tokens kept over all tenants (least recently used tenants dropped first).
-        max_answers: answers kept per tenant (bounds a lookup: each answer is a few dict reads).
+        segments: a tenant's answers fill segments of ``max_tokens / segments`` tokens, answers
+            separated by :data:`dflash.core.suffix.SEPARATOR`; past ``max_tokens`` the oldest
+            segment goes. A lookup reads ``segments + 1`` indexes at most, whatever the number
+            of answers (one index per answer cost ~3 us each per step).
 
     A tenant (the gateway's client identity: the API key's name, else the peer's address) sees
     only its own answers: another tenant's text never becomes its candidate, and its lookups
-    never read another's entries. Thread-safe (the scheduler thread adds and reads; metrics
-    read the sizes).
+    never read another's entries. The scheduler thread adds and reads; metrics read the sizes.
     """
 
-    def __init__(self, max_tokens: int = 16384, max_total: int = 262144, max_answers: int = 64):
-        if min(max_tokens, max_total, max_answers) < 0:
-            raise ValueError("suffix answer store bounds must be >= 0")
-        self.max_tokens, self.max_total, self.max_answers = max_tokens, max_total, max_answers
+    def __init__(self, max_tokens: int = 16384, max_total: int = 262144, segments: int = 4):
+        if min(max_tokens, max_total) < 0 or segments < 1:
+            raise ValueError("suffix answer store bounds must be >= 0 (segments >= 1)")
+        self.max_tokens, self.max_total = max_tokens, max_total
+        self.segment_tokens = max(1, max_tokens // segments)
         self._tenants: OrderedDict[str, list[SuffixIndex]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
@@ -280,30 +285,34 @@ class AnswerStore:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(ix.nbytes for answers in self._tenants.values() for ix in answers)
+            return sum(ix.nbytes for segs in self._tenants.values() for ix in segs)
 
     def add(self, tenant: str, answer: Sequence[int]) -> None:
         """Keep ``answer`` (token ids) for ``tenant``'s later lookups."""
         if not self.max_tokens or len(answer) < 2:
             return
-        ix = SuffixIndex(answer[-self.max_tokens:])
+        answer = list(answer[-self.segment_tokens:])
         with self._lock:
-            answers = self._tenants.pop(tenant, [])
-            answers.append(ix)
-            self._tenants[tenant] = answers            # most recently used last
-            self._tokens += len(ix)
-            held = sum(len(a) for a in answers)
-            while answers and (held > self.max_tokens or len(answers) > self.max_answers):
-                old = answers.pop(0)
+            segs = self._tenants.pop(tenant, [])
+            self._tenants[tenant] = segs               # most recently used last
+            if segs and len(segs[-1]) + 1 + len(answer) <= self.segment_tokens:
+                segs[-1].extend([SEPARATOR, *answer])
+                self._tokens += 1 + len(answer)
+            else:
+                segs.append(SuffixIndex(answer))
+                self._tokens += len(answer)
+            held = sum(len(ix) for ix in segs)
+            while held > self.max_tokens and len(segs) > 1:
+                old = segs.pop(0)
                 held -= len(old)
                 self._tokens -= len(old)
             while self._tokens > self.max_total and self._tenants:
                 name, drop = next(iter(self._tenants.items()))
                 del self._tenants[name]
-                self._tokens -= sum(len(a) for a in drop)
+                self._tokens -= sum(len(ix) for ix in drop)
 
     def indexes(self, tenant: str) -> list[SuffixIndex]:
-        """``tenant``'s answers (a copy of the list; the indexes are never changed once stored)."""
+        """``tenant``'s segment indexes (a copy of the list)."""
         with self._lock:
             return list(self._tenants.get(tenant, ()))
 

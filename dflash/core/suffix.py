@@ -18,7 +18,7 @@ import dataclasses
 from array import array
 from collections.abc import Iterable, Sequence
 
-__all__ = ["NGRAM_SIZES", "MAX_MATCH", "SuffixIndex", "SuffixTrie", "Match", "build_trie",
+__all__ = ["NGRAM_SIZES", "MAX_MATCH", "SEPARATOR", "SuffixIndex", "SuffixTrie", "Match", "build_trie",
            "proposal_depth"]
 
 #: Lengths of the n-grams indexed (each token ends one of each). A lookup starts with the
@@ -34,6 +34,9 @@ MAX_OCCURRENCES = 32
 #: Nodes a trie may hold: continuations are merged most recent first, and once the trie is
 #: full they only count through the nodes it has (a verify never takes more than a few dozen).
 MAX_TRIE_NODES = 64
+#: Between two texts in one index (a tenant's answers): never a token id, so no match spans it
+#: and continuations stop at it.
+SEPARATOR = -1
 
 
 def proposal_depth(match: int, limit: int) -> int:
@@ -126,7 +129,8 @@ class SuffixIndex:
     def matches(self, tail: Sequence[int], *, own: bool = False) -> list[Match]:
         """Earlier occurrences of the longest suffix of ``tail`` found here (up to
         :data:`MAX_OCCURRENCES`, most recent first), each with its exact match length (at most
-        :data:`MAX_MATCH`); only occurrences followed by at least one token. ``own``: ``tail``
+        :data:`MAX_MATCH`); only occurrences followed by at least one token (not by
+        :data:`SEPARATOR`). ``own``: ``tail``
         is this stream's own end, whose occurrence there is not a match. Empty when not even the
         last token occurred."""
         toks = self.tokens
@@ -141,7 +145,7 @@ class SuffixIndex:
             out: list[Match] = []
             for j in range(len(lst) - 1, -1, -1):
                 e = lst[j]
-                if e >= last:
+                if e >= last or toks[e + 1] == SEPARATOR:
                     continue
                 # extend the match beyond the key by comparing tokens backwards
                 length = n
@@ -216,6 +220,8 @@ def build_trie(tail: Sequence[int], indexes: Sequence[tuple[SuffixIndex, bool]],
         toks = m.index.tokens
         node = 0
         for t in toks[m.end + 1:m.end + 1 + go]:
+            if t == SEPARATOR:
+                break
             nxt = children[node].get(t)
             if nxt is None:
                 if len(tokens) >= MAX_TRIE_NODES:
