@@ -10,14 +10,15 @@ step, and drafts ``[anchor, MASK x (B-1)]`` at positions ``cached .. cached + B 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +42,7 @@ from kernels.skinny_linear import (
 )
 
 log = logging.getLogger("dflash.drafter")
+T = TypeVar("T")
 CONTEXT_SCHED = ("idle", "normal")
 
 
@@ -115,8 +117,9 @@ class DrafterEngine:
                                            also=[head])
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
+        self._compute_ident: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
-                                           initializer=functools.partial(claim, threads) if threads else None)
+                                           initializer=self._compute_thread, initargs=(threads,))
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
                                            initializer=_context_thread,
                                            initargs=(context_threads, context_sched)) \
@@ -233,6 +236,8 @@ class DrafterEngine:
         column 0, blocks right-padded, a mask hiding what lies past each). A bad item fails
         alone. Runs on the engine's compute thread, or its context thread when no item has a
         block to draft (the caller waits either way, so calls keep their order)."""
+        if threading.get_ident() == self._compute_ident:   # from on_compute_thread
+            return self._propose_on(requests)
         pool = self._compute
         if self._context is not None and all(r.block_size <= 1 for r in requests):
             pool = self._context
@@ -264,6 +269,20 @@ class DrafterEngine:
                     if r.top_k:
                         p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
         return _to_host(out, self.device)
+
+    def on_compute_thread(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the engine's compute thread (its torch threads, its OpenMP team),
+        waited for; :meth:`propose` called from ``fn`` drafts inline. For a caller that times
+        another model's forwards beside drafts on one thread, as a model service runs them
+        (``dflash diagnose``: one team, not two competing for the cores). Raises what ``fn``
+        raises."""
+        return self._compute.submit(fn, *args).result()
+
+    def _compute_thread(self, threads: int) -> None:
+        """Initializer of the compute thread: it claims ``threads`` (0: torch's as they are)."""
+        self._compute_ident = threading.get_ident()
+        if threads:
+            claim(threads)
 
     def close(self) -> None:
         """Stop the compute thread once queued drafts finish (a later ``propose`` raises

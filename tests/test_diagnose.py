@@ -192,7 +192,7 @@ def test_cli_refuses_bad_arguments(tap, capsys):
     with pytest.raises(SystemExit, match="--target and --drafter, or --gateway"):
         main(["diagnose", "--target", str(target)])
     with pytest.raises(SystemExit, match="--threads"):
-        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--threads", "0"])
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--threads", "-1"])
     with pytest.raises(SystemExit, match="--max-tokens"):
         main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--max-tokens", "1"])
     with pytest.raises(SystemExit, match="--prompts"):
