@@ -428,35 +428,8 @@ class DrafterEngine:
         return Proposal(tokens=ids[tok], probs=full)
 
     def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's top ``k`` per draft position, what DDTree builds its tree from
-        (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
-        log-softmax of the draft logits, top-k per depth).
-
-        Args:
-            logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
-                is one, else V), the very logits the drafts came from (no second forward).
-            k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
-        Returns:
-            (ids int64 [K, c] target-vocabulary ids, logprobs float32 [K, c] descending per
-            row), c = min(k, N): log-softmax at temperature 1 whatever the request's sampling.
-            Column 0 is ``argmax(logits)`` (its first index among ties), the greedy draft.
-        """
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        n = lp.shape[-1]
-        c = min(k, n)
-        vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
-        # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
-        # column 0 must be the greedy chain's draft: put argmax first, and the column it held
-        # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
-        # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
-        # Whole-tensor ops: no host round trip per row.
-        first = logits.argmax(-1)                                      # [K]
-        hit = idx == first[:, None]                                    # [K, c']
-        at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
-        rows = torch.arange(idx.shape[0], device=idx.device)
-        idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
-        idx[:, 0] = first
-        vals, idx = vals[:, :c], idx[:, :c]
+        """:func:`top_k_logprobs` of this block's draft logits, ids in the target vocabulary."""
+        idx, vals = top_k_logprobs(logits, k)
         if self.draft_vocab is not None:
             idx = self.draft_vocab[idx]
         return idx, vals
@@ -478,6 +451,40 @@ class DrafterEngine:
         while len(self._sessions) > self.max_sessions:
             oldest = min(self._sessions, key=lambda s: self._sessions[s].last_used)
             del self._sessions[oldest]
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's top ``k`` per draft position, what DDTree builds its tree from
+    (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
+    log-softmax of the draft logits, top-k per depth).
+
+    Args:
+        logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
+            is one, else V), the very logits the drafts came from (no second forward).
+        k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
+    Returns:
+        (ids int64 [K, c]: columns of ``logits``, i.e. draft-vocabulary rows when there is
+        one; logprobs float32 [K, c], descending per row), c = min(k, N): log-softmax at
+        temperature 1 whatever the request's sampling. Column 0 is ``argmax(logits)`` (its
+        first index among ties), the greedy draft.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    n = lp.shape[-1]
+    c = min(k, n)
+    vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
+    # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
+    # column 0 must be the greedy chain's draft: put argmax first, and the column it held
+    # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
+    # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
+    # Whole-tensor ops: no host round trip per row.
+    first = logits.argmax(-1)                                      # [K]
+    hit = idx == first[:, None]                                    # [K, c']
+    at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
+    rows = torch.arange(idx.shape[0], device=idx.device)
+    idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
+    idx[:, 0] = first
+    vals, idx = vals[:, :c], idx[:, :c]
+    return idx, vals
 
 
 def _context_thread(threads: int, sched: str) -> None:

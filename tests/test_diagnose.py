@@ -232,7 +232,10 @@ def test_gateway_mode_reads_the_deployment(tap):
     assert r["costs"]["source"].startswith("reported by http://127.0.0.1:")
     assert r["costs"]["cells_ms"]                                 # the policy's own cells
     assert set(r["speculation"]) == {"all", "deployment (lifetime)"}
-    assert r["verdict"] in ("healthy", "degraded") and rc == {"healthy": 0, "degraded": 1}[r["verdict"]]
+    assert r["verdict_from"] == "deployment (lifetime)"           # its costs, its acceptance
+    trees = r["deployment"]["tree_tokens"]                        # adaptive tried its trees
+    assert trees and set(trees) <= {"3", "7", "15"} and min(trees.values()) >= 1.0, trees
+    assert r["verdict"] in ("healthy", "degraded") and rc == {"healthy": 0, "degraded": 3}[r["verdict"]]
 
 
 def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_drafter, tmp_path):

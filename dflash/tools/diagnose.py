@@ -311,8 +311,8 @@ def _in_process(a, prompts, report, costs, budgets):
             from dflash.tools.diagnose_cost import measure_costs
 
             t = time.perf_counter()
-            costs = served.run(measure_costs, served.target, served.drafter, max(ids, key=len),
-                               B)
+            costs = served.run(lambda: measure_costs(served.target, served.drafter,
+                                                     max(ids, key=len), B, threads=served.threads))
             costs.settings = served.choices()
             report["probe"]["seconds"]["costs"] = round(time.perf_counter() - t, 1)
         return blocks, trees, costs, budgets
@@ -343,7 +343,9 @@ def _verdict(report: dict, warnings: list[str]) -> None:
     figures = probe["domains"]["all"] if probe else live
     tau = figures["tau"] if figures else 1.0
     p1 = (figures["per_position"] or [0.0])[0] if figures else 0.0
-    pay = spec.get(DEPLOYMENT) or spec.get("all")
+    priced = DEPLOYMENT if DEPLOYMENT in spec else "all"
+    pay = spec.get(priced)
+    report["verdict_from"] = priced if pay is not None else None
     notes = list(warnings)
     if probe and probe["controls"]:
         notes.append(probe["controls"])

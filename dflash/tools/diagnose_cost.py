@@ -58,7 +58,7 @@ class CostTable:
 
 
 def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
-                  rounds: int = ROUNDS) -> CostTable:
+                  rounds: int = ROUNDS, threads: int = 0) -> CostTable:
     """Step seconds at each candidate k up to ``block_size - 1``, into the policy's
     ``StepCostModel`` (and one model per round, for the spread).
 
@@ -70,13 +70,14 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
     cropped back after each; k = 0 is a plain step (no drafter, no taps). Rounds interleave
     the k so that a change in the machine's load lands on every cell alike. The per-cycle
     overhead outside verify and draft comes from a few steps of the real decode loop
-    (``VerifierEngine``, speculation off)."""
+    (``VerifierEngine``, speculation off, its decode thread on ``threads`` torch threads; 0:
+    the process default)."""
     from dflash.core.proposer import ProposalRequest
     from dflash.core.sampling import Sampling
     from verifier_svc.engine import Request, VerifierEngine
 
     costs = StepCostModel()
-    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=())
+    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=(), threads=threads)
     try:
         for _ in engine.generate(Request(request_id="diagnose-overhead", prompt=list(prompt),
                                          max_tokens=OVERHEAD_STEPS, ignore_eos=True)):

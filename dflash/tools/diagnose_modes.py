@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.cost_model import StepCostModel
-from verifier_svc.policy import SpeculationPolicy
+from verifier_svc.policy import CANDIDATES, SpeculationPolicy
 
 LABEL = "diagnose"
 
@@ -62,7 +62,8 @@ class Context:
 class Priced:
     """One servable mode at these costs and this acceptance."""
 
-    mode: str                 # how it is served: "off", "fixed", "tree:15", "adaptive", ...
+    mode: str                 # how it is served: "off", "fixed", "chain:3" (fixed, block_size
+                              # 4), "tree:15" (tree, tree_budget 15), "adaptive", ...
     tokens: float             # expected tokens committed per step, bonus included
     seconds: float            # expected seconds per step, overhead included
     speedup: float            # tokens per second against one token per plain step
@@ -97,6 +98,14 @@ def _fixed(ctx: Context) -> list[Priced]:
     return [_row(ctx, "fixed", ctx.policy().expected_tokens(LABEL, top), top)] if top else []
 
 
+def _chains(ctx: Context) -> list[Priced]:
+    """Shorter fixed blocks (mode fixed with a request's ``block_size`` of k + 1): the chain
+    lengths adaptive chooses among, below the full block."""
+    policy = ctx.policy()
+    return [_row(ctx, f"chain:{k}", policy.expected_tokens(LABEL, k), k)
+            for k in CANDIDATES if 0 < k < ctx.block_size - 1]
+
+
 def _trees(ctx: Context) -> list[Priced]:
     sizes = sorted(n for n in set(ctx.tree_budgets) | {ctx.tree_budget} if n in ctx.trees)
     return [_row(ctx, f"tree:{n}", ctx.trees[n], n) for n in sizes]
@@ -122,6 +131,7 @@ def _adaptive(ctx: Context) -> list[Priced]:
 MODES: tuple[ModeEntry, ...] = (
     ModeEntry("off", _off),
     ModeEntry("fixed", _fixed),
+    ModeEntry("chain", _chains),
     ModeEntry("tree", _trees),
     ModeEntry("adaptive", _adaptive),
 )

@@ -3,8 +3,8 @@ budget commits, walked over the probe's anchors as the greedy decode loop would 
 
 At each anchor ``a`` the drafter's block ``[token a, MASK x (B-1)]`` (the same forward as
 ``dflash.tools.diagnose_tf``) gives a distribution per draft position; its top-k per position
-(float32 log-softmax at temperature 1 over the rows drafts are read through, as
-``DrafterEngine._top_k`` serves them) goes to the verifier's own ``verifier_svc.tree.build_tree``.
+(``drafter_svc.engine.top_k_logprobs`` over the rows drafts are read through, what the
+drafter serves) goes to the verifier's own ``verifier_svc.tree.build_tree``.
 Under greedy decoding the target's token after a path equals its continuation's next token, so
 the walk from the root follows the child carrying ``ids[a + d + 1]`` at depth ``d``; the step
 commits the path and the bonus token, and the next anchor is ``a + path + 1``. The depth a tree
@@ -32,6 +32,7 @@ def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
     ``drafter`` / ``layer_ids`` / ``mask_token_id``: the saved setting (what is served);
     ``head``: the rows drafts are read through (the draft vocabulary, if any). Empty
     ``budgets``: ``{}``."""
+    from drafter_svc.engine import top_k_logprobs
     from verifier_svc.tree import build_tree
 
     budgets = sorted(set(budgets))
@@ -52,8 +53,9 @@ def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
         for c in range(0, len(anchors), CHUNK):
             A = torch.tensor(anchors[c:c + CHUNK])
             h = block_hidden(drafter, target_head, s.ids, A, ctx_all, B, mask_token_id)
-            lp = torch.log_softmax(target_head.logits(h[:, 1:1 + depth], head.weight).float(), -1)
-            vals, rows = lp.topk(min(top_k, lp.shape[-1]), dim=-1)        # [C, depth, k]
+            logits = target_head.logits(h[:, 1:1 + depth], head.weight)    # [C, depth, N]
+            rows, vals = top_k_logprobs(logits.reshape(-1, logits.shape[-1]), top_k)
+            rows, vals = rows.view(len(A), depth, -1), vals.view(len(A), depth, -1)
             ids = head.ids[rows] if head.ids is not None else rows
             for j, a in enumerate(A.tolist()):
                 tops[a] = (ids[j], vals[j])
@@ -63,7 +65,10 @@ def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
             while a in tops:
                 left = n_ids - 1 - a if s.ended else n_ids - 2 - a   # draft positions available
                 limit = min(B - 1, n, left)
-                got = _committed(build_tree, tops[a], s.ids, a, limit, n) if limit > 0 else 1
+                if limit <= 0:          # no room to draft: a plain step, not a tree step
+                    a += 1
+                    continue
+                got = _committed(build_tree, tops[a], s.ids, a, limit, n)
                 dom[n].append(got)
                 out["all"][n].append(got)
                 a += got
