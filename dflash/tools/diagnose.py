@@ -388,6 +388,10 @@ def _verdict(report: dict, warnings: list[str]) -> None:
 
 
 def run(a) -> int:
+    if "torch" not in sys.modules:        # as the services' entry points, before libgomp loads
+        from dflash.serving.omp import default_spin_count
+
+        default_spin_count()
     import torch
 
     from dflash.tools.diagnose_report import render

@@ -60,6 +60,14 @@ def render(report: dict) -> str:
         d = ", ".join(f"k={k} {ms}" for k, ms in c["draft_ms"].items() if int(k))
         lines.append(f"step costs ({c['source']}, ms): verify {v}" + (f"; draft {d}" if d else "") +
                      f"; overhead {c['overhead_ms']}")
+        st = c.get("settings")
+        if st:
+            side = lambda x: (f"{x['dtype']}, skinny rows {x['skinny_max_rows']}, "   # noqa: E731
+                              f"packed {x['packed_linear']}")
+            lines.append(f"  as served: {st['threads']} thread(s); target {side(st['target'])}; "
+                         f"drafter {side(st['drafter'])}; tree budgets "
+                         f"{','.join(map(str, st['tree_budgets'])) or 'none'} (mode tree "
+                         f"{st['tree_budget']})")
     for dom, s in (report.get("speculation") or {}).items():
         lines.append(f"speculation ({dom}): {s['sentence']}")
     lines.append(f"verdict: {report['verdict']}")
