@@ -42,6 +42,7 @@ def diagnose_json(*args) -> tuple[int, dict]:
 
 
 # ---------------------------------------------------------------------- the services' settings
+@pytest.mark.slow
 def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     """Every timed forward runs with the thread count, skinny rows and packed products the
     services take from their flags' environment, the drafter in the dtype its service picks,
@@ -79,7 +80,8 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     monkeypatch.setattr(TargetModel, "forward_batch", spy_target)
     monkeypatch.setattr(DrafterEngine, "_propose_on", spy_drafter)
     target, dirs = tap
-    rc, r = diagnose_json("--target", target, "--drafter", dirs[TAPPED], *PROMPTS)
+    rc, r = diagnose_json("--target", target, "--drafter", dirs[TAPPED], *PROMPTS,
+                          "--no-offset-probe")
     bf16 = torch.bfloat16 if cpu_native_bf16() else torch.float32
     assert seen["target"] == {(2, frozenset({(4, 1)}), torch.float32)}
     assert seen["drafter"] == {(2, frozenset({(4, 1)}), bf16)}

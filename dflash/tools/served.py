@@ -16,7 +16,15 @@ teams in one process would throttle each other's spinning (``dflash.serving.thre
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from drafter_svc.engine import DrafterEngine
+    from verifier_svc.target import TargetModel
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -28,32 +36,30 @@ class Served:
     ``tree_budgets``: the verifier's ``--tree-budgets`` (what its adaptive policy may choose);
     ``tree_budget``: its ``--tree-budget`` (mode tree)."""
 
-    target: object
-    drafter: object
+    target: TargetModel
+    drafter: DrafterEngine
     threads: int
     tree_budgets: tuple[int, ...]
     tree_budget: int
 
-    def run(self, fn, *args):
+    def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the thread that runs the forwards (the drafter's compute thread)."""
-        return self.drafter.on_compute_thread(fn, *args)   # type: ignore[attr-defined]
+        return self.drafter.on_compute_thread(fn, *args)
 
     def choices(self) -> dict:
         """What the services' functions chose: threads, dtypes, skinny row limits, packed
         products (``"on"`` / ``"from N rows"`` / ``"off"``)."""
         t, d = self.target, self.drafter
         return {"threads": self.threads,
-                "target": {"dtype": str(t.dtype).replace("torch.", ""),   # type: ignore[attr-defined]
-                           "skinny_max_rows": t.skinny_max_rows,          # type: ignore[attr-defined]
-                           "packed_linear": t.packed_linear},             # type: ignore[attr-defined]
-                "drafter": {"dtype": d.card.dtype,                        # type: ignore[attr-defined]
-                            "skinny_max_rows": d.skinny_max_rows,         # type: ignore[attr-defined]
-                            "packed_linear": d.packed_linear},            # type: ignore[attr-defined]
+                "target": {"dtype": str(t.dtype).replace("torch.", ""),
+                           "skinny_max_rows": t.skinny_max_rows, "packed_linear": t.packed_linear},
+                "drafter": {"dtype": d.card.dtype, "skinny_max_rows": d.skinny_max_rows,
+                            "packed_linear": d.packed_linear},
                 "tree_budgets": list(self.tree_budgets), "tree_budget": self.tree_budget}
 
     def close(self) -> None:
-        self.drafter.close()            # type: ignore[attr-defined]
-        self.target.close()             # type: ignore[attr-defined]
+        self.drafter.close()
+        self.target.close()
 
 
 def load_served(target_dir: str | Path, drafter_dir: str | Path, *, threads: int = 0,
