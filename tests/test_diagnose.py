@@ -243,14 +243,18 @@ def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_dra
     speculation verdict); --seed draws other prompts."""
     from argparse import Namespace
 
+    from dflash.tools.bench_prompts import prompt_set
     from dflash.tools.diagnose import draw_prompts
 
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')
-    a = Namespace(prompt=None, prompts=f"humaneval,chat,{f}", num_prompts=7, seed=0)
+    a = Namespace(prompt=None, prompts=f"humaneval,chat,{f}", num_prompts=7, seed=0, first=False)
     drawn = draw_prompts(a)
     assert [d for d, _ in drawn].count("humaneval") == 3 and [d for d, _ in drawn].count("mine.jsonl") == 2
     assert draw_prompts(a) == drawn and draw_prompts(Namespace(**{**vars(a), "seed": 1})) != drawn
+    first = draw_prompts(Namespace(**{**vars(a), "prompts": "humaneval", "num_prompts": 3,
+                                      "first": True}))
+    assert [m for _, m in first] == [m for _, m in prompt_set("humaneval", 3)]   # bench's --limit 3
     rc, r = diagnose_json("--target", tiny_target, "--drafter", make_drafter(block_size=4),
                           "--prompts", "humaneval,chat", "--num-prompts", 4, "--max-tokens", 12)
     doms = r["probe"]["domains"]

@@ -102,7 +102,7 @@ def draw_prompts(a) -> list[tuple[str, object]]:
             raise SystemExit(f"dflash diagnose: error: {e}") from None
         want = min(a.num_prompts // len(names) + (i < a.num_prompts % len(names)), len(items))
         domain = name if name in ("humaneval", "chat") else name.rsplit("/", 1)[-1]
-        picked = items[:want] if getattr(a, "first", False) else rng.sample(items, want)
+        picked = items[:want] if a.first else rng.sample(items, want)
         out += [(domain, m) for _, m in picked]
     return out
 
@@ -333,8 +333,13 @@ def _speculation(report: dict, costs, blocks, trees, budgets) -> None:
         return
     B = (report["probe"] or {}).get("block_size") or (report["live"] or {}).get("block_size") or \
         1 + max(d for rows in blocks.values() for d, _ in rows)
-    pays = {dom: payoff(costs, rows, B, trees=trees.get(dom), tree_budgets=budgets[0],
-                        tree_budget=budgets[1]) for dom, rows in blocks.items() if rows}
+    pays = {}
+    for dom, rows in blocks.items():
+        # the deployment's trees are the budgets its own policy measured
+        arms = tuple(sorted(trees.get(dom) or {})) if dom == DEPLOYMENT else budgets[0]
+        if rows:
+            pays[dom] = payoff(costs, rows, B, trees=trees.get(dom), tree_budgets=arms,
+                               tree_budget=budgets[1])
     report["speculation"] = {dom: p.as_dict() for dom, p in pays.items() if p is not None}
 
 
