@@ -91,6 +91,8 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
         "drafter": {"dtype": str(bf16).replace("torch.", ""), "skinny_max_rows": 4,
                     "packed_linear": "on"}}
     assert r["threads"] == 2 and rc == 0
+    dom = r["probe"]["domains"]["all"]           # acceptance priced with the served drafter
+    assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)
     modes = [m["mode"] for m in r["speculation"]["all"]["modes"]]
     assert modes == ["off", "fixed", *(f"chain:{k}" for k in range(1, B - 1)), "tree:2", "tree:5",
                      "tree:6", "adaptive"]

@@ -221,7 +221,7 @@ def _in_process(a, prompts, report, costs, budgets):
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.tools.diagnose_tf import Head, counter, walk
+    from dflash.tools.diagnose_tf import Head, counter, score, walk
     from dflash.tools.diagnose_trees import tree_steps, tree_summary
     from dflash.tools.diagnose_wiring import (
         best_fixes,
@@ -281,10 +281,21 @@ def _in_process(a, prompts, report, costs, budgets):
             domains[dom] = {"tau": round(c.mean_acceptance_length, 3), "drafts": c.drafts,
                             "per_position": [round(r, 4) for r in c.per_position_rate],
                             "prompts": sum(s.domain == dom for s in seqs) if dom != "all" else len(seqs)}
+        # what is priced is the served drafter's own acceptance: in its dtype, when that is
+        # not the probe's float32 (the wiring statistics keep full precision)
+        net, net_head, rows_head = probe.drafter, probe.head, head
+        t = time.perf_counter()
+        if served is not None and served.drafter.card.dtype != probe.engine.card.dtype:
+            net, net_head = served.drafter.drafter, served.drafter.head
+            rows_head = Head.of(net_head.lm_head, served.drafter.draft_vocab)
+            blocks = walk(score(net, net_head, rows_head, seqs, layer_ids=probe.layer_ids,
+                                mask_token_id=cfg.mask_token_id), seqs)
+            for dom, rows in blocks.items():
+                domains[dom]["tau_served"] = round(counter(rows).mean_acceptance_length, 3)
+                domains[dom]["served_dtype"] = served.drafter.card.dtype
         if len(blocks) == 2:                    # one domain: it is "all"
             blocks = {"all": blocks["all"]}
-        t = time.perf_counter()
-        steps = tree_steps(probe.drafter, probe.head, head, seqs,
+        steps = tree_steps(net, net_head, rows_head, seqs,
                            sorted(set(budgets[0]) | {budgets[1]}), layer_ids=probe.layer_ids,
                            mask_token_id=cfg.mask_token_id)
         trees = {dom: tree_summary(v) for dom, v in steps.items() if dom in blocks}

@@ -36,8 +36,12 @@ def render(report: dict) -> str:
         for d, v in p["domains"].items():
             if d != "all" and len(p["domains"]) == 2:
                 continue
+            served = (f"; the served {v['served_dtype']} drafter: tau {v['tau_served']:.2f}"
+                      if "tau_served" in v else "")
+            trees = ", ".join(f"{n} nodes {x:.2f}" for n, x in (v.get("tree_tokens") or {}).items())
             lines.append(f"  {d}: tau {v['tau']:.2f} (greedy decode, block {p['block_size']}, "
-                         f"{v['drafts']} blocks), per-position {_rates(v['per_position'])}")
+                         f"{v['drafts']} blocks), per-position {_rates(v['per_position'])}{served}"
+                         + (f"; tokens per tree step {trees}" if trees else ""))
         lines.append("settings (cross-entropy of the target's tokens vs saved, nats per draft "
                      "position, 95% CI; tau; accuracy of draft positions 1-3):")
         lines += [_setting_line(s) for s in p["settings"]]
