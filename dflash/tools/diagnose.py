@@ -182,6 +182,10 @@ def _gateway(a, prompts, report):
     blocks = {"all": blocks_from_rates(live.stats.per_position_rate)} if live.stats.drafts else None
     trees: dict[str, dict[int, float]] = {}
     costs = None
+    if not a.metrics:
+        report["notes"].append("--gateway without --metrics: the deployment's costs and lifetime "
+                               "acceptance are not read; give the verifier's --metrics-port as "
+                               "--metrics HOST:PORT to price on them")
     for url in a.metrics:
         try:
             dep = scrape(url)
@@ -362,7 +366,7 @@ def _verdict(report: dict, warnings: list[str]) -> None:
     priced = DEPLOYMENT if DEPLOYMENT in spec else "all"
     pay = spec.get(priced)
     report["verdict_from"] = priced if pay is not None else None
-    notes = list(warnings)
+    notes = list(warnings) + report["notes"]
     if probe and probe["controls"]:
         notes.append(probe["controls"])
     vocab = probe and probe["vocab"]
