@@ -10,14 +10,15 @@ step, and drafts ``[anchor, MASK x (B-1)]`` at positions ``cached .. cached + B 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +42,7 @@ from kernels.skinny_linear import (
 )
 
 log = logging.getLogger("dflash.drafter")
+T = TypeVar("T")
 CONTEXT_SCHED = ("idle", "normal")
 
 
@@ -115,8 +117,9 @@ class DrafterEngine:
                                            also=[head])
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
+        self._compute_ident: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
-                                           initializer=functools.partial(claim, threads) if threads else None)
+                                           initializer=self._compute_thread, initargs=(threads,))
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
                                            initializer=_context_thread,
                                            initargs=(context_threads, context_sched)) \
@@ -233,6 +236,8 @@ class DrafterEngine:
         column 0, blocks right-padded, a mask hiding what lies past each). A bad item fails
         alone. Runs on the engine's compute thread, or its context thread when no item has a
         block to draft (the caller waits either way, so calls keep their order)."""
+        if threading.get_ident() == self._compute_ident:   # from on_compute_thread
+            return self._propose_on(requests)
         pool = self._compute
         if self._context is not None and all(r.block_size <= 1 for r in requests):
             pool = self._context
@@ -264,6 +269,20 @@ class DrafterEngine:
                     if r.top_k:
                         p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
         return _to_host(out, self.device)
+
+    def on_compute_thread(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the engine's compute thread (its torch threads, its OpenMP team),
+        waited for; :meth:`propose` called from ``fn`` drafts inline. For a caller that times
+        another model's forwards beside drafts on one thread, as a model service runs them
+        (``dflash diagnose``: one team, not two competing for the cores). Raises what ``fn``
+        raises."""
+        return self._compute.submit(fn, *args).result()
+
+    def _compute_thread(self, threads: int) -> None:
+        """Initializer of the compute thread: it claims ``threads`` (0: torch's as they are)."""
+        self._compute_ident = threading.get_ident()
+        if threads:
+            claim(threads)
 
     def close(self) -> None:
         """Stop the compute thread once queued drafts finish (a later ``propose`` raises
@@ -409,35 +428,8 @@ class DrafterEngine:
         return Proposal(tokens=ids[tok], probs=full)
 
     def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's top ``k`` per draft position, what DDTree builds its tree from
-        (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
-        log-softmax of the draft logits, top-k per depth).
-
-        Args:
-            logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
-                is one, else V), the very logits the drafts came from (no second forward).
-            k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
-        Returns:
-            (ids int64 [K, c] target-vocabulary ids, logprobs float32 [K, c] descending per
-            row), c = min(k, N): log-softmax at temperature 1 whatever the request's sampling.
-            Column 0 is ``argmax(logits)`` (its first index among ties), the greedy draft.
-        """
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        n = lp.shape[-1]
-        c = min(k, n)
-        vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
-        # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
-        # column 0 must be the greedy chain's draft: put argmax first, and the column it held
-        # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
-        # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
-        # Whole-tensor ops: no host round trip per row.
-        first = logits.argmax(-1)                                      # [K]
-        hit = idx == first[:, None]                                    # [K, c']
-        at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
-        rows = torch.arange(idx.shape[0], device=idx.device)
-        idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
-        idx[:, 0] = first
-        vals, idx = vals[:, :c], idx[:, :c]
+        """:func:`top_k_logprobs` of this block's draft logits, ids in the target vocabulary."""
+        idx, vals = top_k_logprobs(logits, k)
         if self.draft_vocab is not None:
             idx = self.draft_vocab[idx]
         return idx, vals
@@ -459,6 +451,40 @@ class DrafterEngine:
         while len(self._sessions) > self.max_sessions:
             oldest = min(self._sessions, key=lambda s: self._sessions[s].last_used)
             del self._sessions[oldest]
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's top ``k`` per draft position, what DDTree builds its tree from
+    (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
+    log-softmax of the draft logits, top-k per depth).
+
+    Args:
+        logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
+            is one, else V), the very logits the drafts came from (no second forward).
+        k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
+    Returns:
+        (ids int64 [K, c]: columns of ``logits``, i.e. draft-vocabulary rows when there is
+        one; logprobs float32 [K, c], descending per row), c = min(k, N): log-softmax at
+        temperature 1 whatever the request's sampling. Column 0 is ``argmax(logits)`` (its
+        first index among ties), the greedy draft.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    n = lp.shape[-1]
+    c = min(k, n)
+    vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
+    # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
+    # column 0 must be the greedy chain's draft: put argmax first, and the column it held
+    # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
+    # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
+    # Whole-tensor ops: no host round trip per row.
+    first = logits.argmax(-1)                                      # [K]
+    hit = idx == first[:, None]                                    # [K, c']
+    at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
+    rows = torch.arange(idx.shape[0], device=idx.device)
+    idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
+    idx[:, 0] = first
+    vals, idx = vals[:, :c], idx[:, :c]
+    return idx, vals
 
 
 def _context_thread(threads: int, sched: str) -> None:

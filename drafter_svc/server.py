@@ -69,10 +69,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def load_engine(a, device, threads: int):
+    """The drafter engine of the flags ``a`` (:func:`parse_args`) on ``device``, its compute
+    thread on ``threads`` torch threads (``dflash.serving.threads.reserve``), warmed up with its
+    kernels tuned there (``DrafterEngine.warmup``). ``dflash diagnose`` loads what it prices
+    with this function."""
+    from drafter_svc.engine import DrafterEngine
+
+    engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
+                                           name=a.name,
+                                           version=a.version, draft_vocab_size=a.draft_vocab_size,
+                                           skinny_max_rows=a.skinny_max_rows,
+                                           packed_linear=a.packed_linear, threads=threads,
+                                           context_threads=a.context_threads,
+                                           context_sched=a.context_sched)
+    engine.warmup()
+    return engine
+
+
 def main(argv=None) -> None:
     from dflash.core.device import resolve_device
     from dflash.serving.threads import reserve
-    from drafter_svc.engine import DrafterEngine
 
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,14 +110,7 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
-                                           name=a.name,
-                                           version=a.version, draft_vocab_size=a.draft_vocab_size,
-                                           skinny_max_rows=a.skinny_max_rows,
-                                           packed_linear=a.packed_linear, threads=threads,
-                                           context_threads=a.context_threads,
-                                           context_sched=a.context_sched)
-    engine.warmup()
+    engine = load_engine(a, device, threads)
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids; %s, %s", n,
                                              engine.cfg.vocab_size, engine.device, engine.card.dtype)

@@ -149,7 +149,7 @@ def test_cuda_graphs_need_cuda_and_one_rank(gpus, monkeypatch):
     a = _parse(monkeypatch, "verifier_svc.server", ["--target", "t", "--cuda-graphs"])
     assert a.cuda_graphs
     with pytest.raises(DeviceError) as e:
-        server._devices(a)
+        server.rank_devices_of(a)
     assert e.value.field == "--cuda-graphs"
     a = _parse(monkeypatch, "verifier_svc.server", ["--target", "t"], {"DFLASH_CUDA_GRAPHS": "1"})
     assert a.cuda_graphs
@@ -157,11 +157,11 @@ def test_cuda_graphs_need_cuda_and_one_rank(gpus, monkeypatch):
     a = _parse(monkeypatch, "verifier_svc.server",
                ["--target", "t", "--cuda-graphs", "--ep-size", "2", "--device", "cuda"])
     with pytest.raises(DeviceError):
-        server._devices(a)
+        server.rank_devices_of(a)
     a = _parse(monkeypatch, "verifier_svc.server", ["--target", "t", "--device", "cuda:1",
                                                     "--ep-size", "2"])
     with pytest.raises(DeviceError) as e:
-        server._devices(a)                     # ranks on cuda:1 and cuda:2, only two GPUs
+        server.rank_devices_of(a)                     # ranks on cuda:1 and cuda:2, only two GPUs
     assert e.value.field == "--ep-size"
 
 

@@ -192,7 +192,7 @@ def test_cli_refuses_bad_arguments(tap, capsys):
     with pytest.raises(SystemExit, match="--target and --drafter, or --gateway"):
         main(["diagnose", "--target", str(target)])
     with pytest.raises(SystemExit, match="--threads"):
-        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--threads", "0"])
+        main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--threads", "-1"])
     with pytest.raises(SystemExit, match="--max-tokens"):
         main(["diagnose", "--target", str(target), "--drafter", str(dirs[1]), "--max-tokens", "1"])
     with pytest.raises(SystemExit, match="--prompts"):
@@ -222,6 +222,7 @@ def test_gateway_mode_reads_the_deployment(tap):
         rc, r = diagnose_json("--gateway", s.gateway_addr, "--metrics",
                               f"127.0.0.1:{server.server_port}", "--raw", "--prompt", "a" * 12,
                               "--prompt", "k" * 9, "--max-tokens", MAX_NEW)
+        tree_table = s.engine.policy.acceptance.tree_table()
     finally:
         server.shutdown()
         s.close()
@@ -232,7 +233,10 @@ def test_gateway_mode_reads_the_deployment(tap):
     assert r["costs"]["source"].startswith("reported by http://127.0.0.1:")
     assert r["costs"]["cells_ms"]                                 # the policy's own cells
     assert set(r["speculation"]) == {"all", "deployment (lifetime)"}
-    assert r["verdict"] in ("healthy", "degraded") and rc == {"healthy": 0, "degraded": 1}[r["verdict"]]
+    assert r["verdict_from"] == "deployment (lifetime)"           # its costs, its acceptance
+    table = {str(n): v for (label, n), v in tree_table.items() if label == "tap-drafter@L1"}
+    assert r["deployment"]["tree_tokens"] == pytest.approx(table)    # the policy's own trees
+    assert r["verdict"] in ("healthy", "degraded") and rc == {"healthy": 0, "degraded": 3}[r["verdict"]]
 
 
 def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_drafter, tmp_path):
@@ -240,14 +244,18 @@ def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_dra
     speculation verdict); --seed draws other prompts."""
     from argparse import Namespace
 
+    from dflash.tools.bench_prompts import prompt_set
     from dflash.tools.diagnose import draw_prompts
 
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')
-    a = Namespace(prompt=None, prompts=f"humaneval,chat,{f}", num_prompts=7, seed=0)
+    a = Namespace(prompt=None, prompts=f"humaneval,chat,{f}", num_prompts=7, seed=0, first=False)
     drawn = draw_prompts(a)
     assert [d for d, _ in drawn].count("humaneval") == 3 and [d for d, _ in drawn].count("mine.jsonl") == 2
     assert draw_prompts(a) == drawn and draw_prompts(Namespace(**{**vars(a), "seed": 1})) != drawn
+    first = draw_prompts(Namespace(**{**vars(a), "prompts": "humaneval", "num_prompts": 3,
+                                      "first": True}))
+    assert [m for _, m in first] == [m for _, m in prompt_set("humaneval", 3)]   # bench's --limit 3
     rc, r = diagnose_json("--target", tiny_target, "--drafter", make_drafter(block_size=4),
                           "--prompts", "humaneval,chat", "--num-prompts", 4, "--max-tokens", 12)
     doms = r["probe"]["domains"]

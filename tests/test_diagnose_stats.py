@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from dflash.tools.diagnose_cost import blocks_from_rates, payoff
+from dflash.tools.diagnose_cost import CostTable, blocks_from_rates, payoff
 from dflash.tools.diagnose_stats import paired
 from verifier_svc.cost_model import StepCostModel
 
@@ -63,28 +63,31 @@ def test_blocks_from_rates_reproduce_the_rates():
     assert est.rates("x") == pytest.approx(rates, abs=1e-4)
 
 
-def _costs(plain: float, per_draft: float, top: int) -> StepCostModel:
+def _costs(plain: float, per_draft: float, top: int) -> CostTable:
     m = StepCostModel()
     for k in range(top + 1):
         for _ in range(2):
             m.observe_step(1, k, plain + per_draft * k)
-    return m
+    return CostTable(m, {}, {}, "synthetic")
 
 
 def test_payoff_is_the_policys_choice():
     costs = _costs(0.100, 0.010, 7)
     good = payoff(costs, [(7, 7)] * 100, 8)             # every draft accepted: tau 8
-    assert good.adaptive_k == 7 and good.fixed_speedup == pytest.approx(8 * 0.1 / 0.17, rel=1e-3)
-    assert good.adaptive_speedup == pytest.approx(good.fixed_speedup, rel=1e-3)
+    fixed, ad = good.row("fixed"), good.row("adaptive")
+    assert ad.choice == "k = 7" and fixed.speedup == pytest.approx(8 * 0.1 / 0.17, rel=1e-3)
+    assert ad.speedup == pytest.approx(fixed.speedup, rel=1e-3)
     poor = payoff(costs, [(7, 0)] * 100, 8)             # nothing accepted
-    assert poor.adaptive_k == 0 and poor.adaptive_speedup == pytest.approx(1.0)
-    assert poor.fixed_speedup == pytest.approx(0.1 / 0.17, rel=1e-3)
-    assert "adaptive turns speculation off (k = 0)" in poor.sentence()
+    assert poor.row("adaptive").choice == "off" and poor.row("adaptive").speedup == pytest.approx(1.0)
+    assert poor.row("fixed").speedup == pytest.approx(0.1 / 0.17, rel=1e-3)
+    assert "adaptive turns speculation off (k = 0)" in poor.sentence() and poor.does_not_pay
     # a first draft often right, later ones rarely: a short block pays, block 8 does not
     mid = payoff(_costs(0.100, 0.030, 7), [(7, 1)] * 60 + [(7, 0)] * 40, 8)
-    assert mid.fixed_speedup < 1.0 and mid.adaptive_k == 1 and mid.adaptive_speedup > 1.0
-    assert f"adaptive chooses k = 1; expected {mid.adaptive_speedup:.2f}x" in mid.sentence()
-    assert payoff(StepCostModel(), [(7, 1)], 8) is None  # nothing to price plain decoding with
+    ad = mid.row("adaptive")
+    assert mid.row("fixed").speedup < 1.0 and ad.choice == "k = 1" and ad.speedup > 1.0
+    assert mid.best.speedup == pytest.approx(ad.speedup) and mid.pays
+    assert f"adaptive chooses k = 1; expected {ad.speedup:.2f}x" in mid.sentence()
+    assert payoff(CostTable(StepCostModel(), {}, {}, "none"), [(7, 1)], 8) is None   # no plain cell
 
 
 def test_settings_tried(tiny_target, make_drafter):

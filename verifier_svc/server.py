@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     try:
         tls, upstream_tls = server_tls_from_args(a), upstream_tls_from_args(a)
-        devices = _devices(a)      # a GPU that is not there: refused before anything loads
+        devices = rank_devices_of(a)      # a GPU that is not there: refused before anything loads
     except (TLSConfigError, DeviceError) as e:
         raise SystemExit(f"python -m verifier_svc: error: {e}") from None
     threads = reserve(a.threads)   # loading runs single-threaded; the scheduler claims these
@@ -230,12 +230,12 @@ def main(argv=None) -> None:
     if a.metrics_port:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     log.info("listening on port %d (NOT_SERVING while loading)", rt.port)
-    target = _load_target(a, rt, devices)
+    target = load_target(a, devices, on_failure=lambda reason: rt.set_serving(False))
     engine = VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
                             prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
                             threads=threads, tree_budget=a.tree_budget,
-                            tree_budgets=_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
+                            tree_budgets=parse_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
                             suffix=a.suffix == "on",
                             answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total),
                             admission=Admission(max_waiting=a.max_waiting,
@@ -268,12 +268,12 @@ def main(argv=None) -> None:
     run_until_signal(rt, a.grace, on_stop=on_stop)
 
 
-def _budgets(text: str) -> tuple[int, ...]:
+def parse_budgets(text: str) -> tuple[int, ...]:
     """``--tree-budgets`` (already checked by ``int_list``) as a tuple; "" = chains only."""
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def _devices(a) -> list:
+def rank_devices_of(a) -> list:
     """Each rank's device from ``--device`` and ``--ep-size`` (``dflash.core.device.rank_devices``).
 
     Raises:
@@ -289,9 +289,12 @@ def _devices(a) -> list:
     return devices
 
 
-def _load_target(a, rt, devices):
+def load_target(a, devices, *, on_failure=None):
     """One rank (TargetModel) or ``--ep-size`` ranks (verifier_svc.ep.DistributedTarget) on
-    ``devices`` (:func:`_devices`)."""
+    ``devices`` (:func:`rank_devices_of`), with the dtype and linear-layer paths of the flags
+    ``a`` (:func:`parse_args`); the kernels are tuned later, on the thread that runs the
+    forwards (``TargetModel.tune_skinny``). ``dflash diagnose`` loads what it prices with this
+    function. ``on_failure(reason)``: called when an expert-parallel rank dies."""
     from verifier_svc.target import TargetModel
 
     if a.ep_size <= 1:
@@ -306,7 +309,8 @@ def _load_target(a, rt, devices):
     shards = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, devices=devices,
                                threads=a.threads, timeout_s=a.ep_timeout,
                                skinny_max_rows=a.skinny_max_rows)
-    shards.on_failure.append(lambda reason: rt.set_serving(False))
+    if on_failure is not None:
+        shards.on_failure.append(on_failure)
     return shards
 
 

@@ -156,6 +156,8 @@ class PolicyGauges:
       per step at that batch-size bucket and largest block;
     * ``dflash_spec_policy_overhead_seconds``: EMA of each decode cycle's seconds outside
       verify and draft (added to every candidate's cost);
+    * ``dflash_spec_policy_tree_tokens{drafter_version, budget}``: EMA of the tokens one tree
+      step of ``budget`` nodes commits (bonus included; the value adaptive gives that tree);
     * ``dflash_spec_policy_accuracy``: committed / expected drafted tokens of recent
       speculative adaptive steps (the factor on every expected gain);
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
@@ -190,6 +192,12 @@ class PolicyGauges:
                                  "EMA seconds per decode cycle outside verify and draft (policy input).")
         over.add_metric([], policy.overhead_seconds)
         yield over
+        trees = GaugeMetricFamily("dflash_spec_policy_tree_tokens",
+                                  "EMA tokens committed per tree step of a node budget (policy input).",
+                                  labels=[V, "budget"])
+        for (label, budget), tokens in policy.acceptance.tree_table().items():
+            trees.add_metric([label, str(budget)], tokens)
+        yield trees
         acc = GaugeMetricFamily("dflash_spec_policy_accuracy",
                                 "Committed / expected drafted tokens of recent speculative adaptive "
                                 "steps (policy input).")

@@ -9,15 +9,19 @@ field; (b) teacher-forced probe: the target's greedy continuation of each prompt
 position an anchor, the drafter scored under its saved config and under each setting a
 mis-wired checkpoint would need (target_layer_ids shifted -2..+2, controls, other mask tokens,
 the target's rope, sliding layers), with a paired test per setting naming the fix and the exact
-config.json edit; (c) costs: verify and draft seconds per block length measured here (or, with
---gateway, the deployment's policy cells), and what the adaptive speculation policy makes of
-them at the measured acceptance: "speculation at block 16 is 0.7x plain decoding here; adaptive
-chooses k = 2; expected 1.2x", per prompt domain. docs/diagnose.md explains every finding.
+config.json edit; (c) costs: verify and draft seconds per block length of the target and
+drafter as the services would serve them (their threads, dtypes, skinny and packed products;
+or, with --gateway --metrics, the deployment's own policy cells and acceptance), and every
+servable mode priced at the measured acceptance, chains and trees, with the adaptive policy's
+own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
+chooses a tree of 15 nodes; expected 1.6x", per prompt domain. docs/diagnose.md explains every
+finding.
 
-Verdicts and exit status: 0 healthy (wired right, speculation pays); 1 mis-wired (a setting
-fits significantly better: the fix is named) or degraded (wired right, but acceptance is low or
-speculation does not pay here); 2 broken (a static error, or a drafter that drafts nothing
-and no setting mends it).
+Verdicts and exit status: 0 healthy (wired right; speculation pays here, or breaks even within
+the stated spread); 1 mis-wired (a setting fits significantly better: the fix is named); 2
+broken (a static error, or a drafter that drafts nothing and no setting mends it); 3 degraded
+(wired right, but the best servable mode is below plain decoding by more than the spread, or,
+with no costs, acceptance is low).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import time
 
 from dflash.tools.probe import BROKEN_P1, BROKEN_TAU, DEGRADED_P1, DEGRADED_TAU
 
-EXIT = {"healthy": 0, "degraded": 1, "mis-wired": 1, "broken": 2}
+EXIT = {"healthy": 0, "mis-wired": 1, "broken": 2, "degraded": 3}
+#: The domain whose prices decide the verdict: the deployment's lifetime traffic when read
+#: (--gateway --metrics), else every probe prompt.
+DEPLOYMENT = "deployment (lifetime)"
 DEFAULT_SETS = "humaneval,chat"
 
 
@@ -54,16 +61,23 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=10,
                    help="prompts drawn from the sets in all, split evenly (default 10)")
     p.add_argument("--seed", type=int, default=0, help="which prompts are drawn (default 0)")
+    p.add_argument("--first", action="store_true",
+                   help="the first --num-prompts of the sets (split evenly) instead of a --seed "
+                        "draw: the prompts `dflash bench --limit N` runs")
     p.add_argument("--max-tokens", type=int, default=96, help="continuation length per prompt")
     p.add_argument("--offset-probe", action=argparse.BooleanOptionalAction, default=True,
                    help="try the alternative settings (shifts, controls, mask tokens, rope, "
                         "sliding layers); --no-offset-probe measures the saved config only")
     p.add_argument("--no-cost", action="store_true", help="skip measuring step costs")
     p.add_argument("--no-live", action="store_true", help="static check only")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on shared cores more threads spin and slow "
-                        "down several-fold); costs are measured at this count")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the forwards whose costs are measured; 0 (default) = "
+                        "the services' own (DFLASH_TORCH_THREADS, else torch's default). The "
+                        "teacher-forced probe runs on one thread either way")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of the served target and drafter whose costs are measured; "
+                        "default the services' own (DFLASH_DTYPE, else auto). The probe's "
+                        "drafter scores in float32 either way")
     p.add_argument("--json", action="store_true", help="print one JSON report instead of text")
     p.set_defaults(func=run)
 
@@ -86,9 +100,10 @@ def draw_prompts(a) -> list[tuple[str, object]]:
             items = prompt_set(name)
         except ValueError as e:
             raise SystemExit(f"dflash diagnose: error: {e}") from None
-        want = a.num_prompts // len(names) + (i < a.num_prompts % len(names))
+        want = min(a.num_prompts // len(names) + (i < a.num_prompts % len(names)), len(items))
         domain = name if name in ("humaneval", "chat") else name.rsplit("/", 1)[-1]
-        out += [(domain, m) for _, m in rng.sample(items, min(want, len(items)))]
+        picked = items[:want] if a.first else rng.sample(items, want)
+        out += [(domain, m) for _, m in picked]
     return out
 
 
@@ -129,14 +144,25 @@ def diagnose(a) -> dict:
         return _timed(report, t0, c0)
     prompts = draw_prompts(a)
     costs = blocks = None
+    trees: dict[str, dict[int, float]] = {}
     if a.gateway:
-        costs, blocks = _gateway(a, prompts, report)
+        costs, blocks, trees = _gateway(a, prompts, report)
+    budgets = _tree_budgets()
     if a.drafter and a.target:
-        local, costs = _in_process(a, prompts, report, costs)
+        local, local_trees, costs, budgets = _in_process(a, prompts, report, costs, budgets)
         blocks = local | {k: v for k, v in (blocks or {}).items() if k != "all"}
-    _speculation(report, costs, blocks)
+        trees = local_trees | {k: v for k, v in trees.items() if k != "all"}
+    _speculation(report, costs, blocks, trees, budgets)
     _verdict(report, warnings)
     return _timed(report, t0, c0)
+
+
+def _tree_budgets() -> tuple[tuple[int, ...], int]:
+    """The verifier's default ``--tree-budgets`` and ``--tree-budget`` (its parser and env)."""
+    from verifier_svc import server
+
+    va = server.parse_args(["--target", "-"])
+    return server.parse_budgets(va.tree_budgets), int(va.tree_budget)
 
 
 def _timed(report: dict, t0: float, c0: float) -> dict:
@@ -154,7 +180,12 @@ def _gateway(a, prompts, report):
                          drafter=a.use_drafter, raw=a.raw)
     report["live"] = _live_dict(live)
     blocks = {"all": blocks_from_rates(live.stats.per_position_rate)} if live.stats.drafts else None
+    trees: dict[str, dict[int, float]] = {}
     costs = None
+    if not a.metrics:
+        report["notes"].append("--gateway without --metrics: the deployment's costs and lifetime "
+                               "acceptance are not read; give the verifier's --metrics-port as "
+                               "--metrics HOST:PORT to price on them")
     for url in a.metrics:
         try:
             dep = scrape(url)
@@ -168,10 +199,12 @@ def _gateway(a, prompts, report):
             "per_position": [round(r, 4) for r in rates], "drafts": dep.drafts.get(version, 0.0),
             "verify_ms": round(1e3 * dep.verify_mean.get(version, 0.0), 2),
             "draft_ms": round(1e3 * dep.draft_mean.get(version, 0.0), 2)}
+        report["deployment"]["tree_tokens"] = dep.trees.get(version or "", {})
         costs = dep.cost_table() or costs
         if rates:
-            blocks = (blocks or {}) | {"deployment (lifetime)": blocks_from_rates(rates)}
-    return costs, blocks
+            blocks = (blocks or {}) | {DEPLOYMENT: blocks_from_rates(rates)}
+            trees[DEPLOYMENT] = dep.trees.get(version or "", {})
+    return costs, blocks, trees
 
 
 def _live_dict(r) -> dict:
@@ -182,13 +215,18 @@ def _live_dict(r) -> dict:
             "seconds": r.seconds, "summary": r.summary()}
 
 
-def _in_process(a, prompts, report, costs):
-    """The teacher-forced probe, every setting, the vocabulary coverage and the step costs."""
+def _in_process(a, prompts, report, costs, budgets):
+    """The teacher-forced probe, every setting, the vocabulary coverage, tree acceptance, and
+    the step costs of the served pair (``dflash.tools.served``), loaded first: it picks the
+    threads before any torch work. Returns (chain blocks, tokens per tree step, costs, the
+    verifier's tree budgets), by domain."""
     from pathlib import Path
 
+    import torch
     from transformers import AutoTokenizer
 
-    from dflash.tools.diagnose_tf import Head, counter, walk
+    from dflash.tools.diagnose_tf import Head, counter, score, walk
+    from dflash.tools.diagnose_trees import tree_steps, tree_summary
     from dflash.tools.diagnose_wiring import (
         best_fixes,
         controls_sentence,
@@ -200,10 +238,25 @@ def _in_process(a, prompts, report, costs):
         vocab_coverage,
     )
     from dflash.tools.probe import InProcessProbe
+    from dflash.tools.served import load_served
 
     t = time.perf_counter()
+    served = None
+    if costs is None and not a.no_cost:
+        served = load_served(a.target, a.drafter, threads=a.threads, dtype=a.dtype)
+        budgets = (served.tree_budgets, served.tree_budget)
+        report["threads"] = served.threads
+    else:
+        torch.set_num_threads(1)        # the probe: one thread (shared cores spin otherwise)
+    serve_s = time.perf_counter() - t
+    t = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(a.target)
-    probe = InProcessProbe(a.target, a.drafter, dtype=a.dtype)
+    try:
+        probe = InProcessProbe(a.target, a.drafter, target=served.target if served else None)
+    except BaseException:
+        if served:
+            served.close()
+        raise
     load_s = time.perf_counter() - t
     try:
         t = time.perf_counter()
@@ -232,8 +285,27 @@ def _in_process(a, prompts, report, costs):
             domains[dom] = {"tau": round(c.mean_acceptance_length, 3), "drafts": c.drafts,
                             "per_position": [round(r, 4) for r in c.per_position_rate],
                             "prompts": sum(s.domain == dom for s in seqs) if dom != "all" else len(seqs)}
+        # what is priced is the served drafter's own acceptance: in its dtype, when that is
+        # not the probe's float32 (the wiring statistics keep full precision)
+        net, net_head, rows_head = probe.drafter, probe.head, head
+        t = time.perf_counter()
+        if served is not None and served.drafter.card.dtype != probe.engine.card.dtype:
+            net, net_head = served.drafter.drafter, served.drafter.head
+            rows_head = Head.of(net_head.lm_head, served.drafter.draft_vocab)
+            blocks = walk(score(net, net_head, rows_head, seqs, layer_ids=probe.layer_ids,
+                                mask_token_id=cfg.mask_token_id), seqs)
+            for dom, rows in blocks.items():
+                domains[dom]["tau_served"] = round(counter(rows).mean_acceptance_length, 3)
+                domains[dom]["served_dtype"] = served.drafter.card.dtype
         if len(blocks) == 2:                    # one domain: it is "all"
             blocks = {"all": blocks["all"]}
+        steps = tree_steps(net, net_head, rows_head, seqs,
+                           sorted(set(budgets[0]) | {budgets[1]}), layer_ids=probe.layer_ids,
+                           mask_token_id=cfg.mask_token_id)
+        trees = {dom: tree_summary(v) for dom, v in steps.items() if dom in blocks}
+        for dom, tv in trees.items():
+            domains[dom]["tree_tokens"] = {n: round(x, 3) for n, x in tv.items()}
+        tree_s = time.perf_counter() - t
         reads, ctl = controls_sentence(outcomes) if a.offset_probe else (True, "")
         B = cfg.block_size
         report["probe"] = {
@@ -241,24 +313,32 @@ def _in_process(a, prompts, report, costs):
             "block_size": B, "max_tokens": a.max_tokens, "domains": domains,
             "settings": [o.as_dict() for o in outcomes], "controls": ctl, "reads_taps": reads,
             "vocab": vocab_coverage(seqs, probe.engine.draft_vocab, cfg.vocab_size, tok),
-            "seconds": {"load": round(load_s, 1), "generate": round(gen_s, 1),
-                        "score": round(score_s, 1)}}
+            "seconds": {"load served": round(serve_s, 1), "load": round(load_s, 1),
+                        "generate": round(gen_s, 1), "score": round(score_s, 1),
+                        "trees": round(tree_s, 1)}}
         fixes = best_fixes(outcomes)
         report["fixes"] = [{"setting": o.setting.name, "edit": o.setting.edit,
                             "sentence": fix_sentence(o, saved, B, equivalents(o, outcomes))}
                            for o in fixes]
         if fixes:   # what the best fix would give (its own walk; the costs are the same)
             blocks["with the fix"] = walk(fixes[0].scores, seqs)["all"]
-        if costs is None and not a.no_cost and seqs:
+        if served is not None:
+            from dflash.tools.diagnose_cost import measure_costs
+
             t = time.perf_counter()
-            costs = probe.costs(max(ids, key=len))
+            costs = served.run(lambda: measure_costs(served.target, served.drafter,
+                                                     max(ids, key=len), B, threads=served.threads))
+            costs.settings = served.choices()
             report["probe"]["seconds"]["costs"] = round(time.perf_counter() - t, 1)
-        return blocks, costs
+        return blocks, trees, costs, budgets
     finally:
         probe.close()
+        if served is not None:
+            served.close()
 
 
-def _speculation(report: dict, costs, blocks) -> None:
+def _speculation(report: dict, costs, blocks, trees, budgets) -> None:
+    """Every servable mode priced per domain (``dflash.tools.diagnose_cost.payoff``)."""
     from dflash.tools.diagnose_cost import payoff
 
     if costs is None:
@@ -268,7 +348,13 @@ def _speculation(report: dict, costs, blocks) -> None:
         return
     B = (report["probe"] or {}).get("block_size") or (report["live"] or {}).get("block_size") or \
         1 + max(d for rows in blocks.values() for d, _ in rows)
-    pays = {dom: payoff(costs.costs, rows, B) for dom, rows in blocks.items() if rows}
+    pays = {}
+    for dom, rows in blocks.items():
+        # the deployment's trees are the budgets its own policy measured
+        arms = tuple(sorted(trees.get(dom) or {})) if dom == DEPLOYMENT else budgets[0]
+        if rows:
+            pays[dom] = payoff(costs, rows, B, trees=trees.get(dom), tree_budgets=arms,
+                               tree_budget=budgets[1])
     report["speculation"] = {dom: p.as_dict() for dom, p in pays.items() if p is not None}
 
 
@@ -277,8 +363,10 @@ def _verdict(report: dict, warnings: list[str]) -> None:
     figures = probe["domains"]["all"] if probe else live
     tau = figures["tau"] if figures else 1.0
     p1 = (figures["per_position"] or [0.0])[0] if figures else 0.0
-    pay = spec.get("all")
-    notes = list(warnings)
+    priced = DEPLOYMENT if DEPLOYMENT in spec else "all"
+    pay = spec.get(priced)
+    report["verdict_from"] = priced if pay is not None else None
+    notes = list(warnings) + report["notes"]
     if probe and probe["controls"]:
         notes.append(probe["controls"])
     vocab = probe and probe["vocab"]
@@ -302,8 +390,11 @@ def _verdict(report: dict, warnings: list[str]) -> None:
         causes += ["untrained or random weights, or trained for another target or tokenizer "
                    "(dflash_serve.target_fingerprint)", "no setting tried mends it (shifts, mask "
                    "tokens, rope, sliding layers): see the settings table"]
-    elif pay is not None and pay["adaptive_k"] == 0:
-        verdict, causes = "degraded", [f"speculation does not pay here at tau {tau:.2f}: "
+    elif pay is not None and pay["does_not_pay"]:
+        best = (f"the best servable mode, {pay['best_mode']}, is {pay['best_speedup']:.2f}x plain "
+                f"decoding, below 1.0x by more than the spread (+-{pay['spread']:.2f})"
+                if pay["best_mode"] else "no speculative mode could be priced")
+        verdict, causes = "degraded", [f"speculation does not pay here at tau {tau:.2f}: {best}; "
                                        f"{pay['sentence']}"]
     elif pay is None and (tau < DEGRADED_TAU or p1 < DEGRADED_P1):
         verdict, causes = "degraded", [f"low acceptance: tau {tau:.2f}, first-position "
@@ -311,21 +402,26 @@ def _verdict(report: dict, warnings: list[str]) -> None:
                                        "training data, or a weak drafter)"]
     else:
         verdict, causes = "healthy", []
+        if pay is not None and not pay["pays"]:
+            notes.append(f"speculation breaks even here, within the spread: {pay['sentence']}")
     report.update(verdict=verdict, causes=causes, notes=[n for n in notes if n not in causes])
 
 
 def run(a) -> int:
+    if "torch" not in sys.modules:        # as the services' entry points, before libgomp loads
+        from dflash.serving.omp import default_spin_count
+
+        default_spin_count()
     import torch
 
     from dflash.tools.diagnose_report import render
 
-    if a.threads < 1:
-        raise SystemExit(f"dflash diagnose: error: --threads: must be >= 1, got {a.threads}")
+    if a.threads < 0:
+        raise SystemExit(f"dflash diagnose: error: --threads: must be >= 0, got {a.threads}")
     if a.max_tokens < 2:
         raise SystemExit(f"dflash diagnose: error: --max-tokens: must be >= 2, got {a.max_tokens}")
-    torch.set_num_threads(a.threads)
     report = diagnose(a)
-    report["threads"] = a.threads
+    report.setdefault("threads", torch.get_num_threads())
     print(json.dumps(report, indent=2) if a.json else render(report))
     sys.stdout.flush()
     return EXIT.get(report["verdict"], 2)

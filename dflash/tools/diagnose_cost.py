@@ -1,18 +1,18 @@
 """Does speculation pay? Step costs (measured here, or as a deployment reports them) and the
-speculation policy's own arithmetic over them.
+verifier's own arithmetic over them, mode by mode (``dflash.tools.diagnose_modes``).
 
-In process, the real decode loop measures them: one ``VerifierEngine`` runs a few steps of one
-session at each block length (speculation off for ``k = 0``, fixed blocks of ``k + 1``
-otherwise, the in-process ``DrafterEngine`` drafting), and its own ``SpeculationPolicy``
-records every step into its ``StepCostModel`` exactly as a serving verifier does. Against a
-deployment (``--gateway`` with ``--metrics``), the verifier's ``dflash_spec_policy_*`` gauges
-are those cells.
+In process (:func:`measure_costs`), the target and drafter are the ones the services would
+serve (``dflash.tools.served``: their threads, dtypes, skinny and packed products), timed on the
+thread that runs their forwards: each round times, for every candidate k, the drafter's
+``propose`` of a block of k + 1 and the target's ``forward_batch`` of k + 1 tokens, into the
+verifier's ``StepCostModel``. Against a deployment (``--gateway`` with ``--metrics``), the
+verifier's ``dflash_spec_policy_*`` gauges are those cells, and its tree gauges the tokens per
+tree step.
 
-Then a fresh policy (``verifier_svc.policy.SpeculationPolicy``, adaptive) is given those costs
-and the measured acceptance, and asked what it would do: the ``k`` it chooses, the tokens it
-expects and the step it prices are its own (``choose_shapes``, ``Decision``), so the verdict is
-the policy's formula, not a second one. "x plain decoding" is tokens per second against one
-token per speculation-off step.
+:func:`payoff` prices every servable mode (``diagnose_modes.MODES``) and states the spread of
+the best one's speed-up over the rounds of costs (at least :data:`MIN_SPREAD`): the verdict
+calls speculation "does not pay here" only when the best servable mode is below 1.0x plain
+decoding by more than that spread.
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ import statistics
 import time
 import urllib.request
 from collections.abc import Sequence
-from types import SimpleNamespace
 
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF
+from dflash.core.speculation import MODE_OFF
+from dflash.tools.diagnose_modes import Context, Priced, best_speculative, price_modes
 from verifier_svc.cost_model import StepCostModel
-from verifier_svc.policy import CANDIDATES, SpeculationPolicy
+from verifier_svc.policy import CANDIDATES
 
-ROUNDS = 3                # timed steps per block length, interleaved across the lengths
+ROUNDS = 5                # timed steps per block length, interleaved across the lengths
 OVERHEAD_STEPS = 6        # plain decode steps of the real loop that measure the cycle overhead
 SYNTHETIC_BLOCKS = 10000  # blocks that stand for a deployment's per-position rates
+#: Least spread (x plain decoding) stated for an expected speed-up: one machine's speed moves
+#: this much between runs (docs/diagnose.md), whatever a few rounds of costs show.
+MIN_SPREAD = 0.05
 
 
 @dataclasses.dataclass
@@ -41,6 +44,8 @@ class CostTable:
     verify_s: dict[int, float]      # k -> median verify seconds of a step
     draft_s: dict[int, float]       # k -> median draft seconds of a step
     source: str                     # "measured here" | "reported by <url>"
+    rounds: list[StepCostModel] = dataclasses.field(default_factory=list)   # one per round
+    settings: dict = dataclasses.field(default_factory=dict)   # dflash.tools.served choices
 
     def as_dict(self) -> dict:
         return {"source": self.source,
@@ -48,28 +53,31 @@ class CostTable:
                 "draft_ms": {k: round(1e3 * v, 2) for k, v in sorted(self.draft_s.items())},
                 "overhead_ms": round(1e3 * self.costs.overhead_seconds, 2),
                 "cells_ms": {f"{b}x{k}": round(1e3 * v, 2)
-                             for (b, k), v in sorted(self.costs.cost_table().items())}}
+                             for (b, k), v in sorted(self.costs.cost_table().items())},
+                "rounds": len(self.rounds), "settings": self.settings}
 
 
 def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
-                  rounds: int = ROUNDS) -> CostTable:
+                  rounds: int = ROUNDS, threads: int = 0) -> CostTable:
     """Step seconds at each candidate k up to ``block_size - 1``, into the policy's
-    ``StepCostModel``.
+    ``StepCostModel`` (and one model per round, for the spread).
 
-    ``target``: ``verifier_svc.target.TargetModel``; ``proposer``: a ``DrafterEngine``. After
+    ``target``: ``verifier_svc.target.TargetModel``; ``proposer``: a ``DrafterEngine``; call on
+    the thread that runs their forwards (``dflash.tools.served.Served.run``). After
     one prefill of ``prompt``, each round times, for every k in turn, what a decode step of
     the verifier calls: the drafter's ``propose`` of a block of k + 1 (with the one new
     context row a step sends) and the target's ``forward_batch`` of k + 1 tokens, the cache
     cropped back after each; k = 0 is a plain step (no drafter, no taps). Rounds interleave
     the k so that a change in the machine's load lands on every cell alike. The per-cycle
     overhead outside verify and draft comes from a few steps of the real decode loop
-    (``VerifierEngine``, speculation off)."""
+    (``VerifierEngine``, speculation off, its decode thread on ``threads`` torch threads; 0:
+    the process default)."""
     from dflash.core.proposer import ProposalRequest
     from dflash.core.sampling import Sampling
     from verifier_svc.engine import Request, VerifierEngine
 
     costs = StepCostModel()
-    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=())
+    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=(), threads=threads)
     try:
         for _ in engine.generate(Request(request_id="diagnose-overhead", prompt=list(prompt),
                                          max_tokens=OVERHEAD_STEPS, ignore_eos=True)):
@@ -78,7 +86,8 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
         engine.close()
     costs.observe_overhead(engine.policy.overhead_seconds)
     taps_ids = tuple(proposer.card.target_layer_ids)
-    ks = [k for k in CANDIDATES if k <= block_size - 1]
+    ks = sorted({k for k in CANDIDATES if k <= block_size - 1} | {block_size - 1})
+    per_round = [StepCostModel() for _ in range(rounds)]
     verify: dict[int, list[float]] = {k: [] for k in ks}
     draft: dict[int, list[float]] = {k: [] for k in ks}
     sid = "diagnose-costs"
@@ -89,7 +98,7 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
         n, anchor = len(prompt), int(logits[-1].argmax())
         proposer.propose([ProposalRequest(session_id=sid, context_start=0, context=taps[:-1],
                                           anchor_token=anchor, block_size=1, sampling=Sampling())])
-        for _ in range(rounds):
+        for r in range(rounds):
             for k in ks:
                 d = 0.0
                 if k:
@@ -104,60 +113,99 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
                     v = time.perf_counter() - t
                     target.crop(cache, n)
                 costs.observe_step(1, k, v + d)
+                for _ in range(2):      # confirmed: one round's cell is its own price
+                    per_round[r].observe_step(1, k, v + d)
                 verify[k].append(v)
                 draft[k].append(d)
     finally:
         proposer.release([sid])
         del cache                       # the pool frees a dropped sequence's row
         target.pool.collect()
+    for m in per_round:
+        m.observe_overhead(costs.overhead_seconds)
     med = lambda x: {k: statistics.median(v) for k, v in x.items() if v}   # noqa: E731
-    return CostTable(costs, med(verify), med(draft), "measured here")
+    return CostTable(costs, med(verify), med(draft), "measured here", per_round)
 
 
 @dataclasses.dataclass
 class Payoff:
-    """Speculation against plain decoding at one acceptance profile."""
+    """Every servable mode priced at one acceptance profile (``diagnose_modes.Priced`` rows),
+    and the spread of the best one's speed-up."""
 
     block_size: int
-    fixed_speedup: float            # blocks of block_size every step
-    adaptive_k: int                 # drafts the adaptive policy chooses (0: no speculation)
-    adaptive_speedup: float
-    expected_tokens: float          # per step at adaptive_k, bonus included
+    rows: list[Priced]
+    spread: float                   # x plain decoding: half the range over rounds, >= MIN_SPREAD
     plain_ms: float                 # one speculation-off step
 
+    def row(self, mode: str) -> Priced | None:
+        return next((r for r in self.rows if r.mode == mode), None)
+
+    @property
+    def best(self) -> Priced | None:
+        return best_speculative(self.rows)
+
+    @property
+    def pays(self) -> bool:
+        """The best servable mode is at least as fast as plain decoding."""
+        return self.best is not None and self.best.speedup >= 1.0
+
+    @property
+    def does_not_pay(self) -> bool:
+        """The best servable mode is below plain decoding by more than the spread."""
+        return self.best is None or self.best.speedup < 1.0 - self.spread
+
     def sentence(self) -> str:
-        k = self.adaptive_k
-        ad = ("adaptive turns speculation off (k = 0): 1.0x" if k == 0 else
-              f"adaptive chooses k = {k}; expected {self.adaptive_speedup:.2f}x")
-        return (f"speculation at block {self.block_size} is {self.fixed_speedup:.2f}x plain "
-                f"decoding here; {ad}")
+        fixed, ad, best = self.row("fixed"), self.row("adaptive"), self.best
+        parts = [f"speculation at block {self.block_size} is {fixed.speedup:.2f}x plain decoding "
+                 "here" if fixed else "no fixed blocks priced"]
+        trees = [r for r in self.rows if r.mode.startswith("tree:")]
+        if trees:
+            parts.append("trees " + ", ".join(f"{r.mode[5:]} nodes {r.speedup:.2f}x" for r in trees))
+        if ad is None:
+            parts.append("adaptive not priced")
+        elif ad.choice == "off":
+            parts.append("adaptive turns speculation off (k = 0): 1.0x")
+        else:
+            what = f"a {ad.choice}" if ad.choice.startswith("tree") else ad.choice
+            parts.append(f"adaptive chooses {what}; expected {ad.speedup:.2f}x")
+        if best is not None:
+            parts.append(f"best {best.mode} {best.speedup:.2f}x (spread +-{self.spread:.2f})")
+        return "; ".join(parts)
 
     def as_dict(self) -> dict:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(self).items()} | \
-            {"sentence": self.sentence()}
+        fixed, ad, best = self.row("fixed"), self.row("adaptive"), self.best
+        k = 0 if ad is None or ad.choice == "off" else (
+            int(ad.choice[4:]) if ad.choice.startswith("k = ") else self.block_size - 1)
+        return {"block_size": self.block_size, "plain_ms": round(self.plain_ms, 2),
+                "fixed_speedup": round(fixed.speedup, 3) if fixed else None,
+                "adaptive_choice": ad.choice if ad else None, "adaptive_k": k,
+                "adaptive_speedup": round(ad.speedup, 3) if ad else None,
+                "expected_tokens": round(ad.tokens, 3) if ad else None,
+                "best_mode": best.mode if best else None,
+                "best_speedup": round(best.speedup, 3) if best else None,
+                "spread": round(self.spread, 3), "pays": self.pays,
+                "does_not_pay": self.does_not_pay,
+                "modes": [r.as_dict() for r in self.rows], "sentence": self.sentence()}
 
 
-def payoff(costs: StepCostModel, blocks: Sequence[tuple[int, int]], block_size: int,
-           label: str = "diagnose") -> Payoff | None:
-    """What the adaptive policy makes of ``costs`` and the verified ``blocks`` ((drafts,
-    accepted drafts) each, as the verifier records them). None when the costs cannot price
-    plain decoding (no speculation-off cell and no fit)."""
-    fit = costs.fit()
-    if not costs.measured(1, 0) or (fit is None and not costs.measured(1, block_size - 1)):
+def payoff(table: CostTable, blocks: Sequence[tuple[int, int]], block_size: int, *,
+           trees: dict[int, float] | None = None, tree_budgets: tuple[int, ...] = (),
+           tree_budget: int = 0) -> Payoff | None:
+    """Every servable mode at ``table``'s costs and the verified ``blocks`` ((drafts, accepted
+    drafts) each, as the verifier records them) and ``trees`` (budget -> tokens per tree step).
+    None when the costs cannot price plain decoding (no speculation-off cell)."""
+    ctx = Context(table.costs, list(blocks), dict(trees or {}), block_size, tuple(tree_budgets),
+                  tree_budget)
+    rows = price_modes(ctx)
+    if not rows:
         return None
-    policy = SpeculationPolicy(MODE_ADAPTIVE, explore_every=0, tree_budgets=())
-    policy.costs = costs
-    policy.observe_acceptance(label, list(blocks))
-    job = SimpleNamespace(mode=MODE_ADAPTIVE, block_limit=block_size, emitted=0, stats=None,
-                          tree_budget=0, req=SimpleNamespace(
-                              max_tokens=1 << 30, proposer=SimpleNamespace(card=SimpleNamespace(label=label))))
-    policy.choose_shapes([job])
-    d = policy.last_decision
-    plain = costs.estimate(1, 0, fit)
-    top = block_size - 1
-    fixed = policy.expected_tokens(label, top) / costs.estimate(1, top, fit) * plain
-    adaptive = d.expected_tokens / d.cost_seconds * plain if d.cost_seconds else 1.0
-    return Payoff(block_size, fixed, d.k, adaptive, d.expected_tokens, 1e3 * plain)
+    spread = MIN_SPREAD
+    per_round = [best_speculative(price_modes(dataclasses.replace(ctx, costs=m)))
+                 for m in table.rounds]
+    got = [b.speedup for b in per_round if b is not None]
+    if len(got) > 1:
+        spread = max(spread, (max(got) - min(got)) / 2)
+    return Payoff(block_size, rows, spread, 1e3 * ctx.plain_seconds)
 
 
 def blocks_from_rates(rates: Sequence[float], n: int = SYNTHETIC_BLOCKS) -> list[tuple[int, int]]:
@@ -186,6 +234,8 @@ class Deployment:
     verify_mean: dict[str, float]
     draft_mean: dict[str, float]
     source: str
+    trees: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    # version -> node budget -> tokens per tree step (EMA)
 
     def rates(self, version: str) -> list[float]:
         d = self.drafts.get(version, 0.0)
@@ -235,6 +285,8 @@ def scrape(url: str, timeout: float = 10.0) -> Deployment:
                 row[pos] = v
             elif s.name == "dflash_spec_policy_step_seconds":
                 dep.cells[(int(lab["batch_bucket"]), int(lab["drafts"]))] = v
+            elif s.name == "dflash_spec_policy_tree_tokens":
+                dep.trees.setdefault(ver, {})[int(lab["budget"])] = v
             elif s.name == "dflash_spec_policy_overhead_seconds":
                 dep.overhead = v
             elif s.name in ("dflash_spec_decode_verify_seconds_sum", "dflash_spec_decode_verify_seconds_count",

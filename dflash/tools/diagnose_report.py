@@ -36,8 +36,12 @@ def render(report: dict) -> str:
         for d, v in p["domains"].items():
             if d != "all" and len(p["domains"]) == 2:
                 continue
+            served = (f"; the served {v['served_dtype']} drafter: tau {v['tau_served']:.2f}"
+                      if "tau_served" in v else "")
+            trees = ", ".join(f"{n} nodes {x:.2f}" for n, x in (v.get("tree_tokens") or {}).items())
             lines.append(f"  {d}: tau {v['tau']:.2f} (greedy decode, block {p['block_size']}, "
-                         f"{v['drafts']} blocks), per-position {_rates(v['per_position'])}")
+                         f"{v['drafts']} blocks), per-position {_rates(v['per_position'])}{served}"
+                         + (f"; tokens per tree step {trees}" if trees else ""))
         lines.append("settings (cross-entropy of the target's tokens vs saved, nats per draft "
                      "position, 95% CI; tau; accuracy of draft positions 1-3):")
         lines += [_setting_line(s) for s in p["settings"]]
@@ -60,6 +64,14 @@ def render(report: dict) -> str:
         d = ", ".join(f"k={k} {ms}" for k, ms in c["draft_ms"].items() if int(k))
         lines.append(f"step costs ({c['source']}, ms): verify {v}" + (f"; draft {d}" if d else "") +
                      f"; overhead {c['overhead_ms']}")
+        st = c.get("settings")
+        if st:
+            side = lambda x: (f"{x['dtype']}, skinny rows {x['skinny_max_rows']}, "   # noqa: E731
+                              f"packed {x['packed_linear']}")
+            lines.append(f"  as served: {st['threads']} thread(s); target {side(st['target'])}; "
+                         f"drafter {side(st['drafter'])}; tree budgets "
+                         f"{','.join(map(str, st['tree_budgets'])) or 'none'} (mode tree "
+                         f"{st['tree_budget']})")
     for dom, s in (report.get("speculation") or {}).items():
         lines.append(f"speculation ({dom}): {s['sentence']}")
     lines.append(f"verdict: {report['verdict']}")

@@ -203,10 +203,12 @@ def score(drafter: DFlashDrafter, target_head: TargetHead, head: Head, seqs: Seq
     return Scores(**cat)
 
 
-def _score_chunk(drafter, target_head, head, inv, ids, A, ctx_all, B, mask_id):
-    """One drafter forward over the blocks of anchors ``A`` [C]; returns drafts, accepted,
-    hit [C, K0], ce [C, K0]."""
-    C, n = len(A), len(ids)
+def block_hidden(drafter: DFlashDrafter, target_head: TargetHead, ids: torch.Tensor,
+                 A: torch.Tensor, ctx_all, B: int, mask_id: int) -> torch.Tensor:
+    """One drafter forward over the blocks ``[ids[a], MASK x (B-1)]`` of anchors ``A`` (int64
+    [C]), each seeing the context K/V ``ctx_all`` (``drafter.context_kv`` of the sequence's
+    taps) of positions ``< a``. Returns the drafter's last hidden states [C, B, H]."""
+    C = len(A)
     ctx_len = int(A.max())                         # context: positions < anchor
     kv = [(k[:, :, :ctx_len], v[:, :, :ctx_len]) for k, v in ctx_all]
     block = torch.full((C, B), mask_id, dtype=torch.int64)
@@ -217,9 +219,18 @@ def _score_chunk(drafter, target_head, head, inv, ids, A, ctx_all, B, mask_id):
     mask[:, :, :ctx_len] = torch.arange(ctx_len)[None, None] < A[:, None, None]
     own = torch.arange(q).view(C, B) // B                               # block of each query
     mask[:, :, ctx_len:] = (torch.arange(q) // B)[None, None, :] == own[:, :, None]
-    h = drafter(target_head.embed_tokens(block.view(1, q)), pos.view(1, q), kv,
-                mask.view(1, 1, q, ctx_len + q),
-                context_positions=torch.arange(ctx_len)[None]).view(C, B, -1)
+    return drafter(target_head.embed_tokens(block.view(1, q)), pos.view(1, q), kv,
+                   mask.view(1, 1, q, ctx_len + q),
+                   context_positions=torch.arange(ctx_len)[None]).view(C, B, -1)
+
+
+def _score_chunk(drafter, target_head, head, inv, ids, A, ctx_all, B, mask_id):
+    """One drafter forward over the blocks of anchors ``A`` [C]; returns drafts, accepted,
+    hit [C, K0], ce [C, K0]."""
+    n = len(ids)
+    h = block_hidden(drafter, target_head, ids, A, ctx_all, B, mask_id)
+    C = len(A)
+    pos = A[:, None] + torch.arange(B)                                  # [C, B]
     label_pos = pos[:, 1:]                                              # [C, B-1]
     valid = label_pos < n
     labels = ids[label_pos.clamp(max=n - 1)]

@@ -43,15 +43,20 @@ class InProcessProbe:
     ``DrafterEngine.from_pretrained``, with the checkpoint's draft vocabulary).
 
     ``run``: the real greedy decode loop over some prompts (``VerifierEngine``);
-    ``collect``: the teacher-forced probe's continuations (``dflash.tools.diagnose_tf.collect``);
-    ``costs``: step costs at each block length (``dflash.tools.diagnose_cost.measure_costs``)."""
+    ``collect``: the teacher-forced probe's continuations (``dflash.tools.diagnose_tf.collect``).
+    Step costs are measured on the served pair instead (``dflash.tools.served``).
 
-    def __init__(self, target_dir: str | Path, drafter_dir: str | Path, *, dtype: str = "float32"):
+    ``target``: a loaded ``TargetModel`` of ``target_dir`` to use (``dflash diagnose`` passes the
+    served one, ``dflash.tools.served``), not closed here; None: one loaded in ``dtype``. The
+    drafter is loaded in ``dtype`` (float32: the probe's statistics at full precision)."""
+
+    def __init__(self, target_dir: str | Path, drafter_dir: str | Path, *, dtype: str = "float32",
+                 target=None):
         from drafter_svc.engine import DrafterEngine
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.target import TargetModel
 
-        self.target = TargetModel(target_dir, dtype=dtype)
+        self.target = target if target is not None else TargetModel(target_dir, dtype=dtype)
         self.verifier = VerifierEngine(self.target)
         self.engine = DrafterEngine.from_pretrained(drafter_dir, target_dir, dtype=dtype,
                                                     context_threads=0)
@@ -85,11 +90,6 @@ class InProcessProbe:
         pad = pad if pad is not None else (min(eos) if eos else 0)
         return collect(self.target.model, prompts, domains, max_new_tokens=max_new_tokens,
                        eos_ids=eos, pad_id=pad)
-
-    def costs(self, prompt: list[int]):
-        from dflash.tools.diagnose_cost import measure_costs
-
-        return measure_costs(self.target, self.engine, prompt, self.block_size)
 
     def close(self) -> None:
         self.verifier.close()
