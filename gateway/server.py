@@ -142,7 +142,7 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     verifier = verifier_pb2_grpc.VerifierStub(channel)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
                                        session_ttl_s=session_ttl_s, telemetry=telemetry,
-                                       limits=limits, vocab_size=vocab_size)
+                                       limits=limits, vocab_size=vocab_size, model_name=model_name)
     if api_keys is not None:
         servicer.identity = api_keys.identity    # the key's name owns the sessions
     admin = GatewayAdminServicer(servicer.registry, lambda address, **kw: register_drafter(

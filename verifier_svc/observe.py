@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.speculation import MODE_OFF
+from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.serving.speclog import SpecDecodingLogger
 from dflash.serving.telemetry import Telemetry
@@ -126,9 +127,9 @@ class VerifierObserver:
             self.metrics.running.dec()
             spans.close()
             if last is not None and last.finish_reason:
-                span.set_attribute("gen_ai.response.finish_reasons",
-                                   [FINISH_NAME.get(last.finish_reason) or "unknown"])
-                span.set_attribute("dflash.cached_prompt_tokens", last.cached_prompt_tokens)
+                span.set_attributes(sc.with_aliases({
+                    sc.FINISH_REASONS: [FINISH_NAME.get(last.finish_reason) or "unknown"],
+                    sc.CACHE_READ_INPUT_TOKENS: last.cached_prompt_tokens}))
                 self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
             if spans.view is not None:
                 span.set_attribute("dflash.drafter_version", spans.view.label)
@@ -155,7 +156,7 @@ class RequestSpans:
             self._prefill_t0 = time.perf_counter()
             self._prefill = self.o.tracer.start_span(
                 "verifier.prefill", context=self.server_ctx,
-                attributes={"gen_ai.usage.prompt_tokens": self.prompt_tokens})
+                attributes=sc.with_aliases({sc.INPUT_TOKENS: self.prompt_tokens}))
 
     def step_started(self, step: int) -> dict[str, str]:
         with self._lock:
@@ -256,9 +257,10 @@ def _request_attrs(r) -> dict:
     s = r.sampling
     return {"rpc.system": "grpc", "rpc.service": "dflash.v1.Verifier", "rpc.method": "Generate",
             "dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
-            "gen_ai.request.max_tokens": r.max_tokens, "gen_ai.request.temperature": s.temperature,
-            "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
-            "gen_ai.usage.prompt_tokens": len(r.prompt_token_ids),
+            sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
+            sc.TOP_P: s.top_p, sc.TOP_K: s.top_k,
+            sc.INPUT_TOKENS: len(r.prompt_token_ids),
+            sc.ALIASES[sc.INPUT_TOKENS]: len(r.prompt_token_ids),
             "dflash.core.speculation": r.speculation.enabled,
             "dflash.drafter_address": r.speculation.drafter_address}
 
