@@ -94,9 +94,18 @@ def cmd_up(a) -> int:
     if a.prometheus:  # /metrics on every service + a local Prometheus (dflash/tools/local_prometheus.py)
         from dflash.tools.local_prometheus import PrometheusStack
         new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
-    stack = new_stack(_stack_config(a))
-    print("starting drafter(s), verifier, gateway ...", flush=True)
+    cfg = _stack_config(a)
+    sidecars = []
+    if a.traces_ui:  # Phoenix from .venv-traces (dflash/tools/traces_ui.py)
+        from dflash.tools.traces_ui import TracesUI
+        sidecars.append(TracesUI.from_env(cfg.run_dir, host=cfg.host, port=a.traces_ui_port,
+                                          otlp_port=a.traces_ui_otlp_port))
+    stack = new_stack(cfg, sidecars=sidecars)
+    print("starting " + ("the traces UI, " if sidecars else "") + "drafter(s), verifier, gateway ...",
+          flush=True)
     stack.start()
+    for sc in sidecars:
+        print(sc.describe())
     for i, d in enumerate(stack.cfg.drafters):
         print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
     print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
@@ -273,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",
                     help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
+    up.add_argument("--traces-ui", action="store_true",
+                    help="also start a trace UI (Arize Phoenix, scripts/setup_traces.sh installs it) "
+                         "and export every service's spans to it")
+    up.add_argument("--traces-ui-port", type=int, default=6006, help="the trace UI's web port")
+    up.add_argument("--traces-ui-otlp-port", type=int, default=4317,
+                    help="the trace UI's OTLP/gRPC port (the services export to it)")
     up.set_defaults(func=cmd_up)
     g = sub.add_parser("generate", help="stream one generation from a running gateway")
     g.add_argument("prompt")
