@@ -1,10 +1,12 @@
 """What the gateway shows: the request's root span and the client-facing latency metrics.
 
 The request's span is the GenAI one: ``"{operation} {model}"`` (``chat`` or
-``text_completion``; SERVER) with the OpenTelemetry GenAI attributes (operation, request and
+``text_completion``) with the OpenTelemetry GenAI attributes (operation, request and
 response model, response id, sampling parameters, input / output tokens, finish reasons, time
 to first chunk) plus ``dflash.*`` acceptance (tau, drafts, accepted, drafter version); the keys
-live in :mod:`dflash.serving.semconv`. It is the current span while the servicer calls the
+live in :mod:`dflash.serving.semconv`. Over gRPC it is the child of the RPC's server span (the
+OpenTelemetry gRPC instrumentation's, ``dflash.serving.tracing.server_interceptors``); over
+HTTP it is the server span itself. It is the current span while the servicer calls the
 verifier, whose channel injects it as ``traceparent`` metadata.
 """
 
@@ -21,7 +23,7 @@ from dflash.core.finish import FINISH_CANCELLED
 from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics
 from dflash.serving.telemetry import Telemetry
-from dflash.serving.tracing import abort_status, metadata_context, set_error
+from dflash.serving.tracing import abort_status, set_error
 from gateway.servicer import GatewayServicer
 from gateway.status import grpc_code
 
@@ -36,10 +38,12 @@ class ObservedGatewayServicer(GatewayServicer):
         telemetry = telemetry or Telemetry(service="gateway")
         self.metrics = GatewayMetrics(telemetry.registry)
         self.tracer = telemetry.tracer
+        self.tracer_provider = telemetry.tracer_provider
 
     def Generate(self, request, context):
-        return self._observe(request, metadata_context(context), super().Generate(request, context),
-                             lambda span, e: abort_status(span, context, e))
+        # the RPC's server span is current (tracing.server_interceptors): ours is its child
+        return self._observe(request, otel_context.get_current(), super().Generate(request, context),
+                             lambda span, e: abort_status(span, context, e), kind=SpanKind.INTERNAL)
 
     def observed_stream(self, request, owner, cancel, *, trace_headers=None, response_id=None,
                         stream=None, **kw):
@@ -50,14 +54,15 @@ class ObservedGatewayServicer(GatewayServicer):
         if stream is not None:
             attrs[sc.STREAM] = stream
         return self._observe(request, parent, responses, _record_error, attrs=attrs,
-                             response_id=response_id)
+                             response_id=response_id, kind=SpanKind.SERVER)
 
-    def _observe(self, request, parent, responses, on_error, attrs=None, response_id=None):
+    def _observe(self, request, parent, responses, on_error, *, kind: SpanKind, attrs=None,
+                 response_id=None):
         op = sc.OP_CHAT if request.WhichOneof("input") == "chat" else sc.OP_TEXT_COMPLETION
         attrs = {**_request_attrs(request), sc.OPERATION: op, sc.REQUEST_MODEL: self.model_name,
                  sc.RESPONSE_ID: response_id or uuid.uuid4().hex, **(attrs or {})}
         span = self.tracer.start_span(sc.span_name(op, self.model_name), context=parent,
-                                      kind=SpanKind.SERVER, attributes=sc.with_aliases(attrs))
+                                      kind=kind, attributes=sc.with_aliases(attrs))
         ctx = trace.set_span_in_context(span, parent)
         t0 = time.perf_counter()
         first = None

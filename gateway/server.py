@@ -29,7 +29,7 @@ from dflash.serving.server import (
 )
 from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
-from dflash.serving.tracing import InjectTraceContext
+from dflash.serving.tracing import InjectTraceContext, server_interceptors
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
 from gateway.auth import (
@@ -160,7 +160,8 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     per_client = ClientStreams(max_streams_per_client, api_keys)
     # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
     rt = cast(GatewayRuntime, create_server(bind, add, (SERVICE,), max_streams=max_streams,
-                                            interceptors=auth + [per_client, DecodeGuard()],
+                                            interceptors=auth + [per_client, DecodeGuard()]
+                                            + server_interceptors(servicer.tracer_provider),
                                             max_message_mb=max_request_mb, tls=tls, runtime=GatewayRuntime))
     rt.client_streams = per_client
     try:

@@ -114,17 +114,24 @@ def test_one_trace_across_gateway_verifier_drafter(tstack, traced, target_model,
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
     (gw,) = by_name[GW_SPAN]
-    (ver,) = by_name["dflash.v1.Verifier/Generate"]
+    (gw_rpc,) = by_name["/dflash.v1.Gateway/Generate"]     # the gRPC instrumentation's
+    (ver,) = by_name["/dflash.v1.Verifier/Generate"]
     (prefill,) = by_name["verifier.prefill"]
     (decode,) = by_name["verifier.decode"]
     steps, drafts = by_name["verifier.step"], by_name["drafter.draft"]
-    assert len({s.context.trace_id for s in spans}) == 1, "one trace per request"
+    # one trace per request (the drafter's registration RPCs are traces of their own)
+    request = [s for s in spans if s.name not in ("/dflash.v1.Verifier/CheckDrafter",
+                                                  "/dflash.v1.Drafter/Describe")]
+    assert {s.context.trace_id for s in request} == {gw.context.trace_id}, "one trace per request"
     service = lambda s: s.resource.attributes["service.name"]  # noqa: E731
     assert (service(gw), service(ver), service(drafts[0])) == ("dflash-gateway", "dflash-verifier",
                                                               "dflash-drafter")
-    # parent/child links: gateway -> verifier -> prefill/decode -> steps -> drafter items
-    assert gw.parent is None and gw.kind == SpanKind.SERVER
+    # parent/child links: gateway RPC -> its GenAI span -> verifier RPC -> prefill/decode ->
+    # steps -> drafter items
+    assert gw_rpc.parent is None and gw_rpc.kind == SpanKind.SERVER
+    assert gw.parent.span_id == gw_rpc.context.span_id and gw.kind == SpanKind.INTERNAL
     assert ver.parent.span_id == gw.context.span_id and ver.kind == SpanKind.SERVER
+    assert ver.attributes["rpc.method"] == "Generate" and ver.attributes["rpc.grpc.status_code"] == 0
     assert prefill.parent.span_id == ver.context.span_id
     assert prefill.attributes["gen_ai.usage.input_tokens"] == len(ids)
     assert decode.parent.span_id == ver.context.span_id

@@ -71,7 +71,7 @@ def _trace_spans(ui: str, trace_id: str) -> list[dict]:
 
 def _complete(spans: list[dict]) -> bool:
     names = {s["name"] for s in spans}
-    return {"dflash.v1.Verifier/Generate", "verifier.decode", "drafter.draft"} <= names and any(
+    return {"/dflash.v1.Verifier/Generate", "verifier.decode", "drafter.draft"} <= names and any(
         s["attributes"].get("gen_ai.operation.name") for s in spans)
 
 
@@ -144,8 +144,11 @@ def test_one_request_trace_and_its_tau_in_the_ui(stack_with_ui, tmp_path):
     spans = got["spans"]
     by_id = {s["context"]["span_id"]: s for s in spans}
     (gw,) = [s for s in spans if s["attributes"].get("gen_ai.operation.name")]
-    (ver,) = [s for s in spans if s["name"] == "dflash.v1.Verifier/Generate"]
+    (ver,) = [s for s in spans if s["name"] == "/dflash.v1.Verifier/Generate"]
     assert {s["context"]["trace_id"] for s in spans} == {trace_id}
+    (gw_rpc,) = [s for s in spans if s["name"] == "/dflash.v1.Gateway/Generate"]
+    assert gw_rpc["parent_id"] == md[0][1].split("-")[2]      # the client's span
+    assert gw["parent_id"] == gw_rpc["context"]["span_id"]
     assert ver["parent_id"] == gw["context"]["span_id"]
     drafts = [s for s in spans if s["name"] == "drafter.draft"]
     assert drafts and all(by_id[d["parent_id"]]["name"] == "verifier.step" for d in drafts)
@@ -158,7 +161,7 @@ def test_one_request_trace_and_its_tau_in_the_ui(stack_with_ui, tmp_path):
         driver.get(f"{ui}/redirects/traces/{trace_id}")
         body = lambda: driver.find_element(By.TAG_NAME, "body").text  # noqa: E731
         WebDriverWait(driver, 60).until(lambda d: all(
-            n in body() for n in (gw["name"], "dflash.v1.Verifier/Generate", "drafter.draft")))
+            n in body() for n in (gw["name"], "/dflash.v1.Verifier/Generate", "drafter.draft")))
         assert trace_id in body()
         tab = WebDriverWait(driver, 30).until(lambda d: next(
             (t for t in d.find_elements(By.CSS_SELECTOR, "[role=tab]")

@@ -7,7 +7,8 @@
   decode and step spans as the steps run (not when the client reads them: events are
   buffered), and hands each traced step's context to the drafter in its ``DraftItem``::
 
-      dflash.v1.Verifier/Generate (SERVER, parent: the gateway's span via traceparent metadata)
+      /dflash.v1.Verifier/Generate (SERVER: the OpenTelemetry gRPC instrumentation's span,
+                                    parent: the gateway's span via traceparent metadata)
         verifier.prefill
         verifier.decode            (request totals: tau, drafts, accepted, per position)
           verifier.step            (per DFLASH_TRACE_STEPS: all | every:N | summary)
@@ -21,8 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind
+from opentelemetry import context as otel_context, propagate, trace
 
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
@@ -31,7 +31,7 @@ from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.serving.speclog import SpecDecodingLogger
 from dflash.serving.telemetry import Telemetry
-from dflash.serving.tracing import abort_status, metadata_context, set_error
+from dflash.serving.tracing import abort_status, set_error
 from verifier_svc.drafter_client import WireStats
 from verifier_svc.servicer import VerifierServicer
 
@@ -101,12 +101,11 @@ class VerifierObserver:
     # ------------------------------------------------------------------ spans
     def stream(self, request, context, generate):
         """Run the servicer's ``Generate`` (``generate(trace)`` -> chunk generator) inside the
-        request's server span; the scheduler thread adds the prefill/decode/step spans."""
-        parent = metadata_context(context)
-        span = self.tracer.start_span("dflash.v1.Verifier/Generate", context=parent,
-                                      kind=SpanKind.SERVER, attributes=_request_attrs(request))
-        spans = RequestSpans(self, trace.set_span_in_context(span, parent),
-                             len(request.prompt_token_ids))
+        request's server span (the gRPC instrumentation's, current here; the no-op span when
+        tracing is off); the scheduler thread adds the prefill/decode/step spans."""
+        span = trace.get_current_span()
+        span.set_attributes(_request_attrs(request))
+        spans = RequestSpans(self, otel_context.get_current(), len(request.prompt_token_ids))
         last = None
         self.metrics.running.inc()
         chunks = generate(spans)
@@ -133,7 +132,6 @@ class VerifierObserver:
                 self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
             if spans.view is not None:
                 span.set_attribute("dflash.drafter_version", spans.view.label)
-            span.end()
 
 
 class RequestSpans:
@@ -255,8 +253,7 @@ class RequestSpans:
 
 def _request_attrs(r) -> dict:
     s = r.sampling
-    return {"rpc.system": "grpc", "rpc.service": "dflash.v1.Verifier", "rpc.method": "Generate",
-            "dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
+    return {"dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
             sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
             sc.TOP_P: s.top_p, sc.TOP_K: s.top_k,
             sc.INPUT_TOKENS: len(r.prompt_token_ids),

@@ -10,7 +10,6 @@ services is needed. Metric names and their meaning: docs/observability.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 import urllib.request
