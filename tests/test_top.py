@@ -105,3 +105,13 @@ def test_live_view_refreshes_and_says_which_endpoint_is_down(services):
     out = buf.getvalue()
     assert "v@1" in out and f"not answering: {dead}" in out
     assert top.run([dead], once=True, console=Console(file=io.StringIO())) == 1
+
+
+def test_cli_top_once_prints_one_frame(services, capsys):
+    from dflash.tools.cli import main
+
+    m, endpoints = services
+    steps(m["verifier"], "v@9", [2])
+    assert main(["top", "--once", *[a for ep in endpoints for a in ("--metrics", ep)]]) == 0
+    out = capsys.readouterr().out
+    assert "dflash top" in out and "v@9" in out and "3.00" in out

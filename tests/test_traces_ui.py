@@ -119,6 +119,7 @@ def stack_with_ui(tmp_path, tiny_target, make_drafter):
 
 
 def test_one_request_trace_and_its_tau_in_the_ui(stack_with_ui, tmp_path):
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -163,6 +164,14 @@ def test_one_request_trace_and_its_tau_in_the_ui(stack_with_ui, tmp_path):
         WebDriverWait(driver, 60).until(lambda d: all(
             n in body() for n in (gw["name"], "/dflash.v1.Verifier/Generate", "drafter.draft")))
         assert trace_id in body()
+        # the tree opens on the root (the gateway's RPC span): select the GenAI span
+        # (its name is also in the traces table under the trace's panel: click what takes it)
+        for el in driver.find_elements(By.XPATH, f"//*[normalize-space(text())='{gw['name']}']"):
+            try:
+                el.click()
+                break
+            except WebDriverException:
+                continue
         tab = WebDriverWait(driver, 30).until(lambda d: next(
             (t for t in d.find_elements(By.CSS_SELECTOR, "[role=tab]")
              if t.text.strip() == "Attributes"), None))
@@ -172,6 +181,7 @@ def test_one_request_trace_and_its_tau_in_the_ui(stack_with_ui, tmp_path):
                                         "'dflash.mean_acceptance_length']]")), None))
         shown = key.find_elements(By.TAG_NAME, "td")[1].text
         assert float(shown) == pytest.approx(tau)
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", key)
         shot = tmp_path / "traces-ui.png"
         assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
         if os.environ.get("DFLASH_SCREENSHOT_DIR"):

@@ -96,6 +96,9 @@ def cmd_up(a) -> int:
         from dflash.tools.local_prometheus import PrometheusStack
         new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
     cfg = _stack_config(a)
+    if a.metrics:   # the compose layout of /metrics ports, what `dflash top` reads by default
+        from dflash.tools.local_prometheus import metrics_ports
+        cfg.metrics_ports = metrics_ports(cfg)
     sidecars = []
     if a.traces_ui:  # Phoenix from .venv-traces (dflash/tools/traces_ui.py)
         from dflash.tools.traces_ui import TracesUI
@@ -118,6 +121,9 @@ def cmd_up(a) -> int:
         print(f"mTLS on every link, certificates in {d}/; a client: dflash generate --gateway "
               f"{stack.gateway_addr} --tls-ca {d}/ca.pem --tls-cert {d}/client.pem "
               f"--tls-key {d}/client-key.pem PROMPT")
+    if stack.cfg.metrics_ports:
+        ports = ", ".join(f"{n} :{p}" for n, p in stack.cfg.metrics_ports.items())
+        print(f"  /metrics  {ports}  (dflash top shows them live)")
     print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
     done = threading.Event()
     # Both explicitly: a process started in the background by a non-interactive shell inherits
@@ -283,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",
                     help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
+    up.add_argument("--metrics", action="store_true",
+                    help="/metrics on every service at the compose ports (gateway 9450, verifier "
+                         "9451, drafters 9461...), what `dflash top` reads; --prometheus implies it")
     up.add_argument("--traces-ui", action="store_true",
                     help="also start a trace UI (Arize Phoenix, scripts/setup_traces.sh installs it) "
                          "and export every service's spans to it")
