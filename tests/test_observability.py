@@ -193,6 +193,31 @@ def test_step_span_policy(target_model, tokenizer, hf_target, policy, traced_ste
     assert len(events) == (STEPS if policy == "summary" else 0)
 
 
+def test_http_request_span_is_the_genai_server_span(tstack, traced):
+    from gateway_doubles import http_front, request
+
+    h = http_front(tstack.gateway.servicer, model_name="dflash")   # the gateway's served name
+    try:
+        trace_id, parent = "ab" * 16, "cd" * 8
+        status, _, body = request(h.url + "/v1/chat/completions", "POST", {
+            "model": "dflash", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]},
+            headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert status == 200, body
+    finally:
+        h.stop()
+    spans = traced.spans(until=lambda x: any(y.name == "chat dflash" for y in x))
+    (gw,) = [x for x in spans if x.name == "chat dflash"]
+    assert gw.kind == SpanKind.SERVER and f"{gw.context.trace_id:032x}" == trace_id
+    assert f"{gw.parent.span_id:016x}" == parent                   # the client's span
+    a = gw.attributes
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.response.id"] == body["id"]
+    assert a["gen_ai.request.stream"] is False
+    assert a["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"]
+    (ver,) = [x for x in spans if x.name == "/dflash.v1.Verifier/Generate"]
+    assert ver.parent.span_id == gw.context.span_id
+
+
 def test_errors_set_span_status(tstack, traced, target_model):
     with pytest.raises(grpc.RpcError) as e:
         list(tstack.gateway_stub().Generate(build_request("hi", max_tokens=0)))
