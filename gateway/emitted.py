@@ -23,15 +23,20 @@ class EmittedStats:
         self.counter = AcceptanceCounter()
 
     def step(self, kept: int, accepted: int, drafted: int, *, fallback: bool = False,
-             tree_nodes: int = 0, draft_seconds: float = 0.0, verify_seconds: float = 0.0) -> None:
+             tree_nodes: int = 0, draft_seconds: float = 0.0, verify_seconds: float = 0.0,
+             suffix_nodes: int = 0, suffix_accepted: int = 0) -> None:
         """One verifier step of which ``kept`` tokens reached the client (0: none, not counted).
-        ``tree_nodes`` > 0: it verified a tree of that many nodes (``drafted`` is its depth)."""
+        ``tree_nodes`` > 0: it verified a tree of that many nodes (``drafted`` is its depth);
+        ``suffix_nodes`` of them suffix candidates, ``suffix_accepted`` of its accepted tokens
+        only a suffix candidate proposed (counted up to what was kept)."""
         if kept <= 0:
             return
         c = self.counter
         c.record(drafted, min(accepted, kept))
         if tree_nodes:
             c.record_tree(tree_nodes)
+        if suffix_nodes:
+            c.record_suffix(suffix_nodes, min(suffix_accepted, accepted, kept))
         c.fallback_steps += int(fallback)
         c.draft_seconds += draft_seconds
         c.verify_seconds += verify_seconds
@@ -40,7 +45,8 @@ class EmittedStats:
         """:meth:`step` with a verifier chunk's figures."""
         self.step(kept, chunk.accepted, chunk.drafted, fallback=chunk.fallback,
                   tree_nodes=chunk.tree_nodes, draft_seconds=chunk.draft_seconds,
-                  verify_seconds=chunk.verify_seconds)
+                  verify_seconds=chunk.verify_seconds, suffix_nodes=chunk.suffix_nodes,
+                  suffix_accepted=chunk.suffix_accepted)
 
     def to_proto(self, verifier: common_pb2.AcceptanceStats | None) -> common_pb2.AcceptanceStats:
         """The counts of emitted tokens. The work figures are the emitted steps' sums, or the
@@ -53,4 +59,6 @@ class EmittedStats:
             out.verify_seconds = verifier.verify_seconds
             out.tree_drafts = verifier.tree_drafts
             out.tree_nodes = verifier.tree_nodes
+            out.suffix_drafts = verifier.suffix_drafts
+            out.suffix_nodes = verifier.suffix_nodes
         return out

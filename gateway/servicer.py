@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 from dflash.core.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
 from dflash.core.errors import FieldError
 from dflash.core.sampling import InvalidParam, Sampling
-from dflash.core.speculation import MAX_TREE_BUDGET, MODES
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_OFF, MODES
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.generation import Cancel, merge, sample_stream
 from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short, verifier_session_id
@@ -287,10 +287,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_id=uuid.uuid4().hex, session_id=verifier_session_id(owner, r.session_id),
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(sampling), max_tokens=r.max_tokens,
-            stop_token_ids=list(r.stop_token_ids), prefix_group=group,
+            stop_token_ids=list(r.stop_token_ids), prefix_group=group, tenant=owner,
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
-                block_size=r.block_size, mode=r.speculation_mode, tree_budget=r.tree_budget))
+                block_size=r.block_size, tree_budget=r.tree_budget,
+                # speculation turned off is off: no suffix drafts either
+                mode=MODE_OFF if r.HasField("speculation") and not r.speculation
+                else r.speculation_mode))
 
     def stream(self, request: gateway_pb2.GenerateRequest, owner: str, cancel: Cancel | None = None,
                *, chat_template_kwargs: dict | None = None, fill_context: bool = False

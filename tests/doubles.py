@@ -112,4 +112,4 @@ def chains(choose):
     drafts per job: chains of those lengths, no trees."""
     from verifier_svc.policy import Shape
 
-    return lambda jobs, waiting=0: [Shape(k) for k in choose(jobs, waiting)]
+    return lambda jobs, waiting=0, offers=None: [Shape(k) for k in choose(jobs, waiting)]

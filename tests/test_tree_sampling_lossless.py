@@ -47,20 +47,25 @@ pytestmark = pytest.mark.slow
 
 
 @functools.cache
-def run(setting: int, positions_by_slot: bool = False) -> tuple[np.ndarray, dict]:
+def run(setting: int, positions_by_slot: bool = False, mode: str = "tree", seeded: bool = True
+        ) -> tuple[np.ndarray, dict]:
+    """``mode`` "tree": the drafter's trees; "hybrid": with suffix candidates merged in;
+    "suffix": suffix candidates alone, no drafter (point-mass proposals from the text so far)."""
     sampling = SETTINGS[setting]
     target = MarkovTarget()
     if positions_by_slot:   # the mistake: node j at position start + j whatever its depth
         plain = target.forward
         target.forward = lambda tokens, cache, layer_ids, logits_to_keep=0, parents=None: plain(
             tokens, cache, layer_ids, logits_to_keep)
-    engine = VerifierEngine(target, spec_mode="tree", tree_budget=BUDGET)
-    drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE)
-    seqs, info = [], {"tree_steps": 0, "nodes": 0, "accepted": 0, "deep": 0}
+    engine = VerifierEngine(target, spec_mode=mode, tree_budget=BUDGET)
+    drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE) if mode != "suffix" else None
+    seqs, info = [], {"tree_steps": 0, "nodes": 0, "accepted": 0, "deep": 0, "suffix_nodes": 0,
+                      "suffix_accepted": 0}
     for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
         req = Request(request_id=f"t{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
                       sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                        seed=7000 + 100 * setting + i), proposer=drafter)
+                                        seed=7000 + 100 * setting + i if seeded else None),
+                      proposer=drafter)
         out = []
         for ev in engine.generate(req):
             out += ev.tokens
@@ -69,6 +74,8 @@ def run(setting: int, positions_by_slot: bool = False) -> tuple[np.ndarray, dict
                 info["nodes"] += ev.tree_nodes
                 info["accepted"] += ev.accepted
                 info["deep"] += ev.accepted >= 2
+                info["suffix_nodes"] += ev.suffix_nodes
+                info["suffix_accepted"] += ev.suffix_accepted
         assert len(out) == TOKENS_PER_REQUEST
         seqs.append(PROMPT + out)
     engine.close()
@@ -89,6 +96,23 @@ def test_sampled_trees_match_target_distribution(setting):
     stat, df, pval = goodness_of_fit(counts, p)
     assert df == df_need
     assert pval > ALPHA, f"sampled trees are biased: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+@pytest.mark.parametrize("mode,seeded", [("suffix", True), ("suffix", False), ("hybrid", False)])
+def test_sampled_suffix_trees_match_target_distribution(mode, seeded):
+    """Suffix candidates are point-mass proposals like the drafter's tree nodes: the walk
+    keeps the target's distribution with them alone or merged into the drafter's trees."""
+    setting = 1
+    p = exact_transition_probs(SETTINGS[setting])
+    counts, info = run(setting, mode=mode, seeded=seeded)
+    assert counts.sum() >= N_TRANSITIONS
+    # suffix candidates were verified and accepted, deep into the trees (merged with a drafter
+    # that samples near the target, few are the suffix index's alone)
+    assert info["suffix_nodes"] > 1000
+    assert info["suffix_accepted"] > (500 if mode == "suffix" else 20)
+    assert info["deep"] > 0.05 * info["tree_steps"]
+    stat, df, pval = goodness_of_fit(counts, p)
+    assert pval > ALPHA, f"sampled {mode} trees are biased: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
 def test_the_tree_test_catches_positions_by_slot():

@@ -22,6 +22,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def relative_rows(k: int) -> float:
+    """Verify cost of ``k`` rows after the anchor relative to a decode step, before any is
+    measured: one more row costs a fifth (a CPU's packed products start at two rows), each
+    further row 2.5% (docs/trees.md, "Packed linear products": 1.21 / 1.34 / 1.58 decodes at
+    3 / 7 / 15 nodes)."""
+    return 1.0 if k <= 0 else 1.2 + 0.025 * k
+
+
 def bucket(batch: int) -> int:
     """Batch-size bucket: 1, 2, 4, 8, ... (the power of two at or above ``batch``)."""
     b = 1
@@ -120,6 +128,25 @@ class StepCostModel:
             return e.value
         return max((c.value for (b2, k2), c in self.verify_cells.items() if b2 == b and k2 < k),
                    default=None)
+
+    def verify_estimate(self, b: int, k: int) -> float | None:
+        """Verify seconds at (bucket ``b``, ``k`` rows after the anchor): its verify cell;
+        unmeasured, between the nearest measured cells of the bucket (linear), or from the
+        nearest one scaled by :func:`relative_rows`; None when the bucket has no verify cell."""
+        e = self.verify_cells.get((b, k))
+        if e is not None:
+            return e.value
+        known = sorted((k2, c.value) for (b2, k2), c in list(self.verify_cells.items()) if b2 == b)
+        if not known:
+            return None
+        below = [kv for kv in known if kv[0] < k]
+        above = [kv for kv in known if kv[0] > k]
+        if below and above:
+            (k1, v1), (k2, v2) = below[-1], above[0]
+            return v1 + (v2 - v1) * (k - k1) / (k2 - k1)
+        k1, v1 = below[-1] if below else above[0]
+        est = v1 * relative_rows(k) / relative_rows(k1)
+        return max(est, v1) if below else min(est, v1)
 
     def draft_budget(self, batch: int, k: int, tokens: float) -> float | None:
         """Seconds the drafter calls of one step may take before the step costs more than the

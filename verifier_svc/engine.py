@@ -34,7 +34,17 @@ from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
 from dflash.core.sampling import InvalidParam, Sampling, coupled_choice, position_noise, probs_from_logits, sample_from
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED, MODE_OFF, MODE_TREE, TREE_MODES
+from dflash.core.speculation import (
+    DEFAULT_SUFFIX_DEPTH,
+    MAX_TREE_BUDGET,
+    MODE_FIXED,
+    MODE_HYBRID,
+    MODE_OFF,
+    MODE_SUFFIX,
+    MODE_TREE,
+    SUFFIX_MODES,
+    TREE_MODES,
+)
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.cards import TargetCard, check_drafter_card
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
@@ -46,10 +56,22 @@ from verifier_svc.policy import (
     Shape,
     SpeculationPolicy,
     StepFeedback,
+    bucket,
 )
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
 from verifier_svc.sessions import CacheHandle, Session, SessionStore
+from verifier_svc.suffix_drafts import (
+    DRAFTER,
+    AnswerStore,
+    Sourced,
+    SuffixCalibration,
+    SuffixOffer,
+    hybrid_tree,
+    observe_walk,
+    offer_for,
+    suffix_tree,
+)
 from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
 from verifier_svc.verification import RowParams, Verified, verify_batch
 
@@ -105,6 +127,10 @@ class VerifierEngine:
             chains only). Trees need a target with ``supports_trees``.
         admission: bounds on waiting requests (``verifier_svc.scheduler.Admission``; default
             its defaults).
+        answers: recent answers per tenant for suffix candidates (``verifier_svc.suffix_drafts.
+            AnswerStore``; default its defaults; ``AnswerStore(0)``: none kept).
+        suffix: whether steps may verify suffix candidates at all (``--suffix``; needs a
+            target with ``supports_trees``).
         prefill_chunk: prompt tokens prefilled between two decode steps of the running batch.
         max_batch: sessions verified per step.
         context_flush: ``verifier_svc.drafter_sync.DrafterSync``. Raises ValueError below 1.
@@ -118,7 +144,8 @@ class VerifierEngine:
                  spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
-                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None):
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None,
+                 answers: AnswerStore | None = None, suffix: bool = True):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -136,6 +163,11 @@ class VerifierEngine:
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,
                                       ttl_s=session_ttl_s)
         self.totals = AcceptanceCounter()
+        self.suffix = suffix and self.trees
+        self.answers = answers if answers is not None else AnswerStore()
+        self.suffix_calibration = SuffixCalibration()
+        self.suffix_lookup_seconds = 0.0     # summed over steps (metrics: per-step cost)
+        self.suffix_lookups = 0
         self.step_listeners: list[Callable[[Request, StepEvent], None]] = []
         self._last_cycle_end = 0.0           # for the policy's per-cycle overhead
 
@@ -143,6 +175,20 @@ class VerifierEngine:
     @property
     def num_sessions(self) -> int:
         return len(self._sessions)
+
+    @property
+    def suffix_index_tokens(self) -> int:
+        """Tokens held by the sessions' suffix indexes (a metrics gauge)."""
+        return sum(len(s.suffix) for s in self._sessions.values())
+
+    @property
+    def suffix_answer_tokens(self) -> int:
+        return self.answers.tokens
+
+    @property
+    def suffix_index_bytes(self) -> int:
+        """Approximate bytes of the sessions' suffix indexes and the tenants' answers."""
+        return sum(s.suffix.nbytes for s in self._sessions.values()) + self.answers.nbytes
 
     @property
     def cached_tokens(self) -> int:
@@ -230,12 +276,23 @@ class VerifierEngine:
         job.mode = req.spec_mode or self.spec_mode
         job.block_limit = 1
         job.tree_budget = 0
+        job.suffix_limit = 0
         if req.proposer is not None and job.mode != MODE_OFF:
             card = req.proposer.card
             job.block_limit = min(req.block_size or card.block_size, card.block_size)
             if self.trees and job.mode in TREE_MODES:
                 job.tree_budget = req.tree_budget or (
-                    self.tree_budget if job.mode == MODE_TREE else max(self.policy.tree_budgets, default=0))
+                    self.tree_budget if job.mode in (MODE_TREE, MODE_HYBRID, MODE_SUFFIX)
+                    else max(self.policy.tree_budgets, default=0))
+        if self.suffix and job.mode != MODE_OFF and (req.proposer is not None or job.mode in SUFFIX_MODES):
+            # with a drafter, suffix candidates are its fallback in every mode (a failed call
+            # still speculates); without one, the modes that may speculate from them alone
+            job.suffix_limit = job.block_limit - 1 if req.proposer is not None else \
+                (req.block_size - 1 if req.block_size else DEFAULT_SUFFIX_DEPTH)
+            if not job.tree_budget:
+                job.tree_budget = req.tree_budget or (
+                    self.tree_budget if job.mode in (MODE_SUFFIX, MODE_HYBRID)
+                    else max(self.policy.tree_budgets, default=self.tree_budget))
         s.prefix_group = ""                  # this turn changes the cache: lends nothing now
         with t.lock:
             t.crop(s.cache, job.reuse)
@@ -299,6 +356,8 @@ class VerifierEngine:
         first = self._sample(job.processor.apply(raw) if job.processor else raw,
                              req.sampling, job.gen, len(req.prompt))
         s.tokens.append(first)
+        if self.suffix:
+            s.suffix.sync(s.tokens)              # O(new tokens) after a turn that kept its prefix
         if job.processor:
             job.processor.commit([first])
         job.emitted = 1
@@ -316,7 +375,8 @@ class VerifierEngine:
         """One speculative step for every job of ``plan``: one drafter call per drafter, one
         target forward, one batched verification; returns one event per job, in order."""
         jobs, t = plan.jobs, self.target
-        shapes = self.policy.choose_shapes(jobs, plan.waiting)
+        offers = self._offers(jobs)
+        shapes = self.policy.choose_shapes(jobs, plan.waiting, offers)
         lens = [j.session.cached for j in jobs]
         items = [self._draft_item(j, sh, n) for j, sh, n in zip(jobs, shapes, lens)]
         # a session whose drafter holds none of its context yet sends its whole prompt this step
@@ -327,7 +387,9 @@ class VerifierEngine:
         # the drafter calls wait no longer than speculating is worth this step
         drafts = self.sync.draft(items, self.policy.draft_budget(jobs, shapes))
         draft_s = time.perf_counter() - td
-        trees = [_tree(sh, d) for sh, d in zip(shapes, drafts)]
+        sourced = [self._sourced(j, sh, d, o, len(jobs))
+                   for j, sh, d, o in zip(jobs, shapes, drafts, offers)]
+        trees = [s.tree if s else None for s in sourced]
         blocks = [[it.anchor] + (tr.tokens if tr else d.tokens)
                   for it, d, tr in zip(items, drafts, trees)]
 
@@ -343,10 +405,49 @@ class VerifierEngine:
             _processed(j, lg, d, tr) for j, (lg, _), d, tr in zip(jobs, outs, drafts, trees)])
         decision = self.policy.last_decision
         with t.lock:
-            events = [self._commit(j, n, v, lg, taps, d, draft_s, verify_s, len(jobs), decision)
-                      for j, n, v, (lg, taps), d in zip(jobs, lens, verified, outs, drafts)]
-        self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s, shapes, verified)
+            events = [self._commit(j, n, v, lg, taps, d, draft_s, verify_s, len(jobs), decision, src, o)
+                      for j, n, v, (lg, taps), d, src, o in zip(jobs, lens, verified, outs, drafts,
+                                                                sourced, offers)]
+        self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s, shapes, verified,
+                          sourced)
         return events
+
+    def _offers(self, jobs: list[Job]) -> list[SuffixOffer | None]:
+        """Each job's suffix candidates this step (None: it may verify none, or none matched)."""
+        if not self.suffix or not any(j.suffix_limit for j in jobs):
+            return [None] * len(jobs)
+        t0 = time.perf_counter()
+        out = []
+        for j in jobs:
+            depth = min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)
+            s = j.session
+            out.append(offer_for(s.suffix, self.answers.indexes(j.req.tenant), depth,
+                                 self.suffix_calibration, s.suffix_rates) if depth > 0 else None)
+        self.suffix_lookup_seconds += time.perf_counter() - t0
+        self.suffix_lookups += 1
+        return out
+
+    def _sourced(self, j: Job, sh: Shape, d: DraftOutcome, offer: SuffixOffer | None, batch: int
+                 ) -> Sourced | None:
+        """The tree job ``j`` verifies this step with its nodes' sources, or None for a chain:
+        the drafter's DDTree (hybrid: with suffix candidates merged in), suffix candidates alone
+        (asked for, or the drafter's block is missing: the fallback still speculates), or none."""
+        limit = min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)
+        tree = _tree(sh, d)
+        if tree is not None:
+            if sh.suffix and offer is not None and limit > 0:
+                label = j.req.proposer.card.label if j.req.proposer is not None else ""
+                theta = self.policy.drafter_node_value(label, sh.budget, limit)
+                return hybrid_tree(tree, offer, sh.budget, theta, limit)
+            return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
+        if offer is None or limit <= 0:
+            return None
+        if sh.suffix and not sh.k:
+            return suffix_tree(offer, sh.budget, limit)
+        if d.fallback and not d.tokens and sh.k:
+            n = self.policy.suffix_size(offer, bucket(batch), j.tree_budget, limit)
+            return suffix_tree(offer, n, limit) if n else None
+        return None
 
     def _draft_item(self, j: Job, sh: Shape, cached: int) -> DraftItem:
         s, req = j.session, j.req
@@ -379,13 +480,14 @@ class VerifierEngine:
 
     def _commit(self, j: Job, n: int, v: Verified, logits: torch.Tensor, taps: torch.Tensor | None,
                 d: DraftOutcome, draft_s: float, verify_s: float, batch: int,
-                decision: Decision | None) -> StepEvent:
+                decision: Decision | None, src: Sourced | None = None,
+                offer: SuffixOffer | None = None) -> StepEvent:
         """Keep what row ``j`` committed: crop its KV cache to it (a tree keeps its accepted
         path's entries first), keep its taps, advance its penalty state, count it, and take the
         committed tokens' log-probabilities from the raw ``logits`` [block, V] if asked."""
         s = j.session
         new = v.tokens
-        nodes = 0
+        nodes = suffix_nodes = suffix_accepted = 0
         kept = list(range(len(new)))               # the block rows that emitted the tokens
         if isinstance(v, TreeVerified):
             kept = [0] + v.path                    # the anchor and the accepted nodes
@@ -393,11 +495,19 @@ class VerifierEngine:
             if taps is not None:
                 taps = taps[kept]
             nodes = v.nodes
+            if src is not None and src.trie_nodes:
+                suffix_nodes, suffix_accepted = src.suffix_nodes, src.suffix_only(v.path)
+                if offer is not None:
+                    observe_walk(self.suffix_calibration, offer, src, v.path)
         self.target.crop(s.cache, n + len(new))
         if s.drafter.tap_ids:
             assert taps is not None                 # the target taps the layers it is asked for
             s.drafter.taps.append(taps[:len(new)])
         s.tokens.extend(new)
+        if self.suffix:
+            s.suffix.extend(new)
+        if v.finish and v.finish != FINISH_CANCELLED and self.suffix:
+            self.answers.add(j.req.tenant, s.tokens[len(j.req.prompt):])
         if j.processor:
             j.processor.commit(new)
         sampling = j.req.sampling
@@ -409,6 +519,9 @@ class VerifierEngine:
         if nodes:
             j.stats.record_tree(nodes)
             self.totals.record_tree(nodes)
+        if suffix_nodes:
+            j.stats.record_suffix(suffix_nodes, suffix_accepted)
+            self.totals.record_suffix(suffix_nodes, suffix_accepted)
         j.stats.verify_seconds += verify_s
         j.stats.draft_seconds += draft_s if d.called else 0.0
         if d.fallback:
@@ -416,23 +529,28 @@ class VerifierEngine:
         ev = StepEvent(tokens=new, accepted=v.accepted, drafted=v.drafted, finish=v.finish,
                        draft_seconds=draft_s if d.called else 0.0, verify_seconds=verify_s,
                        fallback=d.fallback, stats=j.stats, batch_size=batch, policy=decision,
-                       step=j.steps, tree_nodes=nodes, logprobs=logprobs)
+                       step=j.steps, tree_nodes=nodes, logprobs=logprobs,
+                       suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted)
         j.steps += 1
         return ev
 
     def _feed_policy(self, plan: StepPlan, joining: bool, blocks: list[list[int]],
                      drafts: list[DraftOutcome], events: list[StepEvent], verify_s: float,
-                     draft_s: float, shapes: list[Shape], verified: list[Verified]) -> None:
+                     draft_s: float, shapes: list[Shape], verified: list[Verified],
+                     sourced: list[Sourced | None]) -> None:
         """One observation of this step for the policy (``StepFeedback``)."""
         jobs = plan.jobs
         by_label: dict[str, list[tuple[int, int]]] = {}
         trees: dict[str, list[tuple[int, int]]] = {}
-        for j, ev, sh, v in zip(jobs, events, shapes, verified):
-            if not ev.drafted or j.req.proposer is None:
+        for j, ev, sh, v, src in zip(jobs, events, shapes, verified, sourced):
+            if not ev.drafted or j.req.proposer is None or d_missing(sh, src):
                 continue
             label = j.req.proposer.card.label
             if isinstance(v, TreeVerified):
-                trees.setdefault(label, []).append((sh.budget, len(ev.tokens)))
+                # the drafter's tree's value: what it would have committed of this path alone
+                drafter = src.drafter_prefix(v.path) + 1 if src is not None and src.trie_nodes \
+                    else len(ev.tokens)
+                trees.setdefault(label, []).append((sh.budget, min(drafter, len(ev.tokens))))
             else:
                 by_label.setdefault(label, []).append((ev.drafted, ev.accepted))
         now = time.monotonic()
@@ -488,6 +606,12 @@ def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | 
     if tree is not None:
         return j.processor.apply(logits, tree.tokens, tree.parents)
     return j.processor.apply(logits, d.tokens)
+
+
+def d_missing(sh: Shape, src: Sourced | None) -> bool:
+    """Whether a step's tree holds no drafter node (suffix candidates alone): it says nothing
+    of the drafter's acceptance."""
+    return src is not None and not any(s & DRAFTER for s in src.sources[1:])
 
 
 def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:

@@ -61,7 +61,16 @@ class VerifierObserver:
         self.tracer = telemetry.tracer
         self.steps = telemetry.trace_steps
         self.engine: Any = None            # verifier_svc.engine.VerifierEngine, once bound
-        SessionGauges(telemetry.registry, "dflash_verifier", lambda: self.engine)
+        SessionGauges(telemetry.registry, "dflash_verifier", lambda: self.engine, extra=(
+            ("suffix_index_tokens", "suffix_index_tokens", "Tokens in the sessions' suffix indexes."),
+            ("suffix_answer_tokens", "suffix_answer_tokens", "Tokens of recent answers kept for "
+             "suffix candidates (all tenants)."),
+            ("suffix_memory_bytes", "suffix_index_bytes", "Approximate bytes of the suffix "
+             "indexes and the kept answers."),
+            ("suffix_lookup_seconds_total", "suffix_lookup_seconds", "Seconds spent looking up "
+             "suffix candidates (summed over decode steps)."),
+            ("suffix_lookups_total", "suffix_lookups", "Decode steps that looked up suffix "
+             "candidates.")))
         PolicyGauges(telemetry.registry, lambda: self.engine)
 
     def bind(self, engine) -> None:
@@ -83,7 +92,9 @@ class VerifierObserver:
         else:
             draft_s = ev.draft_seconds if (ev.drafted or ev.fallback) else None
             wire_s = None
-        mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None else MODE_OFF
+        # a request without a drafter speculates only from suffix candidates, in its mode
+        mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None or ev.suffix_nodes \
+            else MODE_OFF
         view = StepView(label=label, fallback=ev.fallback, verify_s=ev.verify_seconds,
                         draft_s=draft_s, wire_s=wire_s,
                         context_bytes=wire.context_bytes if wire else None,
@@ -92,7 +103,8 @@ class VerifierObserver:
         self.metrics.policy_drafts.labels(label, mode).observe(ev.drafted)
         self.metrics.step(label, drafted=ev.drafted, accepted=ev.accepted, fallback=ev.fallback,
                           verify_s=ev.verify_seconds, draft_s=draft_s, wire_s=wire_s,
-                          context_bytes=view.context_bytes, tree_nodes=ev.tree_nodes)
+                          context_bytes=view.context_bytes, tree_nodes=ev.tree_nodes,
+                          suffix_nodes=ev.suffix_nodes, suffix_accepted=ev.suffix_accepted)
         if ev.drafted:
             self.speclog.record(ev.drafted, ev.accepted)
         if isinstance(req.trace, RequestSpans):
@@ -190,6 +202,10 @@ class RequestSpans:
         if ev.tree_nodes:   # a tree: drafted = its depth, accepted = the accepted path's length
             attrs.update({"dflash.tree.nodes": ev.tree_nodes, "dflash.tree.path_length": ev.accepted})
             attrs["dflash.block_size"] = ev.tree_nodes + 1
+        if ev.suffix_nodes:   # accepted by source: suffix alone, the rest the drafter's
+            attrs.update({"dflash.suffix.nodes": ev.suffix_nodes,
+                          "dflash.accepted.suffix": ev.suffix_accepted,
+                          "dflash.accepted.drafter": ev.accepted - ev.suffix_accepted})
         if view is not None:
             attrs["dflash.drafter_version"] = view.label
             attrs["dflash.verify_seconds"] = view.verify_s
@@ -231,7 +247,10 @@ class RequestSpans:
                 "dflash.accepted_tokens": st.accepted_tokens,
                 "dflash.accepted_per_position": list(st.accepted_per_position),
                 "dflash.fallback_steps": st.fallback_steps,
-                "dflash.tree_drafts": st.tree_drafts, "dflash.tree_nodes": st.tree_nodes})
+                "dflash.tree_drafts": st.tree_drafts, "dflash.tree_nodes": st.tree_nodes,
+                "dflash.suffix_drafts": st.suffix_drafts, "dflash.suffix_nodes": st.suffix_nodes,
+                "dflash.accepted_tokens.suffix": st.suffix_accepted_tokens,
+                "dflash.accepted_tokens.drafter": st.drafter_accepted_tokens})
         self._decode.end()
         self._decode = None
 

@@ -33,6 +33,16 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   re-measured when exploration falls on it.
 
 * ``tree``: always a tree of the request's (or the deployment's) node budget.
+* ``suffix``: a tree of the session's suffix candidates (``verifier_svc/suffix_drafts.py``),
+  ``n`` nodes for the ``n`` that maximises ``expected(n) / cost(n)``: the candidates' calibrated
+  probabilities against the verify cost of ``n`` more rows (no drafter time); ``n = 0`` (plain
+  decoding) when no candidate pays. Jobs of a speculating mode without a drafter speculate so.
+* ``hybrid``: a tree as in ``tree`` mode with the suffix candidates worth more than the
+  drafter's marginal node merged in (:meth:`SpeculationPolicy.drafter_node_value`).
+
+  Adaptive trees are hybrid, their value the tree's plus what the suffix nodes add over the
+  drafter nodes they displace; a suffix-only tree is one more arm per budget, priced without
+  the drafter's time. Both need ``tree_budgets`` and a batch within ``tree_max_batch``.
 
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
   prefill chunk per step, so a longer step holds every waiting request out of the batch for
@@ -48,9 +58,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Protocol, Sequence
 
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_FIXED, MODE_OFF, MODE_TREE, MODES
+from dflash.core.speculation import (
+    MODE_ADAPTIVE,
+    MODE_FIXED,
+    MODE_HYBRID,
+    MODE_OFF,
+    MODE_SUFFIX,
+    MODE_TREE,
+    MODES,
+    SUFFIX_MODES,
+)
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
-from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
+from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
+from verifier_svc.suffix_drafts import SuffixOffer
 
 __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
            "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
@@ -68,6 +88,9 @@ DEFAULT_TREE_MAX_BATCH = 1
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
 #: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
 MIXED = "mixed"
+#: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
+#: below it never displaces a drafter node.
+MIN_NODE_VALUE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +101,14 @@ class Shape:
 
     k: int
     budget: int = 0
+    #: suffix candidates join the tree (``k`` > 0: merged into the drafter's, a hybrid tree;
+    #: ``k`` = 0: a tree of ``budget`` suffix nodes alone)
+    suffix: bool = False
 
     @property
     def verified(self) -> int:
         """Tokens after the anchor the target verifies (the cost model's ``k``)."""
-        return self.budget if self.budget and self.k else self.k
+        return self.budget if self.budget and (self.k or self.suffix) else self.k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +124,7 @@ class Decision:
     explored: bool = False
     waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
     budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
+    suffix: bool = False            # the chosen tree is of suffix candidates alone
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,6 +179,7 @@ class PolicyJob(Protocol):
     def stats(self) -> PositionCounts | None: ...   # the request's acceptance counts (session_table)
 
     tree_budget: int                # largest tree it may verify (0: chains only)
+    suffix_limit: int               # deepest suffix candidate it may verify (0: none)
 
 
 class SpeculationPolicy:
@@ -275,18 +303,25 @@ class SpeculationPolicy:
         tree budgets."""
         return [sh.k for sh in self.choose_shapes(jobs, waiting)]
 
-    def choose_shapes(self, jobs: Sequence[PolicyJob], waiting: int = 0) -> list[Shape]:
+    def choose_shapes(self, jobs: Sequence[PolicyJob], waiting: int = 0,
+                      offers: Sequence[SuffixOffer | None] | None = None) -> list[Shape]:
         """Each job's block this step (same order as ``jobs``). ``waiting``: requests whose
-        prompts wait for prefill behind this step."""
+        prompts wait for prefill behind this step; ``offers``: each job's suffix candidates
+        this step (None: none)."""
         self.acceptance.clear_expectation()
         self._last_expectations = None
         limits = _limits(jobs)
-        modes = [j.mode if j.req.proposer is not None else MODE_OFF for j in jobs]
+        offers = list(offers) if offers is not None else [None] * len(jobs)
         # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
         budgets = [getattr(j, "tree_budget", 0) for j in jobs]
+        slimits = _suffix_limits(jobs)
+        modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
+        b = bucket(len(jobs))
         shapes = [Shape(lim) if m == MODE_FIXED else
-                  _tree_shape(lim, budgets[i]) if m == MODE_TREE else Shape(0)
-                  for i, (m, lim) in enumerate(zip(modes, limits))]
+                  _tree_shape(lim, budgets[i]) if m == MODE_TREE else
+                  _hybrid_shape(lim, budgets[i], offers[i] is not None) if m == MODE_HYBRID else
+                  self.suffix_shape(offers[i], b, budgets[i], slimits[i]) if m == MODE_SUFFIX
+                  else Shape(0) for i, (m, lim) in enumerate(zip(modes, limits))]
         adaptive = [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE]
         if not adaptive:
             self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else MIXED,
@@ -295,7 +330,6 @@ class SpeculationPolicy:
         if waiting:
             self.last_decision = Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs), waiting=waiting)
             return shapes
-        b = bucket(len(jobs))
         floor = max(sh.verified for sh in shapes)   # fixed sessions' blocks set the batch's shape
         top = max(limits[i] for i in adaptive)
         cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
@@ -309,21 +343,35 @@ class SpeculationPolicy:
 
         fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != MODE_ADAPTIVE)
 
-        # an arm: (k, 0) = a chain of k drafts; (0, n) = a tree of n nodes
+        # an arm: (k, 0) = a chain of k drafts; (0, n) = a (hybrid) tree of n nodes; (-1, n) =
+        # a tree of n suffix candidates alone
         def gain(arm: tuple[int, int]) -> float:
             k, n = arm
+            if k < 0:
+                return fixed_tokens + sum(offers[i].expected(n) if offers[i] is not None else 1.0
+                                          for i in adaptive)
             if n:
-                return fixed_tokens + sum(e_tree(i, n) for i in adaptive)
+                return fixed_tokens + sum(e_tree(i, n) + self._hybrid_gain(
+                    offers[i], label(i), n, slimits[i]) for i in adaptive)
             return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
 
         def size(arm: tuple[int, int]) -> int:
-            return max(arm[0] or arm[1], floor)
+            return max(arm[1] if arm[0] < 0 else arm[0] or arm[1], floor)
+
+        def price(arm: tuple[int, int]) -> float:
+            if arm[0] < 0:
+                return self.suffix_cost(b, size(arm), model)
+            return costs.estimate(b, size(arm), model)
 
         model = costs.fit()
         chain_arms = [(k, 0) for k in cands]
         # a tree arm is priced by the fit, or by its own measured cell until there is a fit
         all_arms = chain_arms + [(0, n) for n in arms
                                  if model is not None or costs.measured(b, max(n, floor))]
+        # suffix-only arms: valued from this step's candidates, never explored
+        suffix_arms = [(-1, n) for n in arms if any(
+            offers[i] is not None and slimits[i] for i in adaptive)
+            if model is not None or costs.measured(b, max(n, floor))]
         unmeasured = [k for k in cands if not costs.measured(b, max(k, floor))]
         explored = False
         if unmeasured and model is None:
@@ -334,7 +382,7 @@ class SpeculationPolicy:
             # extrapolate it (otherwise a large bucket can run k > 0 without ever trying k = 0).
             best, explored = (0, 0), True
         else:
-            best = max(all_arms, key=lambda a: gain(a) / max(costs.estimate(b, size(a), model), 1e-9))
+            best = max(all_arms + suffix_arms, key=lambda a: gain(a) / max(price(a), 1e-9))
             explored = best[0] in unmeasured if not best[1] else False
             untried = [n for _, n in all_arms[len(chain_arms):]
                        if any(self.acceptance.tree_expected(label(i), n) is None for i in adaptive)]
@@ -349,23 +397,83 @@ class SpeculationPolicy:
                 # again, docs/trees.md "Under load"); at either end the one neighbour every time
                 # (from k = 0 the alternation would make every other exploration a k = 0 step)
                 by_size = sorted(all_arms, key=lambda a: (a[0] or a[1], a[1] > 0))
-                i = by_size.index(best)
+                i = by_size.index(best if best[0] >= 0 else (0, best[1]))
                 up = (self._steps // self.explore_every) % 2 == 1 or i == 0
                 nb = by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
                     else by_size[max(i - 1, 0)]
                 best, explored = nb, nb != best
         priced = model is not None or costs.measured(b, size(best))
-        cost = costs.estimate(b, size(best), model) if priced else 0.0
+        cost = price(best) if priced else 0.0
         k_best, n_best = best
+        alone = k_best < 0
         self.last_decision = Decision(mode=MODE_ADAPTIVE, k=k_best if not n_best else top,
                                       batch=len(jobs), expected_tokens=gain(best),
-                                      cost_seconds=cost, explored=explored, budget=n_best)
+                                      cost_seconds=cost, explored=explored, budget=n_best,
+                                      suffix=alone)
         for i in adaptive:
-            shapes[i] = _tree_shape(limits[i], n_best) if n_best and limits[i] else \
-                Shape(0 if n_best else min(k_best, limits[i]))
+            if alone:
+                shapes[i] = Shape(0, n_best, True) if offers[i] is not None and slimits[i] else Shape(0)
+            elif n_best and limits[i]:
+                shapes[i] = _hybrid_shape(limits[i], n_best, offers[i] is not None)
+            else:
+                shapes[i] = Shape(0 if n_best else min(k_best, limits[i]))
         if k_best > 0 and not n_best:
             self.acceptance.expect(adaptive, [raw(i, shapes[i].k) - 1.0 for i in adaptive])
         return shapes
+
+    # ------------------------------------------------------------------ suffix candidates
+    def suffix_shape(self, offer: SuffixOffer | None, b: int, budget: int, limit: int) -> Shape:
+        """Mode ``suffix``'s shape for one job: a tree of the ``n <= budget`` best candidates
+        (no deeper than ``limit``) for the ``n`` with the most expected tokens per second,
+        ``Shape(0)`` when that is none."""
+        n = self.suffix_size(offer, b, budget, limit)
+        return Shape(0, n, True) if n else Shape(0)
+
+    def suffix_size(self, offer: SuffixOffer | None, b: int, budget: int, limit: int) -> int:
+        """How many of ``offer``'s candidates to verify alone at batch bucket ``b``:
+        ``argmax_n expected(n) / suffix_cost(b, n)`` over ``0..budget`` (0: none pays)."""
+        if offer is None or not limit or not budget:
+            return 0
+        usable = len([j for j in offer.order[:budget] if offer.trie.depths()[j] <= limit])
+        model = self.costs.fit()
+        best, best_rate = 0, 1.0 / max(self.suffix_cost(b, 0, model), 1e-9)
+        for n in range(1, usable + 1):
+            r = offer.expected(n) / max(self.suffix_cost(b, n, model), 1e-9)
+            if r > best_rate:
+                best, best_rate = n, r
+        return best
+
+    def suffix_cost(self, b: int, n: int, model: Fit | None) -> float:
+        """Seconds of one cycle at bucket ``b`` verifying ``n`` suffix nodes without drafts:
+        the step without speculation plus the verify rows ``n`` adds
+        (:meth:`StepCostModel.verify_estimate`). Unmeasured, relative units of the same scale
+        (:func:`verifier_svc.cost_model.relative_rows`)."""
+        v0, vn = self.costs.verify_estimate(b, 0), self.costs.verify_estimate(b, n)
+        if v0 is None or vn is None or not (self.costs.measured(b, 0) or model is not None):
+            return relative_rows(n)
+        return self.costs.estimate(b, 0, model) + max(0.0, vn - v0)
+
+    def drafter_node_value(self, label: str, budget: int, limit: int) -> float:
+        """Expected tokens the drafter's last nodes of a ``budget``-node tree add, per node:
+        the measured tree values' slope below ``budget``, else the chain's at ``min(budget,
+        limit)`` (a suffix candidate displaces such a node only when it is worth more)."""
+        e_n = self.acceptance.tree_expected(label, budget)
+        if e_n is not None:
+            lower = [(n, self.acceptance.tree_expected(label, n)) for n in self.tree_budgets if n < budget]
+            known = [(n, v) for n, v in lower if v is not None]
+            n0, v0 = known[-1] if known else (0, 1.0)
+            return max(MIN_NODE_VALUE, (e_n - v0) / (budget - n0))
+        k = max(1, min(budget, limit))
+        table = self.acceptance.expected_table(label, k)
+        return max(MIN_NODE_VALUE, table[k] - table[k - 1])
+
+    def _hybrid_gain(self, offer: SuffixOffer | None, label: str, budget: int, limit: int) -> float:
+        """What ``offer``'s candidates add to a ``budget``-node drafter tree: each one worth
+        more than the drafter's marginal node adds the difference."""
+        if offer is None or not limit:
+            return 0.0
+        theta = self.drafter_node_value(label, budget, limit)
+        return sum(offer.probs[j] - theta for j in offer.above(theta, limit)[:budget])
 
     def _expectations(self, jobs: Sequence[PolicyJob], limits: list[int]) -> _Expectations:
         """The step's :class:`_Expectations`, kept for :meth:`draft_budget` of the same jobs."""
@@ -399,6 +507,27 @@ def _tree_shape(limit: int, budget: int) -> Shape:
     ``budget`` (each node's parent is in the tree), so the drafter is asked for
     ``min(limit, budget)`` positions, not the whole block (a smaller, cheaper drafter block)."""
     return Shape(min(limit, budget), budget) if limit and budget else Shape(limit)
+
+
+def _hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
+    """Mode ``hybrid``'s shape: the drafter's tree (as in ``tree`` mode), with the suffix
+    candidates when the job has some this step."""
+    sh = _tree_shape(limit, budget)
+    return Shape(sh.k, sh.budget, True) if sh.budget and suffix else sh
+
+
+def _job_mode(j: PolicyJob, suffix_limit: int) -> str:
+    """The mode a job speculates in this step: a job without a drafter speculates from suffix
+    candidates in the modes that may (``SUFFIX_MODES``), else not at all."""
+    if j.req.proposer is not None:
+        return j.mode
+    return MODE_SUFFIX if j.mode in SUFFIX_MODES and suffix_limit else MODE_OFF
+
+
+def _suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
+    """Deepest suffix candidate each job may verify this step (its tokens left)."""
+    # tolerant: test doubles of a job (SimpleNamespace) may carry no suffix limit
+    return [max(0, min(getattr(j, "suffix_limit", 0), j.req.max_tokens - j.emitted - 1)) for j in jobs]
 
 
 def _limits(jobs: Sequence[PolicyJob]) -> list[int]:

@@ -58,6 +58,8 @@ class Request:
     spec_mode: str = ""                 # "" = the engine's; else one of MODES
     tree_budget: int = 0                # largest tree in nodes (0 = the engine's tree budget)
     prefix_group: str = ""              # may share prompt KV with this group's sessions ("" = none)
+    tenant: str = ""                    # whose recent answers may be suffix candidates (the
+    #                                     gateway's client identity; "" = the anonymous tenant)
     trace: RequestTrace | None = None
 
     @property
@@ -84,6 +86,8 @@ class StepEvent:
     batch_size: int = 1                # sessions verified in this step's target forward
     policy: Decision | None = None     # the speculation policy's choice for this step
     tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)
+    suffix_nodes: int = 0              # of those, nodes from suffix candidates
+    suffix_accepted: int = 0           # accepted tokens only a suffix candidate proposed
     step: int = -1                     # decode step index (-1: the prefill event)
     logprobs: list[TokenLogprob] | None = None   # one per token when sampling.logprobs
 
@@ -113,6 +117,8 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
     if len(req.prefix_group) > MAX_SESSION_ID_CHARS:
         raise InvalidParam("prefix_group", f"{len(req.prefix_group)} characters, more than "
                            f"{MAX_SESSION_ID_CHARS}")
+    if len(req.tenant) > MAX_SESSION_ID_CHARS:
+        raise InvalidParam("tenant", f"{len(req.tenant)} characters, more than {MAX_SESSION_ID_CHARS}")
     if len(req.session_id) > MAX_SESSION_ID_CHARS:
         raise InvalidParam("session_id", f"{len(req.session_id)} characters, more than "
                            f"{MAX_SESSION_ID_CHARS}")

@@ -100,6 +100,7 @@ class Job:
     mode: str = MODE_OFF                     # speculation mode of this request
     block_limit: int = 1                     # largest block (anchor + drafts) it may verify
     tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
+    suffix_limit: int = 0                    # deepest suffix candidate it may verify; 0: none
     emitted: int = 0
     steps: int = 0                           # decode steps so far
     submitted: float = 0.0                   # time.monotonic() at admission

@@ -30,6 +30,7 @@ from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS, DEFAULT_TREE_MAX_BATCH
 from verifier_svc.scheduler import Admission
+from verifier_svc.suffix_drafts import AnswerStore
 from verifier_svc.servicer import DrafterPool
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -107,8 +108,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", MODE_ADAPTIVE), type=one_of(MODES),
                    help="default speculation policy: off, fixed (always the block size), adaptive "
                         "(block length or tree budget per step from measured acceptance and "
-                        "cost) or tree (always a DDTree of --tree-budget nodes); requests may "
-                        "override with speculation.mode [DFLASH_SPEC_MODE]")
+                        "cost), tree (always a DDTree of --tree-budget nodes), suffix (trees of "
+                        "continuations found earlier in the session and the tenant's answers; "
+                        "no drafter needed) or hybrid (DDTree plus suffix branches); requests "
+                        "may override with speculation.mode [DFLASH_SPEC_MODE]")
+    p.add_argument("--suffix", default=env("DFLASH_SUFFIX", "on"), type=one_of(("on", "off")),
+                   help="suffix candidates (docs/suffix.md): on = modes suffix and hybrid, "
+                        "adaptive trees with suffix branches, and suffix trees when a drafter "
+                        "fails or is absent; off = none of them (suffix/hybrid then verify "
+                        "nothing / plain DDTrees) [DFLASH_SUFFIX]")
+    p.add_argument("--suffix-answer-tokens", type=in_range(0, 1 << 24),
+                   default=env("DFLASH_SUFFIX_ANSWER_TOKENS", "16384"),
+                   help="tokens of recent answers kept per tenant (API key, else client address) "
+                        "as suffix candidates for its later requests; 0 = none kept "
+                        "[DFLASH_SUFFIX_ANSWER_TOKENS]")
+    p.add_argument("--suffix-answer-total", type=in_range(0, 1 << 28),
+                   default=env("DFLASH_SUFFIX_ANSWER_TOTAL", "262144"),
+                   help="tokens of recent answers kept over all tenants (least recently used "
+                        "tenants dropped first) [DFLASH_SUFFIX_ANSWER_TOTAL]")
     p.add_argument("--tree-budget", type=in_range(1, MAX_TREE_BUDGET),
                    default=env("DFLASH_TREE_BUDGET", str(DEFAULT_TREE_BUDGET)),
                    help="nodes of a draft tree in mode tree when the request names none "
@@ -217,6 +234,8 @@ def main(argv=None) -> None:
                             context_flush=a.context_flush, max_unread=a.max_unread_events,
                             threads=threads, tree_budget=a.tree_budget,
                             tree_budgets=_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
+                            suffix=a.suffix == "on",
+                            answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total),
                             admission=Admission(max_waiting=a.max_waiting,
                                                 max_waiting_tokens=a.max_waiting_tokens))
     _warmup(engine)

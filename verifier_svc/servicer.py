@@ -177,7 +177,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        prompt=list(m.prompt_token_ids), sampling=sampling_from_proto(m.sampling),
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
                        block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
-                       tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group)
+                       tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group,
+                       tenant=m.tenant)
 
     def _proposer(self, m, context):
         spec = m.speculation
@@ -212,6 +213,8 @@ def _add_step_work(chunk: verifier_pb2.VerifierGenerateChunk, ev: StepEvent) -> 
         return
     chunk.fallback = bool(ev.fallback)           # as the engine counts fallback_steps
     chunk.tree_nodes = ev.tree_nodes
+    chunk.suffix_nodes = ev.suffix_nodes
+    chunk.suffix_accepted = ev.suffix_accepted
     chunk.draft_seconds = ev.draft_seconds
     chunk.verify_seconds = ev.verify_seconds
 

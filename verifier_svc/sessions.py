@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from dflash.core.suffix import SuffixIndex
 from verifier_svc.drafter_sync import DrafterState
+from verifier_svc.suffix_drafts import SessionRates
 
 
 class CacheHandle(Protocol):
@@ -25,6 +27,9 @@ class Session:
     cache: CacheHandle                 # ``Target.new_cache()``
     tokens: list[int] = dataclasses.field(default_factory=list)   # prompt + emitted
     drafter: DrafterState = dataclasses.field(default_factory=DrafterState)
+    # the suffix index of ``tokens`` and the session's own suffix outcomes (suffix drafts)
+    suffix: SuffixIndex = dataclasses.field(default_factory=SuffixIndex)
+    suffix_rates: SessionRates = dataclasses.field(default_factory=SessionRates)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     busy: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # set once a prompt is fully in the cache (then tokens, cache and taps agree), cleared when

@@ -95,7 +95,8 @@ def stats_to_proto(s: AcceptanceCounter) -> common_pb2.AcceptanceStats:
         accepted_per_position=list(s.accepted_per_position),
         mean_acceptance_length=s.mean_acceptance_length, fallback_steps=s.fallback_steps,
         draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
-        tree_drafts=s.tree_drafts, tree_nodes=s.tree_nodes)
+        tree_drafts=s.tree_drafts, tree_nodes=s.tree_nodes, suffix_drafts=s.suffix_drafts,
+        suffix_nodes=s.suffix_nodes, suffix_accepted_tokens=s.suffix_accepted_tokens)
 
 
 def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
@@ -103,4 +104,5 @@ def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
         drafts=m.drafts, draft_tokens=m.draft_tokens, accepted_tokens=m.accepted_tokens,
         accepted_per_position=list(m.accepted_per_position), fallback_steps=m.fallback_steps,
         draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
-        tree_drafts=m.tree_drafts, tree_nodes=m.tree_nodes)
+        tree_drafts=m.tree_drafts, tree_nodes=m.tree_nodes, suffix_drafts=m.suffix_drafts,
+        suffix_nodes=m.suffix_nodes, suffix_accepted_tokens=m.suffix_accepted_tokens)

@@ -18,6 +18,11 @@ Definitions (written once; the same meaning as vLLM's spec-decoding counters):
   step counts in ``drafts`` as well, with the tree's depth as its draft tokens and the accepted
   path's length as its accepted tokens, so tau and per-position (= per-depth) rates compare
   with chains, and nodes per tree step is ``tree_nodes / tree_drafts``.
+* sources (suffix drafts, ``verifier_svc/suffix_drafts.py``): ``suffix_drafts`` steps verified
+  ``suffix_nodes`` suffix candidates in all; ``suffix_accepted_tokens`` of the accepted tokens
+  were proposed by the suffix index alone; the rest (``drafter_accepted_tokens``) by a drafter,
+  a candidate both proposed included. The two sources' accepted tokens sum to
+  ``accepted_tokens``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,21 @@ class AcceptanceCounter:
     verify_seconds: float = 0.0
     tree_drafts: int = 0
     tree_nodes: int = 0
+    suffix_drafts: int = 0
+    suffix_nodes: int = 0
+    suffix_accepted_tokens: int = 0
+
+    def record_suffix(self, nodes: int, accepted: int) -> None:
+        """The step just recorded verified ``nodes`` suffix candidates of which ``accepted``,
+        proposed by no drafter, were accepted and emitted."""
+        self.suffix_drafts += 1
+        self.suffix_nodes += nodes
+        self.suffix_accepted_tokens += accepted
+
+    @property
+    def drafter_accepted_tokens(self) -> int:
+        """Accepted tokens a drafter proposed (a suffix candidate it also proposed counts here)."""
+        return self.accepted_tokens - self.suffix_accepted_tokens
 
     def record_tree(self, nodes: int) -> None:
         """The step just recorded verified a tree of ``nodes`` nodes."""
@@ -73,6 +93,9 @@ class AcceptanceCounter:
         self.verify_seconds += other.verify_seconds
         self.tree_drafts += other.tree_drafts
         self.tree_nodes += other.tree_nodes
+        self.suffix_drafts += other.suffix_drafts
+        self.suffix_nodes += other.suffix_nodes
+        self.suffix_accepted_tokens += other.suffix_accepted_tokens
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -93,20 +93,35 @@ class VerifierMetrics:
         self.tree_nodes = Counter("dflash_spec_decode_num_tree_nodes",
                                   "Tree nodes verified (the root/bonus token not counted).", [V],
                                   registry=r)
+        self.accepted_by_source = Counter(
+            "dflash_spec_decode_num_accepted_tokens_by_source",
+            "Accepted draft tokens by who proposed them: drafter (a candidate the suffix index "
+            "also proposed included) or suffix (the suffix index alone); they sum to "
+            "num_accepted_tokens.", [V, "source"], registry=r)
+        self.suffix_nodes = Counter("dflash_spec_decode_num_suffix_nodes",
+                                    "Suffix candidates verified (tree nodes from the suffix index).",
+                                    [V], registry=r)
         self._pos_children: dict[tuple[str, int], object] = {}
 
     def step(self, label: str, *, drafted: int, accepted: int, fallback: str | None,
              verify_s: float, draft_s: float | None, wire_s: float | None,
-             context_bytes: int | None, tree_nodes: int = 0) -> None:
+             context_bytes: int | None, tree_nodes: int = 0, suffix_nodes: int = 0,
+             suffix_accepted: int = 0) -> None:
         """One decode step. ``accepted`` counts drafts accepted and emitted (stop-aware); a tree
-        step (``tree_nodes`` > 0) gives its depth as ``drafted`` and its path as ``accepted``."""
+        step (``tree_nodes`` > 0) gives its depth as ``drafted`` and its path as ``accepted``;
+        ``suffix_nodes`` of its nodes were suffix candidates, ``suffix_accepted`` of ``accepted``
+        only the suffix index proposed."""
         if tree_nodes:
             self.tree_drafts.labels(label).inc()
             self.tree_nodes.labels(label).inc(tree_nodes)
+        if suffix_nodes:
+            self.suffix_nodes.labels(label).inc(suffix_nodes)
         if drafted > 0:
             self.drafts.labels(label).inc()
             self.draft_tokens.labels(label).inc(drafted)
             self.accepted.labels(label).inc(accepted)
+            self.accepted_by_source.labels(label, "drafter").inc(accepted - suffix_accepted)
+            self.accepted_by_source.labels(label, "suffix").inc(suffix_accepted)
             self.acceptance_length.labels(label).observe(1 + accepted)
             for i in range(drafted):
                 child = self._pos_children.get((label, i))
@@ -327,10 +342,14 @@ class SessionGauges:
     """
 
     def __init__(self, registry: CollectorRegistry, prefix: str, engine: Callable[[], object],
-                 label: Callable[[object], str] | None = None):
+                 label: Callable[[object], str] | None = None,
+                 extra: tuple[tuple[str, str, str], ...] = ()):
         self.prefix = prefix
         self.engine = engine
         self.label = label
+        self.gauges = (("active_sessions", "num_sessions", "Sessions holding state."),
+                       ("cached_tokens", "cached_tokens", "Context positions held for sessions."),
+                       *extra)
         registry.register(self)
 
     def describe(self):
@@ -341,8 +360,7 @@ class SessionGauges:
         if e is None:
             return
         labels, values = ([V], [self.label(e)]) if self.label else ([], [])
-        for name, attr, doc in (("active_sessions", "num_sessions", "Sessions holding state."),
-                                ("cached_tokens", "cached_tokens", "Context positions held for sessions.")):
+        for name, attr, doc in self.gauges:
             g = GaugeMetricFamily(f"{self.prefix}_{name}", doc, labels=labels)
             g.add_metric(values, float(getattr(e, attr, 0) or 0))
             yield g

@@ -54,10 +54,10 @@ def mode_list(text: str) -> str:
     items = [x.strip() for x in text.split(",") if x.strip()]
     for item in items:
         _, sep, budget = item.partition(":")
-        if sep and not (item.startswith(("tree:", "adaptive:")) and budget.isdigit()
+        if sep and not (item.startswith(("tree:", "adaptive:", "hybrid:", "suffix:")) and budget.isdigit()
                         and 1 <= int(budget) <= MAX_TREE_BUDGET):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: a budget goes with tree or adaptive only, "
+                f"{item!r}: a budget goes with tree, hybrid, suffix or adaptive only, "
                 f"tree:<nodes> or adaptive:<largest tree>, nodes in [1, {MAX_TREE_BUDGET}]")
     if not items:
         choice_list(MODES)(text)             # the "name at least one" error
@@ -93,7 +93,9 @@ def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, 
             "accepted": st.accepted_tokens, "accepted_per_position": st.accepted_per_position,
             "tau": st.mean_acceptance_length, "drafter": c.drafter,
             "draft_s": st.draft_seconds, "verify_s": st.verify_seconds,
-            "tree_drafts": st.tree_drafts, "tree_nodes": st.tree_nodes}
+            "tree_drafts": st.tree_drafts, "tree_nodes": st.tree_nodes,
+            "suffix_drafts": st.suffix_drafts, "suffix_nodes": st.suffix_nodes,
+            "accepted_suffix": st.suffix_accepted_tokens}
 
 
 def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
@@ -171,6 +173,9 @@ def aggregate(rows: list[dict]) -> dict:
     if tree_drafts:
         out["tree_share"] = tree_drafts / max(st.drafts, 1)
         out["nodes_per_tree_step"] = sum(r.get("tree_nodes", 0) for r in rows) / tree_drafts
+    suffix = sum(r.get("accepted_suffix", 0) for r in rows)
+    out["accepted_by_source"] = {"drafter": st.accepted_tokens - suffix, "suffix": suffix}
+    out["suffix_nodes"] = sum(r.get("suffix_nodes", 0) for r in rows)
     if rows and "tpot_s" in rows[0]:
         out["tpot_ms"] = 1000 * sum(r["latency_s"] - r["ttft_s"] for r in rows) / max(
             sum(r["tokens"] - 1 for r in rows), 1)
@@ -184,12 +189,16 @@ def aggregate(rows: list[dict]) -> dict:
 def markdown(results: dict) -> str:
     agg = results["aggregate"]
     off = agg.get(MODE_OFF)
-    lines = ["| mode | prompts | tokens | tau | draft acc. rate | decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | prompts | tokens | tau | draft acc. rate | accepted: drafter / suffix | "
+             "decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, a in agg.items():
         speed = f"{off['tpot_ms'] / a['tpot_ms']:.2f}x" if off and "tpot_ms" in a else "-"
+        src = a.get("accepted_by_source", {})
         lines.append(f"| {mode} | {a['prompts']} | {a['tokens']} | {a['tau']:.2f} | "
-                     f"{100 * a['draft_acceptance_rate']:.1f}% | {a.get('decode_tok_s', a['tok_s']):.1f} | "
+                     f"{100 * a['draft_acceptance_rate']:.1f}% | "
+                     f"{src.get('drafter', 0)} / {src.get('suffix', 0)} | "
+                     f"{a.get('decode_tok_s', a['tok_s']):.1f} | "
                      f"{a.get('tpot_ms', float('nan')):.1f} | {a.get('ttft_ms_p50', float('nan')):.0f} | {speed} |")
     if "peer" in agg:
         for mode, a in agg.items():

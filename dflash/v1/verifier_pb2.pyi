@@ -49,7 +49,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class VerifierGenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -68,10 +69,11 @@ class VerifierGenerateRequest(_message.Message):
     ignore_eos: bool
     speculation: SpeculationParams
     prefix_group: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class VerifierGenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs", "fallback", "tree_nodes", "draft_seconds", "verify_seconds")
+    __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs", "fallback", "tree_nodes", "draft_seconds", "verify_seconds", "suffix_nodes", "suffix_accepted")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,8 @@ class VerifierGenerateChunk(_message.Message):
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_NODES_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
     finish_reason: _common_pb2.FinishReason
@@ -96,7 +100,9 @@ class VerifierGenerateChunk(_message.Message):
     tree_nodes: int
     draft_seconds: float
     verify_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., fallback: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+    suffix_nodes: int
+    suffix_accepted: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.AcceptanceStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., fallback: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., suffix_nodes: _Optional[int] = ..., suffix_accepted: _Optional[int] = ...) -> None: ...
 
 class CheckDrafterRequest(_message.Message):
     __slots__ = ("card", "address")

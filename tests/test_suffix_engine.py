@@ -1,0 +1,218 @@
+"""Suffix drafts through the engine and the services (``verifier_svc/suffix_drafts.py``): modes
+``suffix`` and ``hybrid``, adaptive with suffix branches, the fallback when the drafter fails or
+is absent; lossless everywhere; per-source statistics; tenants isolated; memory bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.core.speculation import MODE_OFF
+from dflash.v1 import verifier_pb2
+from drafter_svc.engine import DrafterEngine
+from verifier_svc.engine import Request, VerifierEngine
+from verifier_svc.suffix_drafts import AnswerStore
+
+from conftest import generate_ids
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
+from markov import TableTarget
+
+V = 24
+
+
+def cycle_target(seed: int = 0) -> tuple[TableTarget, list[int]]:
+    """A target whose greedy next token is ``order``'s next (one cycle through all V tokens),
+    whatever the position: text it has seen predicts it exactly."""
+    order = list(range(V))
+    random.Random(seed).shuffle(order)
+    table = torch.full((2, V, V), -4.0)
+    for i, t in enumerate(order):
+        table[:, t, order[(i + 1) % V]] = 4.0
+    return TableTarget(table), order
+
+
+def run(engine: VerifierEngine, prompt: list[int], n: int, **kw) -> tuple[list[int], list]:
+    events = list(engine.generate(Request(request_id=f"r{random.random()}", prompt=prompt,
+                                          max_tokens=n, **kw)))
+    return [t for ev in events for t in ev.tokens], events
+
+
+# ---------------------------------------------------------------- the engine, a table target
+def test_a_continuation_only_in_the_prompt_is_accepted_through_the_tree():
+    target, order = cycle_target()
+    engine = VerifierEngine(target, spec_mode="suffix")
+    base = VerifierEngine(target, spec_mode=MODE_OFF)
+    try:
+        prompt = order[:] + order[:3]          # the cycle once, in the prompt only
+        want, _ = run(base, prompt, 60)
+        got, events = run(engine, prompt, 60)
+        assert got == want
+        st = events[-1].stats
+        # no drafter: every accepted token is a suffix candidate's
+        assert st.suffix_drafts == st.drafts > 0
+        assert st.accepted_tokens == st.suffix_accepted_tokens > 0
+        assert st.mean_acceptance_length > 4.0
+        first = next(ev for ev in events if ev.step == 0)
+        assert first.suffix_nodes > 0 and first.accepted > 0   # from the first decode step
+    finally:
+        engine.close()
+        base.close()
+
+
+def test_nothing_to_copy_runs_plain_steps():
+    target, order = cycle_target()
+    engine = VerifierEngine(target, spec_mode="suffix")
+    try:
+        # 12 distinct tokens: the answer repeats nothing before it has gone once round the cycle
+        got, events = run(engine, order[:1], 12)
+        assert got == order[1:13]
+        assert events[-1].stats.drafts == 0
+    finally:
+        engine.close()
+
+
+def test_suffix_off_verifies_no_candidates():
+    target, order = cycle_target()
+    engine = VerifierEngine(target, spec_mode="suffix", suffix=False)
+    try:
+        _, events = run(engine, order + order[:3], 30)
+        assert events[-1].stats.drafts == 0
+    finally:
+        engine.close()
+
+
+def test_a_tenants_answers_are_its_own():
+    """Tenant a's first answer goes round the cycle; its next one-shot request (a new session)
+    copies from that answer from its first step; tenant b's identical request finds nothing."""
+    target, order = cycle_target(1)
+    answers = AnswerStore(max_tokens=4096)
+    engine = VerifierEngine(target, spec_mode="suffix", answers=answers)
+    try:
+        run(engine, order[:1], 3 * V, tenant="a")
+        assert [len(ix) for ix in answers.indexes("a")] == [3 * V]
+        assert answers.indexes("b") == []
+        prompt = order[5:6]
+        got_a, ev_a = run(engine, prompt, V // 2, tenant="a")
+        got_b, ev_b = run(engine, prompt, V // 2, tenant="b")
+        assert got_a == got_b
+        assert ev_a[1].suffix_nodes > 0 and ev_a[-1].stats.suffix_accepted_tokens > 0
+        # b's own text has not repeated within V tokens: not one candidate
+        assert all(ev.suffix_nodes == 0 for ev in ev_b)
+    finally:
+        engine.close()
+
+
+def test_answer_store_bounds_and_isolation():
+    store = AnswerStore(max_tokens=500, max_total=3000, max_answers=8)
+    rng = random.Random(0)
+    for i in range(10_000):
+        tenant = f"t{i % 37}"
+        store.add(tenant, [rng.randrange(100) for _ in range(rng.randrange(1, 120))])
+        assert store.tokens <= 3000
+    for t in range(37):
+        held = store.indexes(f"t{t}")
+        assert sum(len(ix) for ix in held) <= 500 and len(held) <= 8
+    assert store.tokens == sum(len(ix) for t in range(37) for ix in store.indexes(f"t{t}"))
+    assert store.nbytes > 0
+    # a tenant's answers are only ever handed to that tenant
+    store = AnswerStore()
+    store.add("a", [1, 2, 3, 4])
+    assert store.indexes("b") == [] and [ix.tokens for ix in store.indexes("a")] == [[1, 2, 3, 4]]
+    assert AnswerStore(max_tokens=0).indexes("a") == []
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_over_10000_requests():
+    target, order = cycle_target(2)
+    answers = AnswerStore(max_tokens=256, max_total=2048)
+    engine = VerifierEngine(target, spec_mode="suffix", answers=answers, max_sessions=16)
+    rng = random.Random(0)
+    try:
+        for i in range(10_000):
+            start = rng.randrange(V)
+            run(engine, order[start:start + 3], 4, tenant=f"k{i % 50}",
+                session_id=f"s{i % 40}" if i % 3 == 0 else "")
+            assert answers.tokens <= 2048
+        assert engine.num_sessions <= 16
+        held = engine.suffix_index_tokens
+        assert held <= 16 * (3 + 4) * 1000        # sessions' streams only, each bounded by its turns
+        for i in range(40):
+            engine.close_session(f"s{i}")
+        assert engine.num_sessions == 0 and engine.suffix_index_tokens == 0
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_or_one_shot_session_frees_its_index():
+    target, order = cycle_target()
+    engine = VerifierEngine(target, spec_mode="suffix")
+    try:
+        run(engine, order[:4], 10)                       # one-shot: freed at the end
+        assert engine.suffix_index_tokens == 0
+        run(engine, order[:4], 10, session_id="kept")
+        assert engine.suffix_index_tokens == 14
+        gen = engine.generate(Request(request_id="c", prompt=order[:4], max_tokens=50,
+                                      session_id="gone"))
+        next(gen)
+        gen.close()                                      # the reader went away mid-request
+        assert engine.suffix_index_tokens == 14
+        engine.close_session("kept")
+        assert engine.suffix_index_tokens == 0
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- the services, the tiny target
+def spec(addr: str = "", mode: str = "suffix", budget: int = 0) -> verifier_pb2.SpeculationParams:
+    return verifier_pb2.SpeculationParams(enabled=bool(addr), drafter_address=addr, mode=mode,
+                                          tree_budget=budget)
+
+
+def repeating(prompt: list[int]) -> list[int]:
+    """A prompt that quotes itself: ``prompt`` twice, so what follows may copy."""
+    return prompt + [10] + prompt
+
+
+@pytest.mark.parametrize("mode", ["suffix", "hybrid", "adaptive"])
+def test_greedy_identical_without_a_drafter(stack, hf_target, mode):
+    v = stack.verifier_stub()
+    suffix_drafts = 0
+    for prompt in PROMPTS:
+        for p in (prompt, repeating(prompt)):
+            want = reference(hf_target, p)
+            got, last = generate_ids(v, p, max_tokens=MAX_NEW, speculation=spec(mode=mode))
+            assert_same_tokens(hf_target, p, got, want)
+            st = last.stats
+            assert st.drafts == st.suffix_drafts and st.accepted_tokens == st.suffix_accepted_tokens
+            suffix_drafts += st.suffix_drafts
+    assert suffix_drafts > 0            # the suffix path ran
+
+
+@pytest.mark.parametrize("mode", ["suffix", "hybrid", "adaptive"])
+def test_greedy_identical_with_a_drafter(stack, make_drafter, tiny_target, hf_target, mode):
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
+    addr = stack.add_drafter(engine)
+    v = stack.verifier_stub()
+    nodes = 0
+    for prompt in PROMPTS:
+        for p in (prompt, repeating(prompt)):
+            want = reference(hf_target, p)
+            got, last = generate_ids(v, p, max_tokens=MAX_NEW, speculation=spec(addr, mode, 15))
+            assert_same_tokens(hf_target, p, got, want)
+            st = last.stats
+            assert 0 <= st.suffix_accepted_tokens <= st.accepted_tokens
+            assert st.suffix_nodes <= st.tree_nodes
+            nodes += st.suffix_nodes
+    assert nodes > 0
+
+
+def test_speculation_off_verifies_no_suffix_candidates(stack):
+    v = stack.verifier_stub()
+    p = repeating(PROMPTS[1])
+    _, last = generate_ids(v, p, max_tokens=MAX_NEW, speculation=spec(mode="off"))
+    assert last.stats.drafts == 0
+    # disabled with no mode named: the engine's default (here fixed, which needs a drafter)
+    _, last = generate_ids(v, p, max_tokens=MAX_NEW, speculation=spec(mode=""))
+    assert last.stats.drafts == 0
