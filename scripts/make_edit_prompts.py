@@ -73,7 +73,7 @@ def main() -> int:
     step = max(1, len(found) // a.count)
     chosen = found[::step][:a.count]
     with open(a.out, "w") as f:
-        for i, (path, name, src) in enumerate(chosen):
+        for i, (_path, name, src) in enumerate(chosen):
             f.write(json.dumps({"id": f"edit/{i}:{name}", "messages": TEMPLATES[i % len(TEMPLATES)](name, src)}) + "\n")
     print(f"wrote {len(chosen)} prompts (of {len(found)} functions) to {a.out}")
     return 0

@@ -4,8 +4,7 @@ orders as sessions are (steps append, a new turn whose prompt diverges rewinds).
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from dflash.core.suffix import (
     EMPTY,

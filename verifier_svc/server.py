@@ -30,8 +30,8 @@ from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS, DEFAULT_TREE_MAX_BATCH
 from verifier_svc.scheduler import Admission
-from verifier_svc.suffix_drafts import AnswerStore
 from verifier_svc.servicer import DrafterPool
+from verifier_svc.suffix_drafts import AnswerStore
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 log = logging.getLogger("dflash.verifier")
