@@ -25,6 +25,8 @@ from drafter_svc.engine import CONTEXT_SCHED
 from drafter_svc.observe import ObservedDrafterServicer
 
 SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+# The role each RPC needs on an mTLS port (dflash/serving/authz.py): the verifiers'.
+AUTHZ = {f"/{SERVICE}/Describe": "verifier", f"/{SERVICE}/Draft": "verifier"}
 
 
 def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
@@ -32,7 +34,7 @@ def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
     ``tls`` (``dflash.serving.tls.ServerTLS``)."""
     servicer = ObservedDrafterServicer(engine, telemetry)
     rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                       (SERVICE,), tls=tls,
+                       (SERVICE,), tls=tls, authz=AUTHZ,
                        interceptors=server_interceptors(telemetry.tracer_provider if telemetry else None))
     rt.servicer = servicer
     return rt

@@ -9,18 +9,27 @@ import grpc
 
 from dflash.core import wire
 from dflash.core.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
+from dflash.core.errors import PreconditionError
 from dflash.core.proposer import DraftError, Proposal, ProposalRequest
 from dflash.core.sampling import InvalidParam
+from dflash.serving.authz import caller_identity
+from dflash.serving.owners import SessionOwners
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("dflash.drafter")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Serves one engine implementing the Proposer protocol (DFlash, or a test double)."""
+    """Serves one engine implementing the Proposer protocol (DFlash, or a test double).
+
+    Over mTLS a session belongs to the verifier identity whose Draft stream first sent it
+    (:class:`dflash.serving.owners.SessionOwners`): another identity's items for it get a
+    ``bad_request`` DraftError naming ``session_id`` and its releases of it are ignored, so
+    neither reads, overwrites nor frees that context."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.owners = SessionOwners()
 
     def _ready(self, context) -> None:
         if self.engine is None:
@@ -32,20 +41,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Draft(self, request_iterator, context):
         self._ready(context)
+        caller = caller_identity(context)       # None without mTLS: nothing is checked
         seen: set[str] = set()
         try:
             for batch in request_iterator:
                 if batch.release_sessions:
-                    self.engine.release(list(batch.release_sessions))
-                    seen.difference_update(batch.release_sessions)
+                    mine = self.owners.release(batch.release_sessions, caller)
+                    self.engine.release(mine)
+                    seen.difference_update(mine)
                 t0 = time.perf_counter()
                 reqs = []
                 results: list = [None] * len(batch.items)   # a DraftResult for each item below
                 for i, item in enumerate(batch.items):
                     try:
-                        reqs.append((i, _request(item)))
+                        r = _request(item)
+                        self.owners.claim(item.session_id, caller)
+                        reqs.append((i, r))
                         seen.add(item.session_id)
-                    except (wire.WireError, InvalidParam) as e:
+                    except (wire.WireError, InvalidParam, PreconditionError) as e:
                         results[i] = draft_error_to_proto(item.session_id,
                                                           DraftError("bad_request", str(e)))
                 if reqs:
@@ -57,7 +70,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         finally:
             # The verifier on the other end is gone: its sessions' context is useless now.
             if seen:
-                self.engine.release(sorted(seen))
+                self.engine.release(self.owners.release(sorted(seen), caller))
 
 
 def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:

@@ -34,6 +34,7 @@ from dflash.core.errors import FieldError
 from gateway.auth import AuthError, ClientAuth, ClientStreams, address_identity, bearer_value
 from gateway.generation import Cancel
 from gateway.inputs import http_identity
+from gateway.openai_body import BodyError, parse_body
 from gateway.openai_convert import Assembler, Prepared, TokenText, chat_request, completion_request, http_param
 from gateway.openai_models import ChatRequest, CompletionRequest, DrafterInfo, ModelCard, ModelList
 from gateway.status import error_body, retry_after_ms, status_of
@@ -268,7 +269,8 @@ class OpenAIFront:
             self.open -= 1
 
     async def _body(self, request: Request, model_cls):
-        """The request body parsed and validated. Raises FieldError-like _BadBody."""
+        """The request body parsed within limits (``gateway.openai_body``) and validated.
+        Raises FieldError-like _BadBody."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             raise _BadBody(413, f"request body of {length} bytes, more than "
@@ -278,11 +280,9 @@ class OpenAIFront:
             raise _BadBody(413, f"request body of {len(raw)} bytes, more than "
                            f"{self.max_request_bytes}", None)
         try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _BadBody(400, f"the body is not valid JSON: {e}", None) from None
-        if not isinstance(obj, dict):
-            raise _BadBody(400, "the body must be a JSON object", None)
+            obj = parse_body(raw)
+        except BodyError as e:
+            raise _BadBody(400, str(e), e.param) from None
         try:
             return model_cls.model_validate(obj)
         except ValidationError as e:

@@ -181,8 +181,9 @@ def http_param(field: str, p: Prepared | None, chat: bool) -> str:
 
 # ---------------------------------------------------------------------------------- responses
 def speculative_decoding(a: common_pb2.AcceptanceStats, drafter: str) -> SpeculativeDecoding | None:
-    """vLLM's summary of one sample's (or a sum's) statistics; None without speculation."""
-    if not drafter:
+    """vLLM's summary of one sample's (or a sum's) statistics; None without speculation (no
+    drafter, and no suffix candidates verified)."""
+    if not drafter and not a.drafts:
         return None
     per = list(a.accepted_per_position)
     # per[i] counts steps that accepted more than i drafts, so exactly j: per[j-1] - per[j]
@@ -193,7 +194,9 @@ def speculative_decoding(a: common_pb2.AcceptanceStats, drafter: str) -> Specula
         draft_acceptance_rate=a.accepted_tokens / a.draft_tokens if a.draft_tokens else 0.0,
         num_spec_steps=a.drafts, num_draft_tokens=a.draft_tokens,
         num_accepted_draft_tokens=a.accepted_tokens, num_accepted_tokens_per_pos=per,
-        acceptance_histogram=hist, num_spec_tokens=len(per), drafter=drafter)
+        acceptance_histogram=hist, num_spec_tokens=len(per), drafter=drafter or None,
+        num_accepted_tokens_by_source={"drafter": a.accepted_tokens - a.suffix_accepted_tokens,
+                                       "suffix": a.suffix_accepted_tokens})
 
 
 def sum_stats(stats: list[common_pb2.AcceptanceStats]) -> common_pb2.AcceptanceStats:
@@ -203,6 +206,9 @@ def sum_stats(stats: list[common_pb2.AcceptanceStats]) -> common_pb2.AcceptanceS
         out.drafts += a.drafts
         out.draft_tokens += a.draft_tokens
         out.accepted_tokens += a.accepted_tokens
+        out.suffix_drafts += a.suffix_drafts
+        out.suffix_nodes += a.suffix_nodes
+        out.suffix_accepted_tokens += a.suffix_accepted_tokens
         per += [0] * (len(a.accepted_per_position) - len(per))
         for i, c in enumerate(a.accepted_per_position):
             per[i] += c

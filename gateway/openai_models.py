@@ -7,50 +7,59 @@ names where vLLM has one: ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_t
 ``tree_budget``, ``block_size``, ``session_id``). Any other field is refused (``extra="forbid"``):
 nothing a client sends is silently ignored. Integer fields take JSON integers only
 (``StrictInt``): ``true``, ``"5"`` or ``1.0`` for a seed or a token count is a 400 naming the
-field, not a silent 1 or 5. Responses follow ``openai.types`` (field names and
+field, not a silent 1 or 5; numbers take JSON numbers only (``StrictFloat``: ``"0.5"`` or
+``true`` for a temperature is a 400) within OpenAI's documented ranges (temperature 0-2,
+top_p 0-1, presence / frequency penalties -2-2; min_p 0-1 as vLLM), never NaN or infinite;
+booleans take ``true`` / ``false`` only (``StrictBool``: ``"yes"`` or ``1`` is a 400). The
+body reaching these models was parsed within depth and encoding limits
+(``gateway.openai_body``). Responses follow ``openai.types`` (field names and
 shapes are checked against them in tests/test_http_api.py) plus ``metrics.speculative_decoding``
 (vLLM's per-request statistics) at the top level and on each choice.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+Temperature = Annotated[StrictFloat, Field(ge=0, le=2)]      # OpenAI's range
+Probability = Annotated[StrictFloat, Field(ge=0, le=1)]      # top_p (OpenAI), min_p (vLLM)
+Penalty = Annotated[StrictFloat, Field(ge=-2, le=2)]         # presence / frequency (OpenAI)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Body):
     """Fields both endpoints share."""
 
     model: str
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None          # OpenAI's default is 1.0
-    top_p: float | None = None
+    temperature: Temperature | None = None    # OpenAI's default is 1.0
+    top_p: Probability | None = None
     n: StrictInt | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, StrictFloat] | None = None   # values -100..100 (openai_convert)
     user: str | None = None                   # an end-user id for the caller's records; no effect
     # extensions (vLLM's names)
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Probability | None = None
+    repetition_penalty: StrictFloat | None = None   # (0, 10], 0 = off (dflash.core.sampling)
     stop_token_ids: list[StrictInt] | None = None
     # extensions (this server)
     drafter: str | None = None                # "name" or "name@version"
-    speculation: bool | None = None           # false: no drafter (the baseline)
+    speculation: StrictBool | None = None     # false: no drafter (the baseline)
     speculation_mode: str | None = None       # "off" | "fixed" | "adaptive" | "tree"
     tree_budget: StrictInt | None = None
     block_size: StrictInt | None = None
@@ -62,7 +71,7 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = None         # top alternatives per token, 0..20
     # accepted only at their no-op values
     best_of: StrictInt | None = None          # == n
-    echo: bool | None = None                  # false
+    echo: StrictBool | None = None            # false
     suffix: str | None = None                 # null or ""
 
 
@@ -78,15 +87,15 @@ class ResponseFormat(_Body):
 class ChatRequest(_Sampling):
     messages: list[ChatMessageIn]
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted only at their no-op values
     response_format: ResponseFormat | None = None   # {"type": "text"}
     tools: list[Any] | None = None                  # [] (no tool calling)
     tool_choice: Any = None                         # "none"
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None                       # false
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None                 # false
     modalities: list[str] | None = None             # ["text"]
     safety_identifier: str | None = None            # like ``user``: no effect
 
@@ -104,7 +113,11 @@ class SpeculativeDecoding(BaseModel):
     num_accepted_tokens_per_pos: list[int]  # position i: steps that accepted > i drafts
     acceptance_histogram: list[int]        # j: steps that accepted exactly j drafts
     num_spec_tokens: int                   # the longest draft (positions counted)
-    drafter: str | None = None             # name@version (None: speculation off)
+    drafter: str | None = None             # name@version (None: no drafter)
+    # accepted draft tokens by who proposed them: "drafter" (a candidate the suffix index also
+    # proposed included) and "suffix" (the suffix index alone); they sum to
+    # num_accepted_draft_tokens
+    num_accepted_tokens_by_source: dict[str, int] = Field(default_factory=dict)
 
 
 class Metrics(BaseModel):

@@ -51,6 +51,11 @@ if TYPE_CHECKING:   # imported in build, so importing this module loads no HTTP 
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name
+# The role each admin RPC needs when the admin plane requires client certificates
+# (dflash/serving/authz.py), besides the admin token when one is set (gateway/auth.py). The
+# client port asks no role: any certificate of the CA, and API keys when set.
+ADMIN_AUTHZ = {f"/{ADMIN_SERVICE}/{m}": "admin" for m in (
+    "RegisterDrafter", "DeregisterDrafter", "SetDefaultDrafter", "SetDrafterWeights", "ListDrafters")}
 log = logging.getLogger("dflash.gateway")
 
 
@@ -166,7 +171,8 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     rt.client_streams = per_client
     try:
         rt.admin = admin_rt = create_server(admin_bind, add_admin, (ADMIN_SERVICE,), max_streams=8,
-                                            interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls)
+                                            interceptors=[AdminAuth(admin_token), DecodeGuard()], tls=tls,
+                                            authz=ADMIN_AUTHZ)
     except BindError as e:      # its default port is the gateway's + 10: a second gateway needs its own
         raise BindError(f"--admin-bind: {e}") from None
     admin_rt.servicer = admin

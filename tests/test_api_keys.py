@@ -158,3 +158,18 @@ def test_keys_file_defaults(tmp_path):
     assert k.name.startswith("sha256:") and (k.max_concurrency, k.rate_per_s) == (0, 0.0)
     with pytest.raises(ValueError, match="--api-keys-file: cannot read"):
         load_api_keys(tmp_path / "absent")
+
+
+def test_each_key_is_its_own_suffix_tenant(keyed, stack):
+    """The gateway names the key's owner as the verifier request's tenant: each key's answers
+    become suffix candidates for that key's later requests only."""
+    _, stub = keyed
+    out = {}
+    for key, name in ((KEY_A, "alice"), (KEY_B, "bob")):
+        msgs = generate(stub, key, prompt=f"Hello from {name}", max_tokens=6)
+        out[name] = [t for m in msgs for t in m.token_ids]
+    store = stack.engine.answers
+    for name in ("alice", "bob"):
+        held = store.indexes(f"key:{name}")
+        assert [ix.tokens for ix in held] == [out[name]], name
+    assert store.indexes("") == []            # nothing under the anonymous tenant

@@ -32,6 +32,16 @@ from helpers import free_ports, wait_until
 
 B = 4
 DEADLINE_S = 0.2
+
+
+@pytest.fixture(autouse=True)
+def _no_suffix_fallback(request):
+    """The breaker alone: a step whose drafter is out runs without drafts here, so the steps
+    that waited, the fallback counts and the gaps are the breaker's. (With suffix candidates
+    on, such steps may verify those instead: tests/test_fallback.py.)"""
+    if "stack" in request.fixturenames:
+        request.getfixturevalue("stack").engine.suffix = False
+
 SLOW_S = 0.5            # past the deadline
 N = 60
 PROMPT = [3, 14, 15, 92, 65]

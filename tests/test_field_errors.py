@@ -37,6 +37,9 @@ class _Context:
     def set_trailing_metadata(self, md) -> None:
         pass
 
+    def auth_context(self) -> dict:
+        return {}           # a plaintext connection: no client certificate
+
 
 def _servicer() -> VerifierServicer:
     engine = SimpleNamespace(target=SimpleNamespace(failure=None),
@@ -91,10 +94,11 @@ def test_verifier_maps_invalid_and_precondition():
 
 
 def test_mode_constants_keep_their_wire_values():
-    assert speculation.MODES == ("off", "fixed", "adaptive", "tree")
+    assert speculation.MODES == ("off", "fixed", "adaptive", "tree", "suffix", "hybrid")
     assert (speculation.MODE_OFF, speculation.MODE_FIXED, speculation.MODE_ADAPTIVE,
-            speculation.MODE_TREE) == speculation.MODES
-    assert set(speculation.TREE_MODES) == {"tree", "adaptive"}
+            speculation.MODE_TREE, speculation.MODE_SUFFIX, speculation.MODE_HYBRID) == speculation.MODES
+    assert set(speculation.TREE_MODES) == {"tree", "adaptive", "suffix", "hybrid"}
+    assert set(speculation.SUFFIX_MODES) == {"suffix", "hybrid", "adaptive"}
 
 
 def test_finish_reasons_and_the_wire_table_agree():

@@ -10,6 +10,7 @@ from dflash.core.suffix import (
     EMPTY,
     MAX_MATCH,
     MAX_OCCURRENCES,
+    MAX_TRIE_NODES,
     NGRAM_SIZES,
     SuffixIndex,
     build_trie,
@@ -124,8 +125,10 @@ def test_trie_counts_every_continuation_of_the_longest_matches(toks, depth):
         path.reverse()
         assert trie.parents[j] < j
         assert trie.counts[j] == sum(1 for c in conts if c[:len(path)] == tuple(path))
-    # and every continuation is in the trie
-    assert len(trie.tokens) == len({c[:n] for c in conts for n in range(1, len(c) + 1)})
+    # and every continuation is in the trie, up to its node cap (the most recent first)
+    distinct = {c[:n] for c in conts for n in range(1, len(c) + 1)}
+    assert len(trie.tokens) == min(MAX_TRIE_NODES, len(distinct))
+    assert trie.depths == [0] + [trie.depths[trie.parents[j]] + 1 for j in range(1, len(trie.parents))]
 
 
 def test_a_copy_is_proposed_as_deep_as_its_match():

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dflash.serving.authz import DEFAULT_TRUST_DOMAIN, spiffe_id
 from dflash.serving.server import create_server
 from dflash.serving.tls import (
     ClientTLS,
@@ -252,8 +253,8 @@ def test_dflash_certs_command(tmp_path, capsys):
     out = tmp_path / "certs"
     assert main(["certs", "--out", str(out), "--hosts", "gw.example,10.1.2.3", "--days", "30"]) == 0
     names = {p.name for p in out.iterdir()}
-    assert names == {f"{s}{x}.pem" for s in ("ca", "gateway", "verifier", "drafter", "client")
-                     for x in ("", "-key")}
+    assert names == {f"{s}{x}.pem" for s in ("ca", "gateway", "verifier", "drafter", "client",
+                                             "admin") for x in ("", "-key")}
     for p in out.glob("*-key.pem"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     cert = x509.load_pem_x509_certificate((out / "verifier.pem").read_bytes())
@@ -286,8 +287,9 @@ def test_tls_on_every_link_gateway_verifier_drafter(tmp_path, ca, target_model, 
     from verifier_svc.engine import VerifierEngine
     from verifier_svc.server import build as build_verifier
 
-    def side(name):
-        f = files(tmp_path, name, issue(ca, name, HOSTS), ca=ca)
+    def side(name):      # each service's certificate carries its role (dflash.serving.authz)
+        f = files(tmp_path, name, issue(ca, name, HOSTS, uri=spiffe_id(DEFAULT_TRUST_DOMAIN, name)),
+                  ca=ca)
         return ServerTLS(f), ClientTLS.from_files(f)
 
     d_srv, _ = side("drafter")

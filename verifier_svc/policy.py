@@ -348,8 +348,7 @@ class SpeculationPolicy:
         def gain(arm: tuple[int, int]) -> float:
             k, n = arm
             if k < 0:
-                return fixed_tokens + sum(offers[i].expected(n) if offers[i] is not None else 1.0
-                                          for i in adaptive)
+                return fixed_tokens + sum(_offered(offers[i], n) for i in adaptive)
             if n:
                 return fixed_tokens + sum(e_tree(i, n) + self._hybrid_gain(
                     offers[i], label(i), n, slimits[i]) for i in adaptive)
@@ -434,7 +433,8 @@ class SpeculationPolicy:
         ``argmax_n expected(n) / suffix_cost(b, n)`` over ``0..budget`` (0: none pays)."""
         if offer is None or not limit or not budget:
             return 0
-        usable = len([j for j in offer.order[:budget] if offer.trie.depths()[j] <= limit])
+        depths = offer.trie.depths
+        usable = sum(1 for j in offer.order[:budget] if depths[j] <= limit)
         model = self.costs.fit()
         best, best_rate = 0, 1.0 / max(self.suffix_cost(b, 0, model), 1e-9)
         for n in range(1, usable + 1):
@@ -507,6 +507,11 @@ def _tree_shape(limit: int, budget: int) -> Shape:
     ``budget`` (each node's parent is in the tree), so the drafter is asked for
     ``min(limit, budget)`` positions, not the whole block (a smaller, cheaper drafter block)."""
     return Shape(min(limit, budget), budget) if limit and budget else Shape(limit)
+
+
+def _offered(offer: SuffixOffer | None, n: int) -> float:
+    """Expected tokens of a tree of ``offer``'s ``n`` best candidates (1: none)."""
+    return offer.expected(n) if offer is not None else 1.0
 
 
 def _hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:

@@ -34,6 +34,10 @@ from verifier_svc.servicer import DrafterPool
 from verifier_svc.suffix_drafts import AnswerStore
 
 SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+# The role each RPC needs on an mTLS port (dflash/serving/authz.py): every one is the gateway's
+# (CheckDrafter dials an address, CloseSession drops a session, Generate feeds drafters).
+AUTHZ = {f"/{SERVICE}/Describe": "gateway", f"/{SERVICE}/Generate": "gateway",
+         f"/{SERVICE}/CheckDrafter": "gateway", f"/{SERVICE}/CloseSession": "gateway"}
 log = logging.getLogger("dflash.verifier")
 # Streams beyond the batch and the waiting queue: ones unwinding or being refused by admission
 # (which gives the better retry hint) instead of by the stream limit.
@@ -65,7 +69,7 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
         s = engine.scheduler
         streams = max_streams(s.max_batch, s.admission.max_waiting)
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                       (SERVICE,), max_streams=streams or 512, tls=tls,
+                       (SERVICE,), max_streams=streams or 512, tls=tls, authz=AUTHZ,
                        interceptors=server_interceptors(telemetry.tracer_provider))
     rt.servicer = servicer
     servicer.admission_metrics = admission = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)

@@ -10,6 +10,8 @@ import grpc
 
 from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
 from dflash.core.sampling import InvalidParam
+from dflash.serving.authz import caller_identity
+from dflash.serving.owners import SessionOwners
 from dflash.serving.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.cards import check_drafter_card
@@ -69,7 +71,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """``require_registered``: speculate only with drafter addresses that passed CheckDrafter
     here (the gateway checks every drafter it registers); a Generate naming another address
     is refused with FAILED_PRECONDITION ``speculation.drafter_address``, so no context
-    feature goes to an address nobody registered. Attribute, settable after construction."""
+    feature goes to an address nobody registered. Attribute, settable after construction.
+
+    Over mTLS a session belongs to the identity whose call first named it
+    (:class:`dflash.serving.owners.SessionOwners`): Generate or CloseSession naming it from
+    another identity gets PERMISSION_DENIED ``session_id`` and leaves it intact."""
 
     def __init__(self, engine: VerifierEngine | None, pool: DrafterPool | None, metrics=None,
                  *, require_registered: bool = False):
@@ -79,6 +85,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.require_registered = require_registered
         self._registered: set[str] = set()    # addresses whose CheckDrafter succeeded
         self._registered_lock = threading.Lock()
+        self.owners = SessionOwners()
 
     def registered_drafters(self) -> set[str]:
         """Drafter addresses that passed CheckDrafter (a copy)."""
@@ -125,8 +132,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.CheckDrafterResponse(card=card_to_proto(card))
 
     def CloseSession(self, request, context):
-        return verifier_pb2.CloseSessionResponse(
-            existed=self._ready(context).close_session(request.session_id))
+        engine = self._ready(context)
+        try:
+            self.owners.check(request.session_id, caller_identity(context))
+        except PreconditionError as e:
+            context.abort(grpc.StatusCode[e.status], str(e))
+        existed = engine.close_session(request.session_id)
+        self.owners.forget(request.session_id)
+        return verifier_pb2.CloseSessionResponse(existed=existed)
 
     def Generate(self, request, context):
         return self._generate(request, context, None)
@@ -135,6 +148,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self._ready(context)
         try:
             req = self._request(request)
+            self.owners.claim(req.session_id, caller_identity(context))
             # before the session is touched: a refused turn keeps its session's cache
             engine.scheduler.check_admission(len(req.prompt))
             req.proposer = self._proposer(request, context)

@@ -118,7 +118,7 @@ class SuffixOffer:
     def build(trie: SuffixTrie, calibration: SuffixCalibration, rates: SessionRates | None
               ) -> "SuffixOffer":
         b = match_bucket(trie.match)
-        depths = trie.depths()
+        depths = trie.depths
         probs = [1.0] * len(trie.parents)
         for j in range(1, len(trie.parents)):
             p = trie.parents[j]
@@ -139,7 +139,7 @@ class SuffixOffer:
 
     def above(self, threshold: float, limit: int) -> list[int]:
         """Its nodes worth more than ``threshold`` and no deeper than ``limit``, best first."""
-        depths = self.trie.depths()
+        depths = self.trie.depths
         return [j for j in self.order if self.probs[j] > threshold and depths[j] <= limit]
 
 
@@ -174,7 +174,7 @@ class Sourced:
 def suffix_tree(offer: SuffixOffer, n: int, limit: int) -> Sourced | None:
     """The tree of ``offer``'s ``n`` most probable nodes no deeper than ``limit`` (None when
     that leaves none)."""
-    depths = offer.trie.depths()
+    depths = offer.trie.depths
     chosen = [j for j in offer.order if depths[j] <= limit][:n]
     if not chosen:
         return None
@@ -188,7 +188,7 @@ def hybrid_tree(drafter: DraftTree, offer: SuffixOffer | None, budget: int, thre
     most ``budget`` nodes in all: the drafter keeps its first ``m`` nodes for the largest ``m``
     that fits, a suffix node equal to a drafter node costs nothing."""
     chosen = sorted(offer.above(threshold, limit)[:budget]) if offer is not None else []
-    if not chosen:
+    if offer is None or not chosen:
         return Sourced(drafter, [0] + [DRAFTER] * len(drafter.tokens), {})
     n_d = len(drafter.tokens)
     for m in range(min(n_d, budget), -1, -1):
@@ -219,15 +219,16 @@ def _merge(drafter: DraftTree | None, offer: SuffixOffer, chosen: list[int]) -> 
     for t in chosen:
         parent = where[trie.parents[t]]
         tok = trie.tokens[t - 1]
-        j = children[parent].get(tok)
-        if j is None:
+        found = children[parent].get(tok)
+        if found is None:
             tokens.append(tok)
             parents.append(parent)
             depths.append(depths[parent] + 1)
             sources.append(0)
             children.append({})
-            j = len(tokens)
-            children[parent][tok] = j
+            found = len(tokens)
+            children[parent][tok] = found
+        j = found
         sources[j] |= SUFFIX
         where[t] = j
         trie_nodes[j] = t

@@ -161,4 +161,6 @@ def summary_line(c: Completion) -> str:
     return (f"[{c.finish_reason}] {c.usage.prompt_tokens} prompt + {c.usage.completion_tokens} "
             f"completion tokens in {c.latency_s:.2f}s (TTFT {c.ttft_s * 1000:.0f} ms); drafter "
             f"{c.drafter or 'off'}: tau {a.mean_acceptance_length or 1.0:.2f}, drafts {a.drafts}, "
-            f"accepted {a.accepted_tokens}/{a.draft_tokens}, per-position [{rates}]")
+            f"accepted {a.accepted_tokens}/{a.draft_tokens} (drafter "
+            f"{a.accepted_tokens - a.suffix_accepted_tokens}, suffix {a.suffix_accepted_tokens}), "
+            f"per-position [{rates}]")

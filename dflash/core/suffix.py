@@ -31,6 +31,9 @@ MAX_MATCH = 16
 #: Occurrences of the longest key read per lookup, the most recent first (bounds a lookup's
 #: cost in repetitive text).
 MAX_OCCURRENCES = 32
+#: Nodes a trie may hold: continuations are merged most recent first, and once the trie is
+#: full they only count through the nodes it has (a verify never takes more than a few dozen).
+MAX_TRIE_NODES = 64
 
 
 def proposal_depth(match: int, limit: int) -> int:
@@ -75,13 +78,15 @@ class SuffixIndex:
 
     def extend(self, new: Iterable[int]) -> None:
         toks, ends = self.tokens, self._ends
+        longest = NGRAM_SIZES[0]
         for t in new:
             toks.append(int(t))
             i = len(toks) - 1
+            last = tuple(toks[max(0, i - longest + 1):])   # the longest key; the others end it
             for n in NGRAM_SIZES:
                 if n > i + 1:
                     continue
-                key = tuple(toks[i - n + 1:i + 1])
+                key = last[-n:] if n < len(last) else last
                 lst = ends.get(key)
                 if lst is None:
                     ends[key] = array("i", (i,))
@@ -165,19 +170,14 @@ class SuffixTrie:
     parents: list[int]
     counts: list[int]
     match: int
+    depths: list[int]                  # depths[j]: node j's depth (0: the root)
 
     @property
     def total(self) -> int:
         return self.counts[0] if self.counts else 0
 
-    def depths(self) -> list[int]:
-        d = [0] * len(self.parents)
-        for j in range(1, len(self.parents)):
-            d[j] = d[self.parents[j]] + 1
-        return d
 
-
-EMPTY = SuffixTrie(tokens=[], parents=[-1], counts=[0], match=0)
+EMPTY = SuffixTrie(tokens=[], parents=[-1], counts=[0], match=0, depths=[0])
 
 
 def build_trie(tail: Sequence[int], indexes: Sequence[tuple[SuffixIndex, bool]], depth: int
@@ -194,7 +194,9 @@ def build_trie(tail: Sequence[int], indexes: Sequence[tuple[SuffixIndex, bool]],
     Returns:
         :data:`EMPTY` when nothing matched, else the trie of the continuations of every
         occurrence whose match is as long as the longest one (the frequency score's
-        population, SuffixDecoding's "occurrences of the pattern").
+        population, SuffixDecoding's "occurrences of the pattern"), at most
+        :data:`MAX_TRIE_NODES` nodes (the most recent occurrences first; later ones count
+        only as far as the trie's nodes go).
     """
     tail = list(tail[-MAX_MATCH - 1:])
     found: list[Match] = []
@@ -207,6 +209,7 @@ def build_trie(tail: Sequence[int], indexes: Sequence[tuple[SuffixIndex, bool]],
     go = proposal_depth(best, depth)
     tokens: list[int] = []
     parents: list[int] = [-1]
+    depths: list[int] = [0]
     counts: list[int] = [len(top)]
     children: list[dict[int, int]] = [{}]
     for m in top:
@@ -215,12 +218,15 @@ def build_trie(tail: Sequence[int], indexes: Sequence[tuple[SuffixIndex, bool]],
         for t in toks[m.end + 1:m.end + 1 + go]:
             nxt = children[node].get(t)
             if nxt is None:
+                if len(tokens) >= MAX_TRIE_NODES:
+                    break
                 tokens.append(t)
                 parents.append(node)
+                depths.append(depths[node] + 1)
                 counts.append(0)
                 children.append({})
                 nxt = len(tokens)
                 children[node][t] = nxt
             counts[nxt] += 1
             node = nxt
-    return SuffixTrie(tokens=tokens, parents=parents, counts=counts, match=best)
+    return SuffixTrie(tokens=tokens, parents=parents, counts=counts, match=best, depths=depths)

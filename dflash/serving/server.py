@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dflash.serving.argtypes import at_least, host_port_or_empty
+from dflash.serving.authz import DEFAULT_TRUST_DOMAIN, AuthzConfigError, PeerIds, RoleAuthz
 
 if typing.TYPE_CHECKING:
     from dflash.serving.tls import ClientTLS, ServerTLS
@@ -169,6 +171,7 @@ class StreamLimit(grpc.ServerInterceptor):
 def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
                   max_streams: int = 512, interceptors=(),
                   max_message_mb: int = 256, tls: "ServerTLS | None" = None,
+                  authz: "typing.Mapping[str, str] | None" = None,
                   runtime: type[ServiceRuntime] = ServiceRuntime) -> ServiceRuntime:
     """Build and bind (not start) a server. ``bind`` like "127.0.0.1:0" (port 0 = any free).
 
@@ -180,6 +183,11 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     ``tls``: listen with TLS (mTLS when it has a CA; :class:`dflash.serving.tls.ServerTLS`, whose files
     are re-read at the next handshake after they change); None = plaintext.
 
+    ``authz``: the role each RPC needs (full method name -> role,
+    :class:`dflash.serving.authz.RoleAuthz`), enforced first, before any other interceptor,
+    when ``tls`` requires client certificates; without mTLS there is no identity to check and
+    it is not installed (plaintext for local development).
+
     ``runtime``: the class returned, :class:`ServiceRuntime` or a subclass whose added fields
     have defaults (the gateway's ``gateway.server.GatewayRuntime``).
 
@@ -190,8 +198,14 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
             ("grpc.max_receive_message_length", max_message_mb << 20),
             ("grpc.so_reuseport", 0)]
     limit = StreamLimit(max_streams)
+    first: list[grpc.ServerInterceptor] = []
+    if authz is not None and tls is not None and tls.require_client_cert:
+        first.append(RoleAuthz(authz, tls.peer_ids))    # refused before taking a stream slot
+    elif authz is not None and not _loopback(bind):
+        log.warning("%s on %s without mTLS (--tls-ca): whoever reaches it may call every RPC "
+                    "(docs/deployment.md, \"Trust model\")", "/".join(service_names), bind)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + CONTROL_WORKERS),
-                         interceptors=[limit] + list(interceptors), options=opts)
+                         interceptors=first + [limit] + list(interceptors), options=opts)
     add_servicers(server)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -202,6 +216,16 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
                  streams=limit, tls=tls)
     rt.set_serving(False)
     return rt
+
+
+def _loopback(bind: str) -> bool:
+    host = bind.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_port(server: grpc.Server, bind: str, credentials=None) -> int:
@@ -279,8 +303,17 @@ def add_common_args(p) -> None:
     p.add_argument("--tls-key", default=env("DFLASH_TLS_KEY") or None,
                    help="PEM private key of --tls-cert [DFLASH_TLS_KEY]")
     p.add_argument("--tls-ca", default=env("DFLASH_TLS_CA") or None,
-                   help="PEM CA bundle: require client certificates signed by it (mTLS) "
+                   help="PEM CA bundle: require client certificates signed by it (mTLS); each "
+                        "RPC then also needs its caller's role (dflash/serving/authz.py) "
                         "[DFLASH_TLS_CA]")
+    p.add_argument("--tls-trust-domain", default=env("DFLASH_TLS_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
+                   help="with mTLS: role R is the certificate whose SAN URI is "
+                        "spiffe://<this>/dflash/R (what `dflash certs --trust-domain` issues) "
+                        "[DFLASH_TLS_TRUST_DOMAIN]")
+    p.add_argument("--tls-peer-ids", default=env("DFLASH_TLS_PEER_IDS", ""),
+                   help="with mTLS: your own identities, ROLE=URI[,ROLE=URI...] (roles gateway, "
+                        "verifier, drafter, client, admin), replacing that role's default "
+                        "SPIFFE ID [DFLASH_TLS_PEER_IDS]")
 
 
 def add_upstream_tls_args(p, upstream: str) -> None:
@@ -300,13 +333,20 @@ def add_upstream_tls_args(p, upstream: str) -> None:
 
 
 def server_tls_from_args(a: argparse.Namespace) -> "ServerTLS | None":
-    """The server credentials ``--tls-*`` ask for (None: plaintext). Raises
+    """The server credentials ``--tls-*`` ask for (None: plaintext), with the identities
+    ``--tls-trust-domain`` / ``--tls-peer-ids`` give the roles. Raises
     ``dflash.serving.tls.TLSConfigError`` naming the flag (a cert without its key, a file missing or
-    invalid, an expired certificate)."""
-    from dflash.serving.tls import ServerTLS, TLSFiles
+    invalid, an expired certificate, a trust domain or peer id that is not one)."""
+    from dflash.serving.tls import ServerTLS, TLSConfigError, TLSFiles
 
     files = TLSFiles(a.tls_cert, a.tls_key, a.tls_ca)
-    return ServerTLS(files) if files.enabled else None
+    if not files.enabled:
+        return None
+    try:
+        peer_ids = PeerIds.parse(a.tls_trust_domain or DEFAULT_TRUST_DOMAIN, a.tls_peer_ids)
+    except AuthzConfigError as e:
+        raise TLSConfigError(str(e)) from None
+    return ServerTLS(files, peer_ids)
 
 
 def upstream_tls_from_args(a: argparse.Namespace) -> "ClientTLS | None":

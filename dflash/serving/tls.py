@@ -19,8 +19,10 @@ them changed (or after :meth:`ServerTLS.request_reload`, wired to SIGHUP by
 without a restart; open connections keep theirs. A half-written or invalid replacement is
 refused with a warning and the previous certificate stays in use.
 
-:func:`make_dev_certs` (``dflash certs``) writes a development CA and one certificate per service
-with the ``cryptography`` package.
+:func:`make_dev_certs` (``dflash certs``) writes a development CA and one certificate per role
+(gateway, verifier, drafter, client, admin) with the ``cryptography`` package, each carrying its
+role's SPIFFE ID as a SAN URI (what ``dflash.serving.authz`` authorizes by) and the key usages of
+what it does (:data:`ROLE_USAGES`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ import grpc
 if TYPE_CHECKING:   # imported where used: the client side never loads cryptography
     from cryptography import x509
 
+    from dflash.serving.authz import PeerIds
+
 log = logging.getLogger("dflash.serving.tls")
 
-DEV_SERVICES = ("gateway", "verifier", "drafter", "client")
+DEV_SERVICES = ("gateway", "verifier", "drafter", "client", "admin")
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+# What each role's certificate is for: (server authentication, client authentication). The
+# gateway and the verifier serve and call; the drafter only serves; clients and the admin only call.
+ROLE_USAGES = {"gateway": (True, True), "verifier": (True, True), "drafter": (True, False),
+               "client": (False, True), "admin": (False, True)}
 
 
 class TLSConfigError(ValueError):
@@ -134,11 +142,18 @@ def file_stamps(paths: list[str]) -> tuple:
 class ServerTLS:
     """Reloading server credentials from ``files`` (cert + key required, CA = require clients).
 
+    ``peer_ids``: which client certificates hold which role, for the per-RPC authorization of
+    an mTLS port (``dflash.serving.authz``; default: each role's SPIFFE ID in the default trust
+    domain).
+
     Raises TLSConfigError (naming the flag) when the key or the certificate is missing, a file
     cannot be read or the pair is invalid (:func:`check_pair`).
     """
 
-    def __init__(self, files: TLSFiles):
+    def __init__(self, files: TLSFiles, peer_ids: "PeerIds | None" = None):
+        from dflash.serving.authz import PeerIds
+
+        self.peer_ids = peer_ids or PeerIds.parse()
         if not (files.cert or files.key):
             raise TLSConfigError(f"{files.flag('cert')}: needed with {files.flag('ca')} (a TLS "
                                  f"server needs a certificate and its key)")
@@ -257,10 +272,10 @@ class Issued:
     key: bytes
 
 
-def _san(hosts) -> "x509.SubjectAlternativeName":
+def _san(hosts, uri: str | None = None) -> "x509.SubjectAlternativeName":
     from cryptography import x509
 
-    names = []
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)] if uri else []
     for h in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
@@ -302,11 +317,16 @@ def new_ca(common_name: str = "dflash-serve development CA", *, days: float = 36
 
 
 def issue(ca: Issued, common_name: str, hosts, *, days: float = 365,
-          not_before: datetime.datetime | None = None) -> Issued:
-    """A certificate for ``hosts`` (SANs: IP addresses or DNS names) signed by ``ca``, usable
-    both as a server and as a client certificate (so one per service serves both of its roles),
-    valid from ``not_before`` (default: now) for ``days`` days (negative: already expired, for
-    tests). Raises ValueError when ``hosts`` is empty."""
+          not_before: datetime.datetime | None = None, uri: str | None = None,
+          server: bool = True, client: bool = True) -> Issued:
+    """A certificate for ``hosts`` (SANs: IP addresses or DNS names) signed by ``ca``, valid
+    from ``not_before`` (default: now) for ``days`` days (negative: already expired, for tests).
+
+    ``uri``: the identity a SAN URI carries (a SPIFFE ID, ``dflash.serving.authz.spiffe_id``),
+    which the services' per-RPC authorization reads; None = none (a certificate no internal
+    port authorizes). ``server`` / ``client``: the extended key usages serverAuth / clientAuth
+    (key usage: digitalSignature, the X.509-SVID profile's). Raises ValueError when ``hosts``
+    is empty or neither usage is asked for."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -315,6 +335,10 @@ def issue(ca: Issued, common_name: str, hosts, *, days: float = 365,
     hosts = list(hosts)
     if not hosts:
         raise ValueError("hosts: at least one host name or IP address is needed")
+    usages = [u for u, on in ((ExtendedKeyUsageOID.SERVER_AUTH, server),
+                              (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if on]
+    if not usages:
+        raise ValueError("usage: a certificate for neither server nor client authentication")
     ca_cert = x509.load_pem_x509_certificate(ca.cert)
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -328,9 +352,13 @@ def issue(ca: Issued, common_name: str, hosts, *, days: float = 365,
             .serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(hosts), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(_san(hosts, uri), critical=False)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False,
+                                         crl_sign=False, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
@@ -354,18 +382,28 @@ def write_pair(out: Path, stem: str, issued: Issued) -> tuple[Path, Path]:
 
 
 def make_dev_certs(out: str | Path, hosts=DEFAULT_HOSTS, *, services=DEV_SERVICES,
-                   days: float = 365) -> dict[str, tuple[Path, Path]]:
-    """A development CA (``ca.pem``, ``ca-key.pem``) and, per service, ``<service>.pem`` and
-    ``<service>-key.pem`` for ``hosts`` plus the service's own name (its DNS name in compose and
-    Kubernetes). Returns ``{"ca" | service: (cert path, key path)}``. Raises ValueError on an
-    empty ``hosts``."""
+                   days: float = 365, trust_domain: str | None = None) -> dict[str, tuple[Path, Path]]:
+    """A development CA (``ca.pem``, ``ca-key.pem``) and, per role in ``services`` (keys of
+    :data:`ROLE_USAGES`), ``<role>.pem`` and ``<role>-key.pem`` for ``hosts`` plus the role's
+    own name (its DNS name in compose and Kubernetes), carrying the role's SPIFFE ID
+    ``spiffe://<trust_domain>/dflash/<role>`` as a SAN URI and its key usages (server, client
+    or both: :data:`ROLE_USAGES`). Returns ``{"ca" | role: (cert path, key path)}``. Raises
+    ValueError on an empty ``hosts``, an unknown role or an invalid trust domain."""
+    from dflash.serving.authz import DEFAULT_TRUST_DOMAIN, spiffe_id
+
     hosts = [h.strip() for h in hosts if h.strip()]
     if not hosts:
         raise ValueError("hosts: at least one host name or IP address is needed")
+    unknown = [s for s in services if s not in ROLE_USAGES]
+    if unknown:
+        raise ValueError(f"services: unknown role {unknown[0]!r} (roles: {', '.join(ROLE_USAGES)})")
+    domain = trust_domain or DEFAULT_TRUST_DOMAIN
     out = Path(out)
     ca = new_ca(days=days)
     paths = {"ca": write_pair(out, "ca", ca)}
     for s in services:
+        server, client = ROLE_USAGES[s]
         paths[s] = write_pair(out, s, issue(ca, f"dflash {s}", list(dict.fromkeys([*hosts, s])),
-                                            days=days))
+                                            days=days, uri=spiffe_id(domain, s),
+                                            server=server, client=client))
     return paths

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from dflash.core.flags import DTYPE_FLAGS
 from dflash.serving.argtypes import positive_float
+from dflash.serving.authz import DEFAULT_TRUST_DOMAIN
 
 if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
     from dflash.tools.launcher import StackConfig
@@ -259,19 +260,27 @@ def cmd_demo(a) -> int:
     rates = ", ".join(f"{r:.2f}" for r in total.per_position_rate)
     noun = "prompt" if a.num_prompts == 1 else "prompts"
     print(f"\nacceptance over {a.num_prompts} {noun}: tau {total.mean_acceptance_length:.2f}, "
-          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, per-position [{rates}]")
+          f"draft acceptance rate {100 * total.draft_acceptance_rate:.1f}%, accepted by source: "
+          f"drafter {total.drafter_accepted_tokens}, suffix {total.suffix_accepted_tokens}; "
+          f"per-position [{rates}]")
     return 0
 
 
 def cmd_certs(a) -> int:
+    from dflash.serving.authz import AuthzConfigError, spiffe_id
     from dflash.serving.tls import make_dev_certs
 
     hosts = [h.strip() for h in a.hosts.split(",") if h.strip()]
     if not hosts:
         raise SystemExit("dflash certs: error: --hosts: at least one host name or IP address")
-    paths = make_dev_certs(a.out, hosts, days=a.days)
+    try:
+        spiffe_id(a.trust_domain, "client")
+    except AuthzConfigError as e:   # named for the services' flag: this command's is --trust-domain
+        raise SystemExit(f"dflash certs: error: --trust-domain: {str(e).partition(': ')[2]}") from None
+    paths = make_dev_certs(a.out, hosts, days=a.days, trust_domain=a.trust_domain)
     for name, (cert, key) in paths.items():
-        print(f"{name:9s} {cert}  {key}")
+        ident = "" if name == "ca" else f"  {spiffe_id(a.trust_domain, name)}"
+        print(f"{name:9s} {cert}  {key}{ident}")
     print(f"SANs: {', '.join(hosts)} (+ the service name); development only: the CA key "
           f"{paths['ca'][1]} signs anything")
     return 0
@@ -318,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
     s.set_defaults(func=lambda a: (_default_target(), 0)[1])
     c = sub.add_parser("certs", help="a development CA and per-service TLS certificates")
-    c.add_argument("--out", required=True, help="directory for ca.pem, <service>.pem, "
-                   "<service>-key.pem (gateway, verifier, drafter, client)")
+    c.add_argument("--out", required=True, help="directory for ca.pem, <role>.pem, "
+                   "<role>-key.pem (gateway, verifier, drafter, client, admin)")
+    c.add_argument("--trust-domain", default=DEFAULT_TRUST_DOMAIN,
+                   help="each certificate's identity is spiffe://<this>/dflash/<role> (the "
+                        "services' --tls-trust-domain must match)")
     c.add_argument("--hosts", default=",".join(DEV_HOSTS),
                    help="comma-separated DNS names / IP addresses every certificate is valid for "
                         f"(default {','.join(DEV_HOSTS)}; each also gets its service name)")
