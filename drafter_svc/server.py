@@ -19,6 +19,7 @@ from dflash.serving.server import (
 )
 from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tls import TLSConfigError
+from dflash.serving.tracing import server_interceptors
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.engine import CONTEXT_SCHED
 from drafter_svc.observe import ObservedDrafterServicer
@@ -33,7 +34,8 @@ def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
     ``tls`` (``dflash.serving.tls.ServerTLS``)."""
     servicer = ObservedDrafterServicer(engine, telemetry)
     rt = create_server(bind, lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                       (SERVICE,), tls=tls, authz=AUTHZ)
+                       (SERVICE,), tls=tls, authz=AUTHZ,
+                       interceptors=server_interceptors(telemetry.tracer_provider if telemetry else None))
     rt.servicer = servicer
     return rt
 

@@ -1,51 +1,68 @@
 """What the gateway shows: the request's root span and the client-facing latency metrics.
 
-``dflash.v1.Gateway/Generate`` (SERVER) carries the request's sampling parameters, prompt and
-completion tokens, TTFT, end-to-end latency, finish reason and tau (``gen_ai.*`` keys as vLLM and
-SGLang emit them, plus ``dflash.*``). It is the current span while the servicer calls the
+The request's span is the GenAI one: ``"{operation} {model}"`` (``chat`` or
+``text_completion``) with the OpenTelemetry GenAI attributes (operation, request and
+response model, response id, sampling parameters, input / output tokens, finish reasons, time
+to first chunk) plus ``dflash.*`` acceptance (tau, drafts, accepted, drafter version); the keys
+live in :mod:`dflash.serving.semconv`. Over gRPC it is the child of the RPC's server span (the
+OpenTelemetry gRPC instrumentation's, ``dflash.serving.tracing.server_interceptors``); over
+HTTP it is the server span itself. It is the current span while the servicer calls the
 verifier, whose channel injects it as ``traceparent`` metadata.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
 from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import SpanKind
 
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
+from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics
 from dflash.serving.telemetry import Telemetry
-from dflash.serving.tracing import abort_status, metadata_context, set_error
+from dflash.serving.tracing import abort_status, set_error
 from gateway.servicer import GatewayServicer
 from gateway.status import grpc_code
 
 
 class ObservedGatewayServicer(GatewayServicer):
     """The Gateway servicer with ``Generate`` traced and measured; same constructor plus
-    ``telemetry``."""
+    ``telemetry`` and ``model_name`` (the served model: ``gen_ai.request.model``)."""
 
-    def __init__(self, *args, telemetry: Telemetry | None = None, **kw):
+    def __init__(self, *args, telemetry: Telemetry | None = None, model_name: str = "dflash", **kw):
         super().__init__(*args, **kw)
+        self.model_name = model_name
         telemetry = telemetry or Telemetry(service="gateway")
         self.metrics = GatewayMetrics(telemetry.registry)
         self.tracer = telemetry.tracer
+        self.tracer_provider = telemetry.tracer_provider
 
     def Generate(self, request, context):
-        return self._observe(request, metadata_context(context), super().Generate(request, context),
-                             lambda span, e: abort_status(span, context, e))
+        # the RPC's server span is current (tracing.server_interceptors): ours is its child
+        return self._observe(request, otel_context.get_current(), super().Generate(request, context),
+                             lambda span, e: abort_status(span, context, e), kind=SpanKind.INTERNAL)
 
-    def observed_stream(self, request, owner, cancel, *, trace_headers=None, **kw):
+    def observed_stream(self, request, owner, cancel, *, trace_headers=None, response_id=None,
+                        stream=None, **kw):
+        """``response_id``: the id the HTTP response carries; ``stream``: whether it streams."""
         parent = propagate.extract(trace_headers or {}, context=otel_context.Context())
         responses = self.stream(request, owner, cancel, **kw)
-        return self._observe(request, parent, responses, _record_error, name="http Generate",
-                             attrs={"rpc.system": "http", "rpc.service": "openai"})
+        attrs: dict = {"rpc.system": "http", "rpc.service": "openai"}
+        if stream is not None:
+            attrs[sc.STREAM] = stream
+        return self._observe(request, parent, responses, _record_error, attrs=attrs,
+                             response_id=response_id, kind=SpanKind.SERVER)
 
-    def _observe(self, request, parent, responses, on_error, name="dflash.v1.Gateway/Generate",
-                 attrs=None):
-        span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                      attributes={**_request_attrs(request), **(attrs or {})})
+    def _observe(self, request, parent, responses, on_error, *, kind: SpanKind, attrs=None,
+                 response_id=None):
+        op = sc.OP_CHAT if request.WhichOneof("input") == "chat" else sc.OP_TEXT_COMPLETION
+        attrs = {**_request_attrs(request), sc.OPERATION: op, sc.REQUEST_MODEL: self.model_name,
+                 sc.RESPONSE_ID: response_id or uuid.uuid4().hex, **(attrs or {})}
+        span = self.tracer.start_span(sc.span_name(op, self.model_name), context=parent,
+                                      kind=kind, attributes=sc.with_aliases(attrs))
         ctx = trace.set_span_in_context(span, parent)
         t0 = time.perf_counter()
         first = None
@@ -113,16 +130,15 @@ class ObservedGatewayServicer(GatewayServicer):
                                          drafted + a.draft_tokens)
             if a.drafts:
                 m.tau.labels(label).observe(a.mean_acceptance_length or 1.0)
-        span.set_attributes({
-            "gen_ai.usage.prompt_tokens": final.usage.prompt_tokens,
-            "gen_ai.usage.completion_tokens": completion,
+        span.set_attributes(sc.with_aliases({
+            sc.RESPONSE_MODEL: self.model_name,
+            sc.INPUT_TOKENS: final.usage.prompt_tokens, sc.OUTPUT_TOKENS: completion,
+            sc.CACHE_READ_INPUT_TOKENS: final.usage.cached_prompt_tokens,
             "gen_ai.usage.num_sequences": len(finals),
-            "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.e2e": e2e,
-            "gen_ai.response.finish_reasons": finishes, "dflash.drafter_version": label,
-            "dflash.cached_prompt_tokens": final.usage.cached_prompt_tokens,
-            "dflash.mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-            "dflash.drafts": drafts, "dflash.accepted_tokens": accepted,
-            "dflash.draft_tokens": drafted})
+            sc.TIME_TO_FIRST_CHUNK: ttft, sc.E2E_SECONDS: e2e,
+            sc.FINISH_REASONS: finishes, sc.DRAFTER_VERSION: label,
+            sc.TAU: 1.0 + accepted / drafts if drafts else 1.0,
+            sc.DRAFTS: drafts, sc.ACCEPTED_TOKENS: accepted, sc.DRAFT_TOKENS: drafted}))
 
 
 def _record_error(span, e: BaseException) -> None:
@@ -135,12 +151,11 @@ def _record_error(span, e: BaseException) -> None:
 def _request_attrs(r) -> dict:
     s = r.sampling
     attrs = {"rpc.system": "grpc", "rpc.service": "dflash.v1.Gateway", "rpc.method": "Generate",
-             "gen_ai.request.max_tokens": r.max_tokens, "gen_ai.request.temperature": s.temperature,
-             "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
-             "gen_ai.request.n": max(1, r.n),
+             sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
+             sc.TOP_P: s.top_p, sc.TOP_K: s.top_k, sc.CHOICE_COUNT: max(1, r.n),
              "dflash.session_id": r.session_id, "dflash.block_size": r.block_size,
              "dflash.core.speculation": r.speculation if r.HasField("speculation") else True,
              "dflash.drafter_requested": r.drafter}
     if s.HasField("seed"):
-        attrs["gen_ai.request.seed"] = s.seed
+        attrs[sc.SEED] = s.seed
     return attrs

@@ -313,13 +313,13 @@ class OpenAIFront:
             return _core_error(e, prepared, chat)
         cancel = Cancel()
         headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
-        run = _Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
-            prepared.request, owner, cancel, trace_headers=headers,
-            chat_template_kwargs=prepared.chat_template_kwargs,
-            fill_context=prepared.fill_context), cancel, on_close)
         r = prepared.request
         asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
                         logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
+        run = _Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
+            prepared.request, owner, cancel, trace_headers=headers, response_id=asm.id,
+            stream=prepared.stream, chat_template_kwargs=prepared.chat_template_kwargs,
+            fill_context=prepared.fill_context), cancel, on_close)
         # Nothing is sent before the whole answer (JSON) or its first message (a stream, so that
         # errors before it become statuses): a client gone meanwhile cancels the generation.
         try:

@@ -29,7 +29,7 @@ from dflash.serving.server import (
 )
 from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
-from dflash.serving.tracing import InjectTraceContext
+from dflash.serving.tracing import InjectTraceContext, server_interceptors
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
 from gateway.auth import (
@@ -147,7 +147,7 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     verifier = verifier_pb2_grpc.VerifierStub(channel)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
                                        session_ttl_s=session_ttl_s, telemetry=telemetry,
-                                       limits=limits, vocab_size=vocab_size)
+                                       limits=limits, vocab_size=vocab_size, model_name=model_name)
     if api_keys is not None:
         servicer.identity = api_keys.identity    # the key's name owns the sessions
     admin = GatewayAdminServicer(servicer.registry, lambda address, **kw: register_drafter(
@@ -165,7 +165,8 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     per_client = ClientStreams(max_streams_per_client, api_keys)
     # A request over max_request_mb is refused by gRPC before it is parsed (RESOURCE_EXHAUSTED).
     rt = cast(GatewayRuntime, create_server(bind, add, (SERVICE,), max_streams=max_streams,
-                                            interceptors=auth + [per_client, DecodeGuard()],
+                                            interceptors=auth + [per_client, DecodeGuard()]
+                                            + server_interceptors(servicer.tracer_provider),
                                             max_message_mb=max_request_mb, tls=tls, runtime=GatewayRuntime))
     rt.client_streams = per_client
     try:

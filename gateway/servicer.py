@@ -359,10 +359,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._sessions[request.session_id] = _Session(label, time.monotonic(), owner)
 
     def observed_stream(self, request: gateway_pb2.GenerateRequest, owner: str, cancel: Cancel,
-                        *, trace_headers: dict | None = None, **kw
+                        *, trace_headers: dict | None = None, response_id: str | None = None,
+                        stream: bool | None = None, **kw
                         ) -> Iterator[gateway_pb2.GenerateResponse]:
         """:meth:`stream` (``kw``: its keywords) for callers outside gRPC (the HTTP front); the
-        observed servicer traces and measures it (``trace_headers``: the client's W3C context)."""
+        observed servicer traces and measures it (``trace_headers``: the client's W3C context;
+        ``response_id`` and ``stream``: what the HTTP response is, for its span)."""
         return self.stream(request, owner, cancel, **kw)
 
     def Generate(self, request, context):

@@ -365,6 +365,22 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
     assert len(names) == len(dflash_services(services))
 
 
+def test_traces_backend_phoenix_sends_every_service_to_the_phoenix_service():
+    """TRACES_BACKEND=phoenix: every dflash service exports to the phoenix service's OTLP/gRPC
+    port, and that service runs the Phoenix version `dflash up --traces-ui` runs."""
+    services = active(load_compose(env={"TRACES_BACKEND": "phoenix"}), "cpu")
+    hosts = aliases(services)
+    for name, svc in dflash_services(services).items():
+        ehost, eport = host_port(svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].split("//", 1)[1])
+        assert (hosts[ehost], eport) == ("phoenix", 4317), name   # Phoenix's default gRPC port
+    pins = dict(line.split("==") for line in (ROOT / "constraints-traces.txt").read_text().split()
+                if "==" in line)
+    assert services["phoenix"]["image"] == f"arizephoenix/phoenix:version-{pins['arize-phoenix']}"
+    assert container_ports(services["phoenix"]) == {6006}
+    assert any(v["target"] == services["phoenix"]["environment"]["PHOENIX_WORKING_DIR"]
+               for v in services["phoenix"]["volumes"])
+
+
 def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatch):
     """The gpu profile's verifier and drafters get ``--device cuda`` (the one GPU reserved for
     the container is its cuda:0) and bfloat16, through the services' own parse_args; the CPU

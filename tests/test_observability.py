@@ -27,6 +27,7 @@ from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter, client_session_id
 from helpers import PROMPTS, reference, wait_until
 
+GW_SPAN = "text_completion dflash"   # GenAI: "{operation} {model}" (build's default model name)
 B = 4
 STEPS = 3
 N = 1 + STEPS * B          # the prefill token, then full blocks only
@@ -108,33 +109,46 @@ def test_one_trace_across_gateway_verifier_drafter(tstack, traced, target_model,
     out = list(tstack.gateway_stub().Generate(req))
     assert out[-1].acceptance.mean_acceptance_length == pytest.approx(B)
 
-    spans = traced.spans(until=lambda s: any(x.name == "dflash.v1.Gateway/Generate" for x in s))
+    spans = traced.spans(until=lambda s: any(x.name == GW_SPAN for x in s))
     by_name = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
-    (gw,) = by_name["dflash.v1.Gateway/Generate"]
-    (ver,) = by_name["dflash.v1.Verifier/Generate"]
+    (gw,) = by_name[GW_SPAN]
+    (gw_rpc,) = by_name["/dflash.v1.Gateway/Generate"]     # the gRPC instrumentation's
+    (ver,) = by_name["/dflash.v1.Verifier/Generate"]
     (prefill,) = by_name["verifier.prefill"]
     (decode,) = by_name["verifier.decode"]
     steps, drafts = by_name["verifier.step"], by_name["drafter.draft"]
-    assert len({s.context.trace_id for s in spans}) == 1, "one trace per request"
+    # one trace per request (the drafter's registration RPCs are traces of their own)
+    request = [s for s in spans if s.name not in ("/dflash.v1.Verifier/CheckDrafter",
+                                                  "/dflash.v1.Drafter/Describe")]
+    assert {s.context.trace_id for s in request} == {gw.context.trace_id}, "one trace per request"
     service = lambda s: s.resource.attributes["service.name"]  # noqa: E731
     assert (service(gw), service(ver), service(drafts[0])) == ("dflash-gateway", "dflash-verifier",
                                                               "dflash-drafter")
-    # parent/child links: gateway -> verifier -> prefill/decode -> steps -> drafter items
-    assert gw.parent is None and gw.kind == SpanKind.SERVER
+    # parent/child links: gateway RPC -> its GenAI span -> verifier RPC -> prefill/decode ->
+    # steps -> drafter items
+    assert gw_rpc.parent is None and gw_rpc.kind == SpanKind.SERVER
+    assert gw.parent.span_id == gw_rpc.context.span_id and gw.kind == SpanKind.INTERNAL
     assert ver.parent.span_id == gw.context.span_id and ver.kind == SpanKind.SERVER
+    assert ver.attributes["rpc.method"] == "Generate" and ver.attributes["rpc.grpc.status_code"] == 0
     assert prefill.parent.span_id == ver.context.span_id
-    assert prefill.attributes["gen_ai.usage.prompt_tokens"] == len(ids)
+    assert prefill.attributes["gen_ai.usage.input_tokens"] == len(ids)
     assert decode.parent.span_id == ver.context.span_id
     assert len(steps) == STEPS and all(s.parent.span_id == decode.context.span_id for s in steps)
     assert sorted(d.parent.span_id for d in drafts) == sorted(s.context.span_id for s in steps)
     # attributes
     a = gw.attributes
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "dflash"
+    assert a["gen_ai.response.model"] == "dflash" and len(a["gen_ai.response.id"]) == 32
     assert a["gen_ai.request.max_tokens"] == N and a["gen_ai.request.temperature"] == 0.0
-    assert a["gen_ai.usage.prompt_tokens"] == len(ids) and a["gen_ai.usage.completion_tokens"] == N
-    assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    assert a["gen_ai.usage.input_tokens"] == len(ids) and a["gen_ai.usage.output_tokens"] == N
+    assert 0 < a["gen_ai.response.time_to_first_chunk"] <= a["dflash.e2e_seconds"]
     assert a["gen_ai.response.finish_reasons"] == ("length",)
+    # the old names, kept one release (dflash.serving.semconv.ALIASES)
+    assert a["gen_ai.usage.prompt_tokens"] == len(ids) and a["gen_ai.usage.completion_tokens"] == N
+    assert a["gen_ai.latency.time_to_first_token"] == a["gen_ai.response.time_to_first_chunk"]
+    assert ver.attributes["gen_ai.usage.input_tokens"] == len(ids)
     assert a["dflash.drafter_version"] == "oracle@4" and a["dflash.mean_acceptance_length"] == B
     assert decode.attributes["dflash.mean_acceptance_length"] == B
     assert decode.attributes["dflash.accepted_per_position"] == (STEPS,) * (B - 1)
@@ -179,12 +193,37 @@ def test_step_span_policy(target_model, tokenizer, hf_target, policy, traced_ste
     assert len(events) == (STEPS if policy == "summary" else 0)
 
 
+def test_http_request_span_is_the_genai_server_span(tstack, traced):
+    from gateway_doubles import http_front, request
+
+    h = http_front(tstack.gateway.servicer, model_name="dflash")   # the gateway's served name
+    try:
+        trace_id, parent = "ab" * 16, "cd" * 8
+        status, _, body = request(h.url + "/v1/chat/completions", "POST", {
+            "model": "dflash", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]},
+            headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert status == 200, body
+    finally:
+        h.stop()
+    spans = traced.spans(until=lambda x: any(y.name == "chat dflash" for y in x))
+    (gw,) = [x for x in spans if x.name == "chat dflash"]
+    assert gw.kind == SpanKind.SERVER and f"{gw.context.trace_id:032x}" == trace_id
+    assert f"{gw.parent.span_id:016x}" == parent                   # the client's span
+    a = gw.attributes
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.response.id"] == body["id"]
+    assert a["gen_ai.request.stream"] is False
+    assert a["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"]
+    (ver,) = [x for x in spans if x.name == "/dflash.v1.Verifier/Generate"]
+    assert ver.parent.span_id == gw.context.span_id
+
+
 def test_errors_set_span_status(tstack, traced, target_model):
     with pytest.raises(grpc.RpcError) as e:
         list(tstack.gateway_stub().Generate(build_request("hi", max_tokens=0)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    spans = traced.spans(until=lambda x: any(y.name == "dflash.v1.Gateway/Generate" for y in x))
-    (gw,) = [x for x in spans if x.name == "dflash.v1.Gateway/Generate"]
+    spans = traced.spans(until=lambda x: any(y.name == GW_SPAN for y in x))
+    (gw,) = [x for x in spans if x.name == GW_SPAN]
     assert gw.status.status_code == StatusCode.ERROR and "INVALID_ARGUMENT" in gw.status.description
 
     # A drafter error: the step falls back, its span says so, the fallback counter counts it.
@@ -279,7 +318,7 @@ def test_gateway_latency_metrics(tstack, traced, target_model, tokenizer, hf_tar
     refs = {"g": ids + reference(hf_target, ids, N)}
     tstack.add_drafter(ReferenceDrafter(target_model, refs, block_size=B), label="oracle@g")
     list(tstack.gateway_stub().Generate(build_request("abc", max_tokens=N, session_id="g")))
-    traced.spans(until=lambda x: any(y.name == "dflash.v1.Gateway/Generate" for y in x))
+    traced.spans(until=lambda x: any(y.name == GW_SPAN for y in x))
     m = scrape(traced.by_service["gateway"][0].registry)
     v = (("drafter_version", "oracle@g"),)
     assert m[("dflash_requests_total", v + (("finish_reason", "length"),))] == 1

@@ -7,7 +7,8 @@
   decode and step spans as the steps run (not when the client reads them: events are
   buffered), and hands each traced step's context to the drafter in its ``DraftItem``::
 
-      dflash.v1.Verifier/Generate (SERVER, parent: the gateway's span via traceparent metadata)
+      /dflash.v1.Verifier/Generate (SERVER: the OpenTelemetry gRPC instrumentation's span,
+                                    parent: the gateway's span via traceparent metadata)
         verifier.prefill
         verifier.decode            (request totals: tau, drafts, accepted, per position)
           verifier.step            (per DFLASH_TRACE_STEPS: all | every:N | summary)
@@ -21,16 +22,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind
+from opentelemetry import context as otel_context, propagate, trace
 
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.speculation import MODE_OFF
+from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.serving.speclog import SpecDecodingLogger
 from dflash.serving.telemetry import Telemetry
-from dflash.serving.tracing import abort_status, metadata_context, set_error
+from dflash.serving.tracing import abort_status, set_error
 from verifier_svc.drafter_client import WireStats
 from verifier_svc.servicer import VerifierServicer
 
@@ -112,12 +113,11 @@ class VerifierObserver:
     # ------------------------------------------------------------------ spans
     def stream(self, request, context, generate):
         """Run the servicer's ``Generate`` (``generate(trace)`` -> chunk generator) inside the
-        request's server span; the scheduler thread adds the prefill/decode/step spans."""
-        parent = metadata_context(context)
-        span = self.tracer.start_span("dflash.v1.Verifier/Generate", context=parent,
-                                      kind=SpanKind.SERVER, attributes=_request_attrs(request))
-        spans = RequestSpans(self, trace.set_span_in_context(span, parent),
-                             len(request.prompt_token_ids))
+        request's server span (the gRPC instrumentation's, current here; the no-op span when
+        tracing is off); the scheduler thread adds the prefill/decode/step spans."""
+        span = trace.get_current_span()
+        span.set_attributes(_request_attrs(request))
+        spans = RequestSpans(self, otel_context.get_current(), len(request.prompt_token_ids))
         last = None
         self.metrics.running.inc()
         chunks = generate(spans)
@@ -138,13 +138,12 @@ class VerifierObserver:
             self.metrics.running.dec()
             spans.close()
             if last is not None and last.finish_reason:
-                span.set_attribute("gen_ai.response.finish_reasons",
-                                   [FINISH_NAME.get(last.finish_reason) or "unknown"])
-                span.set_attribute("dflash.cached_prompt_tokens", last.cached_prompt_tokens)
+                span.set_attributes(sc.with_aliases({
+                    sc.FINISH_REASONS: [FINISH_NAME.get(last.finish_reason) or "unknown"],
+                    sc.CACHE_READ_INPUT_TOKENS: last.cached_prompt_tokens}))
                 self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
             if spans.view is not None:
                 span.set_attribute("dflash.drafter_version", spans.view.label)
-            span.end()
 
 
 class RequestSpans:
@@ -167,7 +166,7 @@ class RequestSpans:
             self._prefill_t0 = time.perf_counter()
             self._prefill = self.o.tracer.start_span(
                 "verifier.prefill", context=self.server_ctx,
-                attributes={"gen_ai.usage.prompt_tokens": self.prompt_tokens})
+                attributes=sc.with_aliases({sc.INPUT_TOKENS: self.prompt_tokens}))
 
     def step_started(self, step: int) -> dict[str, str]:
         with self._lock:
@@ -273,11 +272,11 @@ class RequestSpans:
 
 def _request_attrs(r) -> dict:
     s = r.sampling
-    return {"rpc.system": "grpc", "rpc.service": "dflash.v1.Verifier", "rpc.method": "Generate",
-            "dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
-            "gen_ai.request.max_tokens": r.max_tokens, "gen_ai.request.temperature": s.temperature,
-            "gen_ai.request.top_p": s.top_p, "gen_ai.request.top_k": s.top_k,
-            "gen_ai.usage.prompt_tokens": len(r.prompt_token_ids),
+    return {"dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
+            sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
+            sc.TOP_P: s.top_p, sc.TOP_K: s.top_k,
+            sc.INPUT_TOKENS: len(r.prompt_token_ids),
+            sc.ALIASES[sc.INPUT_TOKENS]: len(r.prompt_token_ids),
             "dflash.core.speculation": r.speculation.enabled,
             "dflash.drafter_address": r.speculation.drafter_address}
 

@@ -24,6 +24,7 @@ from dflash.serving.server import (
 )
 from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tls import TLSConfigError
+from dflash.serving.tracing import server_interceptors
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.drafter_client import BreakerConfig
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
@@ -68,7 +69,8 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
         s = engine.scheduler
         streams = max_streams(s.max_batch, s.admission.max_waiting)
     rt = create_server(bind, lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                       (SERVICE,), max_streams=streams or 512, tls=tls, authz=AUTHZ)
+                       (SERVICE,), max_streams=streams or 512, tls=tls, authz=AUTHZ,
+                       interceptors=server_interceptors(telemetry.tracer_provider))
     rt.servicer = servicer
     servicer.admission_metrics = admission = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
     BreakerGauges(telemetry.registry, lambda: servicer.pool.proposers() if servicer.pool else [])

@@ -12,7 +12,9 @@ Configuration (all optional; without any of them tracing is off and costs nothin
 
 Context crosses gRPC as W3C ``traceparent`` metadata (gateway -> verifier, injected by
 :class:`InjectTraceContext`) and, on the verifier -> drafter stream that multiplexes many
-requests, inside each ``DraftItem.trace_context``.
+requests, inside each ``DraftItem.trace_context``. Every server's RPC spans (and the extraction
+of their parent from the metadata) come from the OpenTelemetry gRPC instrumentation
+(:func:`server_interceptors`).
 """
 
 from __future__ import annotations
@@ -118,10 +120,20 @@ def extract_context(carrier: Mapping[str, str]) -> otel_context.Context | None:
     return propagate.extract(dict(carrier)) if carrier else None
 
 
-def metadata_context(servicer_context) -> otel_context.Context:
-    """Parent context from a server call's invocation metadata (a fresh root when absent)."""
-    md = {m.key: m.value for m in (servicer_context.invocation_metadata() or ())}
-    return propagate.extract(md, context=otel_context.Context())
+def server_interceptors(tracer_provider: trace.TracerProvider | None) -> list[grpc.ServerInterceptor]:
+    """The OpenTelemetry gRPC server interceptor for ``tracer_provider`` (none when tracing is
+    off): one SERVER span per RPC (``/package.Service/Method``, ``rpc.*`` attributes, the
+    aborted code as its status), parented by the caller's ``traceparent`` and current while
+    the handler runs. Left out: health and reflection (``grpc.*``), and the Drafter's Draft
+    stream, one call that lives as long as its verifier and carries every request (its items
+    carry their own context: ``DraftItem.trace_context``)."""
+    if tracer_provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import filters, server_interceptor
+
+    skip = filters.any_of(filters.service_prefix("grpc."),
+                          filters.full_method_name("/dflash.v1.Drafter/Draft"))
+    return [server_interceptor(tracer_provider=tracer_provider, filter_=filters.negate(skip))]
 
 
 def set_error(span: trace.Span, description: str) -> None:
@@ -156,7 +168,9 @@ class InjectTraceContext(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClien
     """Client interceptor adding the current W3C trace context to each call's metadata.
 
     It only propagates (no client span): the server side opens the span. The call object the
-    caller gets back is the real one (``cancel()`` keeps working on streams).
+    caller gets back is the real one (``cancel()`` keeps working on streams) — why this stays
+    instead of the OpenTelemetry client interceptor, which wraps a response stream in a plain
+    generator (no ``cancel()``: the gateway could no longer stop a verifier call).
     """
 
     @staticmethod

