@@ -42,3 +42,30 @@ def test_bench_refuses_an_unknown_set_naming_the_flag(capsys):
 
     with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--prompts", "nope", "--gateway", "127.0.0.1:1"])
+
+
+def test_the_edit_set_is_committed_and_copy_heavy():
+    """data/bench/edit.jsonl (scripts/make_edit_prompts.py): 20+ edit requests, each quoting a
+    function of this repository that the answer is asked to rewrite, quote or revise."""
+    from pathlib import Path
+
+    sets = load_jsonl(Path(__file__).resolve().parents[1] / "data/bench/edit.jsonl")
+    assert len(sets) >= 20
+    for messages in sets:
+        assert any("def " in m["content"] for m in messages)
+    assert any(len(messages) == 3 and messages[1]["role"] == "assistant" for messages in sets)
+
+
+@pytest.mark.parametrize("argv,kept", [([], False), (["--suffix-answers"], True)])
+def test_bench_start_keeps_no_answers_across_modes_unless_asked(argv, kept):
+    """Each prompt runs once per mode: with the tenant's recent answers as suffix candidates,
+    every mode after a prompt's first would copy the answer an earlier mode gave."""
+    from types import SimpleNamespace
+
+    from dflash.tools.bench import bench_stack_config
+
+    a = SimpleNamespace(tiny=False, target="target-dir", drafter=["drafter-dir"], drafter_port=50061,
+                        gateway_port=50050, verifier_port=50051, dtype="auto", run_dir="runs/x",
+                        suffix_answers=bool(argv))
+    args = bench_stack_config(a).verifier_args
+    assert ("--suffix-answer-tokens" in args and args[args.index("--suffix-answer-tokens") + 1] == "0") != kept

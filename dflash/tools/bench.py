@@ -68,6 +68,19 @@ def mode_list(text: str) -> str:
     return ",".join(items)
 
 
+def bench_stack_config(a):
+    """The stack ``--start`` runs: ``dflash up``'s, without the tenants' recent answers as
+    suffix candidates (``--suffix-answer-tokens 0``) unless ``--suffix-answers``. Every prompt
+    runs once per mode, so from its second mode on its own earlier answer would be a candidate
+    and every mode after the first would copy it (docs/suffix.md, "Benchmarks")."""
+    from dflash.tools.cli import _stack_config
+
+    cfg = _stack_config(a)
+    if not getattr(a, "suffix_answers", False):
+        cfg.verifier_args = [*cfg.verifier_args, "--suffix-answer-tokens", "0"]
+    return cfg
+
+
 def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, speculation: bool,
                 drafter: str = "", mode: str = "") -> dict:
     """One prompt (chat ``messages``) through the running stack (``client``:
@@ -271,10 +284,9 @@ def cmd_bench(a) -> int:
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
     stack = None
     if a.start:
-        from dflash.tools.cli import _stack_config
         from dflash.tools.launcher import LocalStack
 
-        stack = LocalStack(_stack_config(a)).start()
+        stack = LocalStack(bench_stack_config(a)).start()
         a.gateway = stack.gateway_addr
     rows: dict[str, list[dict]] = {m[0]: [] for m in modes}
     client = peer = None
@@ -357,10 +369,9 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
     stack = None
     if a.start:
-        from dflash.tools.cli import _stack_config
         from dflash.tools.launcher import LocalStack
 
-        stack = LocalStack(_stack_config(a)).start()
+        stack = LocalStack(bench_stack_config(a)).start()
         a.gateway = stack.gateway_addr
     try:
         require_gateway(a.gateway)
@@ -388,6 +399,10 @@ def add_parser(sub) -> None:
     b.add_argument("--peer", action="store_true",
                    help="also run transformers' in-process DFlash generation with the same weights")
     b.add_argument("--out", default="bench_out", help="output directory")
+    b.add_argument("--suffix-answers", action="store_true",
+                   help="with --start: keep recent answers as suffix candidates (off by default: "
+                        "each prompt runs once per mode, and a mode would copy the answer an "
+                        "earlier mode gave)")
     b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
