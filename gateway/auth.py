@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from dflash.serving.server import RETRY_AFTER_KEY
+from dflash.serving.server import RETRY_AFTER_KEY, is_loopback_bind
 
 log = logging.getLogger("dflash.gateway")
 
@@ -83,17 +83,6 @@ def check_secret(secret: str, what: str) -> None:
     """Raises ValueError naming ``what`` unless ``secret`` is >= MIN_SECRET_CHARS, no blanks."""
     if len(secret) < MIN_SECRET_CHARS or any(c.isspace() for c in secret):
         raise ValueError(f"{what}: must be at least {MIN_SECRET_CHARS} characters without blanks")
-
-
-def is_loopback_bind(bind: str) -> bool:
-    """True when ``bind`` ("host:port", "[::1]:port", "localhost:port") listens on loopback only."""
-    host = bind.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_admin_bind(bind: str, token: str | None) -> None:

@@ -201,7 +201,7 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     first: list[grpc.ServerInterceptor] = []
     if authz is not None and tls is not None and tls.require_client_cert:
         first.append(RoleAuthz(authz, tls.peer_ids))    # refused before taking a stream slot
-    elif authz is not None and not _loopback(bind):
+    elif authz is not None and not is_loopback_bind(bind):
         log.warning("%s on %s without mTLS (--tls-ca): whoever reaches it may call every RPC "
                     "(docs/deployment.md, \"Trust model\")", "/".join(service_names), bind)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + CONTROL_WORKERS),
@@ -218,7 +218,8 @@ def create_server(bind: str, add_servicers, service_names: tuple[str, ...], *,
     return rt
 
 
-def _loopback(bind: str) -> bool:
+def is_loopback_bind(bind: str) -> bool:
+    """True when ``bind`` ("host:port", "[::1]:port", "localhost:port") listens on loopback only."""
     host = bind.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
