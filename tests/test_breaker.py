@@ -242,8 +242,11 @@ def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, t
         assert b.is_open and b.trips == 1 and b.reason == SLOW
         assert registry.get_sample_value("dflash_spec_decode_drafter_circuit_trips_total",
                                          {**labels, "reason": SLOW}) == 1
-        assert registry.get_sample_value("dflash_spec_decode_drafter_deadline_seconds",
-                                         labels) == pytest.approx(FLOOR_S)
+        # the steady deadline is the budget's, floored: the floor here, or a little above it
+        # when a slow moment prices the target's steps higher (27 ms seen once in CI) -- far
+        # below the 0.4 s the drafter takes and the cap
+        deadline = registry.get_sample_value("dflash_spec_decode_drafter_deadline_seconds", labels)
+        assert FLOOR_S <= deadline < 0.1 * CAP_S
         assert registry.get_sample_value("dflash_spec_decode_drafter_latency_seconds",
                                          labels) >= 0.8 * CAP_S
         reasons = [r for _, r in steps.rows]
