@@ -543,7 +543,7 @@ class VerifierEngine:
         by_label: dict[str, list[tuple[int, int]]] = {}
         trees: dict[str, list[tuple[int, int]]] = {}
         for j, ev, sh, v, src in zip(jobs, events, shapes, verified, sourced):
-            if not ev.drafted or j.req.proposer is None or d_missing(sh, src):
+            if not ev.drafted or j.req.proposer is None or _no_drafter_node(sh, src):
                 continue
             label = j.req.proposer.card.label
             if isinstance(v, TreeVerified):
@@ -608,7 +608,7 @@ def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | 
     return j.processor.apply(logits, d.tokens)
 
 
-def d_missing(sh: Shape, src: Sourced | None) -> bool:
+def _no_drafter_node(sh: Shape, src: Sourced | None) -> bool:
     """Whether a step's tree holds no drafter node (suffix candidates alone): it says nothing
     of the drafter's acceptance."""
     return src is not None and not any(s & DRAFTER for s in src.sources[1:])

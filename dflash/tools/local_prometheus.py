@@ -101,7 +101,7 @@ class PrometheusStack(LocalStack):
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs["prometheus"] = p
         deadline = time.monotonic() + timeout_s
-        while not _ready(self.prometheus_url + "/-/ready"):
+        while not http_ok(self.prometheus_url + "/-/ready"):
             if p.poll() is not None or time.monotonic() > deadline:
                 state = f"exited with code {p.returncode}" if p.poll() is not None else "not ready"
                 raise LaunchError(f"prometheus {state}:\n{self.log_tail('prometheus')}")
@@ -111,7 +111,8 @@ class PrometheusStack(LocalStack):
               flush=True)
 
 
-def _ready(url: str) -> bool:
+def http_ok(url: str) -> bool:
+    """Whether ``url`` (a loopback health endpoint) answers 200 within a second."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
     try:
         with opener.open(url, timeout=1.0) as r:

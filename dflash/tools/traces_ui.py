@@ -15,11 +15,11 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
 from dflash.tools.launcher import LaunchError
+from dflash.tools.local_prometheus import http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-traces"
@@ -99,7 +99,7 @@ class TracesUI:
         self.proc = subprocess.Popen([self.binary, "serve"], stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         deadline = time.monotonic() + self.timeout_s
-        while not _ok(self.url + "/healthz"):
+        while not http_ok(self.url + "/healthz"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 state = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
                          else f"not up after {self.timeout_s:.0f} s")
@@ -120,12 +120,3 @@ class TracesUI:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def _ok(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-    try:
-        with opener.open(url, timeout=1.0) as r:
-            return r.status == 200
-    except OSError:
-        return False
