@@ -227,12 +227,14 @@ def test_candidate_probabilities_never_grow_down_a_branch():
     """However well a session copies, a child is never more probable than its parent, so the
     best-first candidates are always a tree (the parents of the chosen ones chosen first)."""
     from dflash.core.suffix import SuffixIndex
-    from verifier_svc.suffix_drafts import SessionRates, SuffixCalibration, offer_for, suffix_tree
+    from verifier_svc.suffix_drafts import SessionRates, SuffixCalibration, cell, offer_for, suffix_tree
 
     cal, rates = SuffixCalibration(), SessionRates()
-    for _ in range(200):                         # every candidate of half frequency taken
+    for _ in range(200):                         # every candidate, even of half frequency, taken
         for d in range(1, 17):
-            cal.observe(1, d, 0.5, True, rates)
+            for support in (1, 2, 3, 5):
+                for count in range(1, support + 1):
+                    cal.observe(cell(2, d, support, count), count / support, True, rates)
     ix = SuffixIndex([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
     offer = offer_for(ix, [], 8, cal, rates)
     assert offer is not None
@@ -241,3 +243,25 @@ def test_candidate_probabilities_never_grow_down_a_branch():
     for n in range(1, offer.size + 1):
         src = suffix_tree(offer, n, 8)
         assert src is not None and len(src.tree.tokens) == n
+
+
+def test_calibration_learns_support_and_share_separately():
+    """A continuation three earlier occurrences agree on and one seen once are different bets
+    (chat: 0.9 against 0.39 taken); each cell converges to its own observed rate, and a
+    session taken more often than the verifier-wide rates say has its candidates raised."""
+    from verifier_svc.suffix_drafts import SessionRates, SuffixCalibration, cell
+
+    cal, rng = SuffixCalibration(), random.Random(0)
+    once, agreed, split = cell(1, 1, 1, 1), cell(1, 1, 3, 3), cell(1, 1, 4, 1)
+    for _ in range(2000):
+        cal.observe(once, 1.0, rng.random() < 0.4, None)
+        cal.observe(agreed, 1.0, rng.random() < 0.9, None)
+        cal.observe(split, 0.25, rng.random() < 0.1, None)
+    assert len({once, agreed, split}) == 3
+    assert abs(cal.rate(once, 1.0, None) - 0.4) < 0.08
+    assert abs(cal.rate(agreed, 1.0, None) - 0.9) < 0.08
+    assert abs(cal.rate(split, 0.25, None) - 0.1) < 0.08
+    mine = SessionRates()
+    for _ in range(50):
+        cal.observe(once, 1.0, True, mine)        # this session's one-off matches all copy
+    assert cal.rate(once, 1.0, mine) > 0.85 > cal.rate(once, 1.0, None) + 0.3

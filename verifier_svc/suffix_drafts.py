@@ -5,10 +5,11 @@ candidate probabilities, and the trees they become (alone, or merged into a draf
   over the session's own stream and its tenant's recent answers), each node with ``probs[j]``,
   the estimated probability that the target's walk reaches it::
 
-      probs[j] = probs[parent] * counts[j] / counts[parent] * rate(match bucket, depth j)
+      probs[j] = probs[parent] * rate(cell(match, depth j, counts[parent], counts[j]))
 
-  the frequency score (SuffixDecoding) times a measured conditional acceptance
-  (:class:`SuffixCalibration`), so the sum of a tree's probabilities plus one is its expected
+  a measured conditional acceptance (:class:`SuffixCalibration`) per match length, depth,
+  support (the occurrences through the parent) and frequency share (SuffixDecoding's score
+  ``counts[j] / counts[parent]``), so the sum of a tree's probabilities plus one is its expected
   committed tokens, the figure the speculation policy trades against verify cost.
 * :func:`suffix_tree`: the ``n`` most probable nodes as a tree (mode ``suffix``; the fallback
   when a drafter fails).
@@ -33,75 +34,110 @@ from collections.abc import Sequence
 from dflash.core.suffix import MAX_MATCH, SEPARATOR, SuffixIndex, SuffixTrie, build_trie
 from verifier_svc.tree import DraftTree
 
-__all__ = ["DRAFTER", "SUFFIX", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore",
+__all__ = ["DRAFTER", "SUFFIX", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
            "suffix_tree", "hybrid_tree", "match_bucket", "Sourced"]
 
 DRAFTER = 1
 SUFFIX = 2
 #: Upper ends of the match-length buckets (tokens): 1, 2, 3-4, 5-8, 9-16.
 MATCH_BUCKETS = (1, 2, 4, 8, MAX_MATCH)
-#: Conditional acceptance per bucket before anything is measured: short matches are guesses,
-#: long ones copies.
+#: Upper ends of the depth buckets: 1, 2-3, 4-7, 8+.
+DEPTH_BUCKETS = (1, 3, 7, 1 << 30)
+#: Upper ends of the support buckets (occurrences that continue through the parent): 1, 2,
+#: 3-4, 5+. A continuation several earlier occurrences agree on is taken far more often than
+#: one seen once: on the chat set, 0.39 at one occurrence against 0.9 at three (docs/suffix.md).
+SUPPORT_BUCKETS = (1, 2, 4, 1 << 30)
+#: Lower ends of the frequency buckets (the candidate's share of its parent's occurrences).
+FREQUENCY_BUCKETS = (0.999, 0.5, 0.25, 0.0)
+#: Acceptance once the parent is reached, before anything is measured, for an unanimous
+#: continuation: short matches are guesses, long ones copies (scaled by the frequency score).
 PRIOR_RATES = (0.3, 0.45, 0.6, 0.75, 0.85)
-MAX_DEPTH = 16                  # depths beyond share the last cell
-PRIOR_WEIGHT = 4.0              # pseudo-observations of the prior (global) and of the global
-                                # rate in a session's own estimate
+PRIOR_WEIGHT = 4.0              # pseudo-observations of the coarser estimate in a finer one
 GLOBAL_WINDOW = 400.0           # the global sums are halved past this many offers per cell
 
 
 def match_bucket(match: int) -> int:
-    for b, hi in enumerate(MATCH_BUCKETS):
-        if match <= hi:
+    return _bucket(match, MATCH_BUCKETS)
+
+
+def _bucket(x: int, upper: Sequence[int]) -> int:
+    for b, hi in enumerate(upper):
+        if x <= hi:
             return b
-    return len(MATCH_BUCKETS) - 1
+    return len(upper) - 1
+
+
+#: (match bucket, depth bucket, support bucket, frequency bucket)
+Cell = tuple[int, int, int, int]
+
+
+def cell(match: int, depth: int, support: int, count: int) -> Cell:
+    """The calibration cell of a trie node ``count`` of whose parent's ``support``
+    occurrences continue through it, at ``depth``, after a match of ``match`` tokens."""
+    share = count / support
+    f = next(i for i, lo in enumerate(FREQUENCY_BUCKETS) if share >= lo)
+    return (match_bucket(match), _bucket(depth, DEPTH_BUCKETS), _bucket(support, SUPPORT_BUCKETS), f)
 
 
 class SessionRates:
-    """One session's own suffix outcomes: (bucket, depth) -> [accepted, offered]."""
+    """One session's own suffix outcomes against the verifier-wide rates: candidates taken, and
+    the sum of their verifier-wide probabilities (once the walk reached their parents)."""
 
     def __init__(self) -> None:
-        self.cells: dict[tuple[int, int], list[float]] = {}
+        self.accepted = 0.0
+        self.expected = 0.0
+
+    def factor(self) -> float:
+        """How much more (> 1) or less this session's candidates are taken than the
+        verifier-wide rates say, shrunk towards 1 by :data:`PRIOR_WEIGHT` pseudo-outcomes."""
+        return (self.accepted + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
 
 
 class SuffixCalibration:
-    """Conditional acceptance of suffix candidates by (match bucket, depth): the chance the
-    target takes a candidate, per unit of its frequency score, once the walk reached its parent.
-    Verifier-wide sums (a window of recent offers) are the prior of each session's own
+    """Acceptance of suffix candidates once the walk reached their parent, per :func:`cell`
+    (match length, depth, support, frequency share): a probability, never above 1, so a child
+    is never more probable than its parent. A cell with few outcomes leans on its match and
+    frequency buckets' pooled rate, and that on :data:`PRIOR_RATES`. The verifier-wide rates (a
+    window of recent offers) are scaled by each session's own taken / expected ratio
     (:class:`SessionRates`), so a session whose text copies well is trusted more and one whose
     matches keep failing is asked less."""
 
     def __init__(self) -> None:
-        self._acc = [[PRIOR_RATES[b] * PRIOR_WEIGHT] * MAX_DEPTH for b in range(len(MATCH_BUCKETS))]
-        self._off = [[PRIOR_WEIGHT] * MAX_DEPTH for _ in MATCH_BUCKETS]
+        # fine cells, and their match and frequency buckets pooled under (b, -1, -1, f)
+        self._sums: dict[Cell, list[float]] = {}
 
-    def rate(self, b: int, depth: int, own: SessionRates | None) -> float:
-        """At most 1, so a child is never more probable than its parent (a candidate taken
-        at half its siblings' frequency would otherwise count twice)."""
-        d = min(depth, MAX_DEPTH) - 1
-        g = min(1.0, self._acc[b][d] / self._off[b][d])
-        cell = own.cells.get((b, d)) if own is not None else None
-        if cell is None:
-            return g
-        return min(1.0, (cell[0] + PRIOR_WEIGHT * g) / (cell[1] + PRIOR_WEIGHT))
+    def rate(self, c: Cell, share: float, own: SessionRates | None) -> float:
+        """The probability the walk takes a candidate of cell ``c`` (frequency share ``share``
+        of its parent's occurrences) once it reached the parent."""
+        acc, off = self._sums.get(_pooled(c), (0.0, 0.0))
+        g = (acc + PRIOR_WEIGHT * PRIOR_RATES[c[0]] * share) / (off + PRIOR_WEIGHT)
+        acc, off = self._sums.get(c, (0.0, 0.0))
+        g = (acc + PRIOR_WEIGHT * g) / (off + PRIOR_WEIGHT)
+        return min(1.0, g * own.factor() if own is not None else g)
 
-    def observe(self, b: int, depth: int, offered: float, accepted: bool, own: SessionRates | None
-                ) -> None:
-        """A candidate of frequency score ``offered`` (given its parent) at ``depth`` whose
-        parent the walk reached, and whether the walk took it."""
-        d = min(depth, MAX_DEPTH) - 1
-        self._acc[b][d] += float(accepted)
-        self._off[b][d] += offered
-        if self._off[b][d] > GLOBAL_WINDOW:
-            self._acc[b][d] *= 0.5
-            self._off[b][d] *= 0.5
+    def observe(self, c: Cell, share: float, accepted: bool, own: SessionRates | None) -> None:
+        """A candidate of cell ``c`` (frequency share ``share``) whose parent the walk reached,
+        and whether it took it."""
         if own is not None:
-            cell = own.cells.setdefault((b, d), [0.0, 0.0])
-            cell[0] += float(accepted)
-            cell[1] += offered
+            own.accepted += float(accepted)
+            own.expected += self.rate(c, share, None)
+        for key in (c, _pooled(c)):
+            sums = self._sums.setdefault(key, [0.0, 0.0])
+            sums[0] += float(accepted)
+            sums[1] += 1.0
+            if sums[1] > GLOBAL_WINDOW:
+                sums[0] *= 0.5
+                sums[1] *= 0.5
 
-    def table(self) -> list[list[float]]:
-        """Per bucket, per depth: the verifier-wide conditional rate (a copy, for metrics)."""
-        return [[min(1.0, a / o) for a, o in zip(acc, off)] for acc, off in zip(self._acc, self._off)]
+
+def _pooled(c: Cell) -> Cell:
+    return (c[0], -1, -1, c[3])
+
+
+def node_cell(trie: SuffixTrie, j: int) -> Cell:
+    """Trie node ``j``'s :func:`cell`."""
+    p = trie.parents[j]
+    return cell(trie.match, trie.depths[j], trie.counts[p], trie.counts[j])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +155,11 @@ class SuffixOffer:
     @staticmethod
     def build(trie: SuffixTrie, calibration: SuffixCalibration, rates: SessionRates | None
               ) -> "SuffixOffer":
-        b = match_bucket(trie.match)
-        depths = trie.depths
         probs = [1.0] * len(trie.parents)
         for j in range(1, len(trie.parents)):
             p = trie.parents[j]
-            probs[j] = probs[p] * trie.counts[j] / trie.counts[p] * calibration.rate(b, depths[j], rates)
+            probs[j] = probs[p] * calibration.rate(node_cell(trie, j), trie.counts[j] / trie.counts[p],
+                                                   rates)
         order = sorted(range(1, len(trie.parents)), key=lambda j: (-probs[j], j))
         cum = [0.0]
         for j in order:
@@ -240,17 +275,14 @@ def _merge(drafter: DraftTree | None, offer: SuffixOffer, chosen: list[int]) -> 
 def observe_walk(calibration: SuffixCalibration, offer: SuffixOffer, sourced: Sourced,
                  path: Sequence[int]) -> None:
     """Teach ``calibration`` one verified tree's suffix candidates: every suffix node whose
-    parent the walk reached (the root, or a node of ``path``) was offered at its frequency
-    score given its parent, and accepted iff it is on ``path``."""
+    parent the walk reached (the root, or a node of ``path``) was offered, and accepted iff it
+    is on ``path``."""
     reached = {0, *path}
-    trie, b = offer.trie, match_bucket(offer.trie.match)
-    depths = sourced.tree.depths
     for j, t in sourced.trie_nodes.items():
-        if sourced.tree.parents[j] not in reached:
-            continue
-        p = trie.parents[t]
-        calibration.observe(b, depths[j], trie.counts[t] / trie.counts[p], j in reached,
-                            offer.rates)
+        if sourced.tree.parents[j] in reached:
+            p = offer.trie.parents[t]
+            calibration.observe(node_cell(offer.trie, t), offer.trie.counts[t] / offer.trie.counts[p],
+                                j in reached, offer.rates)
 
 
 class AnswerStore:
