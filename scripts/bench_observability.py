@@ -3,8 +3,9 @@
 
 (a) trace UI latency: a fresh ``dflash up --traces-ui`` (Phoenix from .venv-traces), one
     ``dflash generate``, then Phoenix's REST API polled every 0.1 s until that request's trace
-    holds the gateway's, verifier's and drafter's spans, every parent present; seconds from
-    ``dflash generate``'s exit to that moment (target <= 5 s).
+    holds the gateway's, verifier's and drafter's spans, every parent present, and its span
+    count has settled; seconds from ``dflash generate``'s exit to the first poll that saw all
+    of it (target <= 5 s).
 (b) tracing overhead: batch-1 tokens/s (sequential requests; completion tokens / summed
     end-to-end latency) of that stack against a twin with tracing off, rounds interleaved
     (ABBA), same prompts; ratio of the means (target >= 0.97), and whether both gave the same
@@ -229,42 +230,45 @@ class TopProcess:
         self.marks = self._read()
 
 
+def _load(addr: str, prompts, a, requests_per_client: int | None = None) -> dict:
+    x = run_level(addr, prompts, concurrency=a.clients, max_tokens=a.max_tokens, mode="",
+                  requests_per_client=requests_per_client or a.requests_per_client)
+    x.pop("per_position")
+    return x
+
+
 def top_overhead(addr: str, endpoints: list[str], prompts, a, run_dir: Path) -> dict:
-    """ABBA rounds of ``a.clients`` clients, without and with top; see the module docstring."""
-    runs, intervals, seen, frames, under_load = [], [], [], 0, 0
-    run_level(addr, prompts, concurrency=a.clients, requests_per_client=1,   # warm-up, unrecorded
-              max_tokens=a.max_tokens, mode="")
+    """ABBA rounds of ``a.clients`` clients, without and with top; see the module docstring.
+    Refresh figures use each top's frames after its first (whose interval includes rich's
+    first render)."""
+    runs, steady = [], []
+    _load(addr, prompts, a, requests_per_client=1)      # warm-up, not recorded
     for r in range(a.rounds):
         for with_top in ((False, True) if r % 2 == 0 else (True, False)):
-            def load() -> dict:
-                return run_level(addr, prompts, concurrency=a.clients,
-                                 requests_per_client=a.requests_per_client, max_tokens=a.max_tokens, mode="")
-            if with_top:
-                with TopProcess(endpoints, a.top_interval, run_dir, f"r{r}") as top:
-                    t0 = time.time()
-                    x = load()
-                    t1 = time.time()
-                steady = top.marks[1:]      # the first frame's interval includes rich's first render
-                frames += len(steady)
-                intervals += list(np.diff([m[0] for m in steady]))
-                seen += steady
-                x["top_frames_under_load"] = sum(t0 <= m[0] <= t1 for m in steady)
-                under_load += x["top_frames_under_load"]
-            else:
-                x = load()
-            runs.append({"round": r, "top": with_top, **{k: v for k, v in x.items() if k != "per_position"}})
+            if not with_top:
+                runs.append({"round": r, "top": False, **_load(addr, prompts, a)})
+                continue
+            with TopProcess(endpoints, a.top_interval, run_dir, f"r{r}") as top:
+                t0 = time.time()
+                x = _load(addr, prompts, a)
+                t1 = time.time()
+            marks = top.marks[1:]
+            steady.append(marks)
+            runs.append({"round": r, "top": True, **x,
+                         "top_frames_under_load": sum(t0 <= m[0] <= t1 for m in marks)})
     off = [x["agg_tok_s"] for x in runs if not x["top"]]
     on = [x["agg_tok_s"] for x in runs if x["top"]]
     ratio, spread = float(np.mean(on) / np.mean(off)), _spread(off)
-    med = float(np.median(intervals)) if intervals else None
+    gaps = [float(g) for marks in steady for g in np.diff([m[0] for m in marks])]
+    med = float(np.median(gaps)) if gaps else None
+    frames = [m for marks in steady for m in marks]
     return {"runs": runs, "tok_s_top": float(np.mean(on)), "tok_s_no_top": float(np.mean(off)),
             "ratio": ratio, "spread_no_top": spread, "spread_top": _spread(on),
             "paired": [o / f for o, f in zip(on, off)], "ok": ratio >= 1.0 - spread,
-            "refresh": {"frames": frames,
-                        "interval_s": a.top_interval, "median_s": med,
-                        "max_s": float(max(intervals)) if intervals else None,
-                        "frames_under_load": under_load,
-                        "saw_stack": bool(seen) and all(rows > 0 and down == 0 for _, rows, down in seen),
+            "refresh": {"frames": len(frames), "interval_s": a.top_interval, "median_s": med,
+                        "max_s": max(gaps) if gaps else None,
+                        "frames_under_load": sum(x.get("top_frames_under_load", 0) for x in runs),
+                        "saw_stack": bool(frames) and all(rows > 0 and down == 0 for _, rows, down in frames),
                         "ok": med is not None and abs(med - a.top_interval) <= 0.1 * a.top_interval}}
 
 
@@ -408,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.target:
         from dflash.tools.target_setup import setup_target
         a.target = str(setup_target())
-    a.drafter = a.drafter or str(DEFAULT_DRAFTER)
+    # absolute: the services and `dflash up` resolve them from their own working directories
+    a.target, a.drafter = (str(Path(x).resolve()) for x in (a.target, a.drafter or DEFAULT_DRAFTER))
     for k in TRACE_VARS:        # tracing off means off; the traced stack gets its own
         os.environ.pop(k, None)
     os.environ["DFLASH_SUFFIX_ANSWER_TOKENS"] = "0"
