@@ -344,6 +344,8 @@ def run_all(a, prompts, run_dir: Path) -> dict:
     prompt = chat[0][0]["content"]
     skip = None if find_phoenix() else "Arize Phoenix is not installed (run scripts/setup_traces.sh)"
     res: dict = {"trace_ui": {"skipped": skip}, "tracing_overhead": {"skipped": skip}}
+    if skip:
+        print(f"(a) and (b) skipped: {skip}", file=sys.stderr, flush=True)
     up = None
     try:
         if skip is None:    # (a) first: the stack and its Phoenix project are fresh
