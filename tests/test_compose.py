@@ -366,17 +366,28 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
 
 
 def test_traces_backend_phoenix_sends_every_service_to_the_phoenix_service():
-    """TRACES_BACKEND=phoenix: every dflash service exports to the phoenix service's OTLP/gRPC
-    port, and that service runs the Phoenix version `dflash up --traces-ui` runs."""
+    """TRACES_BACKEND=phoenix: every dflash service exports over OTLP/gRPC to the port the
+    phoenix service listens on (on every interface), into the project and with the batch
+    delay `dflash up --traces-ui` uses, and that service runs the Phoenix version
+    `dflash up --traces-ui` runs."""
+    from dflash.tools.traces_ui import EXPORT_DELAY_MS, PROJECT
+
     services = active(load_compose(env={"TRACES_BACKEND": "phoenix"}), "cpu")
     hosts = aliases(services)
+    px = services["phoenix"]["environment"]
+    assert (px["PHOENIX_HOST"], px["PHOENIX_GRPC_PORT"]) == ("0.0.0.0", "4317")
     for name, svc in dflash_services(services).items():
-        ehost, eport = host_port(svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].split("//", 1)[1])
-        assert (hosts[ehost], eport) == ("phoenix", 4317), name   # Phoenix's default gRPC port
+        env = svc["environment"]
+        scheme, addr = env["OTEL_EXPORTER_OTLP_ENDPOINT"].split("://", 1)
+        ehost, eport = host_port(addr)
+        # http:// = plaintext gRPC (the exporter is opentelemetry-exporter-otlp-proto-grpc)
+        assert (scheme, hosts[ehost], str(eport)) == ("http", "phoenix", px["PHOENIX_GRPC_PORT"]), name
+        assert f"openinference.project.name={PROJECT}" in env["OTEL_RESOURCE_ATTRIBUTES"].split(","), name
+        assert str(env["OTEL_BSP_SCHEDULE_DELAY"]) == EXPORT_DELAY_MS, name
     pins = dict(line.split("==") for line in (ROOT / "constraints-traces.txt").read_text().split()
                 if "==" in line)
     assert services["phoenix"]["image"] == f"arizephoenix/phoenix:version-{pins['arize-phoenix']}"
-    assert container_ports(services["phoenix"]) == {6006}
+    assert container_ports(services["phoenix"]) == {int(px["PHOENIX_PORT"])} == {6006}
     assert any(v["target"] == services["phoenix"]["environment"]["PHOENIX_WORKING_DIR"]
                for v in services["phoenix"]["volumes"])
 

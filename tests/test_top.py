@@ -65,6 +65,30 @@ def test_frame_shows_tau_per_position_and_latency_by_drafter_version(services):
     assert "v@1" in out and "2.75" in out and "0.75 0.50 0.50" in out and "timeout 1" in out
 
 
+def test_accepted_tokens_split_by_source_per_drafter_version(services):
+    """The verifier's by-source counter, per drafter version: what the suffix index alone
+    proposed is told apart from the drafter's, and the two add up to the accepted tokens."""
+    m, endpoints = services
+    vm = m["verifier"]
+    for accepted, suffix in ((3, 0), (3, 2), (2, 1), (0, 0)):   # v@1: 8 accepted, 3 by suffix
+        vm.step("v@1", drafted=B - 1, accepted=accepted, fallback=None, verify_s=0.01,
+                draft_s=0.002, wire_s=0.001, context_bytes=100, suffix_accepted=suffix)
+    steps(vm, "v@2", [1, 2])                                      # drafter only
+    now, _ = top.scrape(endpoints)
+    rows = {r.version: r for r in top.frame(now).rows}
+    assert rows["v@1"].accepted_by_source == {"drafter": 5, "suffix": 3}
+    assert rows["v@2"].accepted_by_source == {"drafter": 3, "suffix": 0}
+    assert rows["v@1"].tau == pytest.approx(1 + 8 / 4)
+    out = text(top.render(top.frame(now)))
+    assert "accepted drafter / suffix" in out
+    v1, v2 = (next(ln for ln in out.splitlines() if v in ln) for v in ("v@1", "v@2"))
+    assert "5 / 3 (38%)" in v1 and "3 / 0 (0%)" in v2
+    # a verifier without the counter (an older release): the column says so, nothing breaks
+    old = {k: x for k, x in now.items() if "by_source" not in k[0]}
+    (row,) = [r for r in top.frame(old).rows if r.version == "v@1"]
+    assert row.accepted_by_source == {} and top._sources(row.accepted_by_source) == "-"
+
+
 def test_interval_figures_are_differences_between_scrapes(services):
     m, endpoints = services
     vm, gm = m["verifier"], m["gateway"]
@@ -100,10 +124,13 @@ def test_live_view_refreshes_and_says_which_endpoint_is_down(services):
     steps(m["verifier"], "v@1", [3])
     buf = io.StringIO()
     dead = "127.0.0.1:1"
-    assert top.run(endpoints + [dead], interval_s=0.0, frames=2,
+    drawn: list[top.Frame] = []
+    assert top.run(endpoints + [dead], interval_s=0.0, frames=2, on_frame=drawn.append,
                    console=Console(file=buf, width=220, color_system=None)) == 0
     out = buf.getvalue()
     assert "v@1" in out and f"not answering: {dead}" in out
+    # one call per refresh, in order: the first has no interval yet, the second has one
+    assert len(drawn) == 2 and drawn[0].interval_s is None and drawn[1].interval_s is not None
     assert top.run([dead], once=True, console=Console(file=io.StringIO())) == 1
 
 

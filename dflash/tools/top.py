@@ -3,7 +3,7 @@
 Scrapes every service's ``/metrics`` (the ``dflash up --prometheus`` / compose layout by
 default: gateway :9450, verifier :9451, drafter :9461) once per ``--interval`` and shows, by
 drafter version: tau and per-position acceptance (over the last interval, and since start),
-tokens/s, TTFT and ITL percentiles, running requests, sessions and fallback steps. Rates are
+accepted tokens by source (the drafter, or the suffix index alone), tokens/s, TTFT and ITL percentiles, running requests, sessions and fallback steps. Rates are
 differences between two scrapes (what PromQL's ``rate`` computes), so nothing but the
 services is needed. Metric names and their meaning: docs/observability.md.
 """
@@ -91,6 +91,9 @@ class Row:
     itl: tuple[float | None, float | None]
     requests: float
     fallbacks: float
+    # accepted draft tokens since start by who proposed them ("drafter", "suffix"); empty when
+    # the verifier exports no dflash_spec_decode_num_accepted_tokens_by_source
+    accepted_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +127,8 @@ def frame(now: Samples, before: Samples | None = None, interval_s: float | None 
     tokens = _by(now, "dflash_request_completion_tokens_total")
     requests = _by(now, "dflash_requests_total")
     fallbacks = _by(now, "dflash_spec_decode_fallback_steps_total")
+    by_source = _by(now, "dflash_spec_decode_num_accepted_tokens_by_source_total",
+                    lambda d: (d.get(V), d.get("source", "")))
     per_pos = _by(now, "dflash_spec_decode_num_accepted_tokens_per_pos_total",
                   lambda d: (d.get(V), int(d.get("position", 0))))
     prev = {k: _by(before, n) if before is not None else None for k, n in (
@@ -146,7 +151,8 @@ def frame(now: Samples, before: Samples | None = None, interval_s: float | None 
             tokens_per_s=dt / interval_s if dt is not None and interval_s else None,
             ttft=(quantile(ttft, 0.5), quantile(ttft, 0.99)),
             itl=(quantile(itl, 0.5), quantile(itl, 0.99)),
-            requests=requests.get(v, 0.0), fallbacks=fallbacks.get(v, 0.0)))
+            requests=requests.get(v, 0.0), fallbacks=fallbacks.get(v, 0.0),
+            accepted_by_source={src: n for (ver, src), n in sorted(by_source.items()) if ver == v}))
     sessions = {svc: sum(_by(now, f"dflash_{svc}_active_sessions", lambda d: 0).values())
                 for svc in ("verifier", "drafter")}
     running = sum(_by(now, "dflash_gateway_running_requests", lambda d: 0).values())
@@ -164,6 +170,15 @@ def _ms(pair: tuple[float | None, float | None]) -> str:
     return " / ".join(_f(x * 1e3 if x is not None else None, "{:.1f}") for x in pair)
 
 
+def _sources(by_source: Mapping[str, float]) -> str:
+    """``drafter / suffix`` accepted tokens and the suffix share, e.g. ``812 / 40 (5%)``."""
+    if not by_source:
+        return "-"
+    d, s = by_source.get("drafter", 0.0), by_source.get("suffix", 0.0)
+    share = f" ({100 * s / (d + s):.0f}%)" if d + s else ""
+    return f"{d:.0f} / {s:.0f}{share}"
+
+
 def render(f: Frame) -> "Group":
     """The rich renderable of one frame: a header line, the table by drafter version."""
     from rich.console import Group
@@ -172,13 +187,15 @@ def render(f: Frame) -> "Group":
 
     t = Table(title="dflash top: by drafter version", title_justify="left", expand=False)
     for col, just in (("drafter", "left"), ("τ", "right"), ("τ now", "right"),
-                      ("accepted per position", "left"), ("tok/s", "right"),
+                      ("accepted per position", "left"),
+                      ("accepted drafter / suffix", "right"), ("tok/s", "right"),
                       ("TTFT ms p50/p99", "right"), ("ITL ms p50/p99", "right"),
                       ("requests", "right"), ("fallbacks", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in f.rows:
         pos = " ".join(f"{p:.2f}" for p in r.per_position) or "-"
-        t.add_row(r.version, _f(r.tau), _f(r.tau_now), pos, _f(r.tokens_per_s, "{:.1f}"),
+        t.add_row(r.version, _f(r.tau), _f(r.tau_now), pos, _sources(r.accepted_by_source),
+                  _f(r.tokens_per_s, "{:.1f}"),
                   _ms(r.ttft), _ms(r.itl), f"{r.requests:.0f}",
                   Text(f"{r.fallbacks:.0f}", style="red" if r.fallbacks else ""))
     head = Text(f"running {f.running:.0f}   sessions: verifier {f.sessions['verifier']:.0f}, "
@@ -193,9 +210,12 @@ def render(f: Frame) -> "Group":
 
 
 def run(endpoints: list[str], interval_s: float = 1.0, once: bool = False,
-        console: "Console | None" = None, frames: int | None = None) -> int:
+        console: "Console | None" = None, frames: int | None = None,
+        on_frame: Callable[[Frame], object] | None = None) -> int:
     """Refresh every ``interval_s`` until Ctrl-C (``once``: one frame, printed; ``frames``:
-    stop after that many). Returns 0, or 1 when no endpoint answered a one-shot scrape."""
+    stop after that many). ``on_frame`` is called with each frame once it is drawn (a
+    benchmark times the refreshes with it). Returns 0, or 1 when no endpoint answered a
+    one-shot scrape."""
     from rich.console import Console
     from rich.live import Live
 
@@ -211,8 +231,10 @@ def run(endpoints: list[str], interval_s: float = 1.0, once: bool = False,
             while frames is None or n < frames:
                 t = time.monotonic()
                 now, down = scrape(endpoints)
-                live.update(render(frame(now, before, t - t_before if t_before else None, down)),
-                            refresh=True)
+                f = frame(now, before, t - t_before if t_before else None, down)
+                live.update(render(f), refresh=True)
+                if on_frame is not None:
+                    on_frame(f)
                 before, t_before, n = now, t, n + 1
                 if frames is None or n < frames:
                     time.sleep(max(0.0, interval_s - (time.monotonic() - t)))

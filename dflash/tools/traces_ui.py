@@ -11,10 +11,13 @@ spans are flushed on SIGTERM).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +27,9 @@ from dflash.tools.local_prometheus import http_ok
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-traces"
 PROJECT = "dflash-serve"        # the Phoenix project the services' spans land in
+# The spans one request's trace holds, one or more per process (docs/observability.md, Traces)
+TRACE_SPANS = ("/dflash.v1.Gateway/Generate", "/dflash.v1.Verifier/Generate", "verifier.decode",
+               "drafter.draft")
 # The SDK's batch delay is 5 s by default; 1 s keeps a finished request's trace visible within
 # the issue's 5 s target, at one export per second per service.
 EXPORT_DELAY_MS = "1000"
@@ -120,3 +126,37 @@ class TracesUI:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def project_spans(url: str, project: str = PROJECT, **query) -> list[dict]:
+    """Spans of ``project`` in the Phoenix at ``url`` matching ``query`` (the filters of its
+    REST ``GET /v1/projects/{project}/spans``: ``trace_id``, ``name``, ...), every page; [] when
+    the project has no span yet (404) or Phoenix does not answer."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    out: list[dict] = []
+    cursor = None
+    while True:
+        q = {**query, "limit": 1000, **({"cursor": cursor} if cursor else {})}
+        try:
+            with opener.open(f"{url}/v1/projects/{project}/spans?"
+                             f"{urllib.parse.urlencode(q, doseq=True)}", timeout=5) as r:
+                body = json.load(r)
+        except (OSError, ValueError):
+            return out
+        out += body.get("data", [])
+        cursor = body.get("next_cursor")
+        if not cursor:
+            return out
+
+
+def missing_spans(spans: list[dict]) -> list[str]:
+    """What one request's trace (Phoenix's span records) still lacks: each of
+    :data:`TRACE_SPANS`, a GenAI span (``gen_ai.operation.name``), and the parent of any span
+    whose parent has not arrived. [] when nothing is missing."""
+    names = {s["name"] for s in spans}
+    lack = [n for n in TRACE_SPANS if n not in names]
+    if not any(s.get("attributes", {}).get("gen_ai.operation.name") for s in spans):
+        lack.append("the GenAI span")
+    ids = {s["context"]["span_id"] for s in spans}
+    return lack + [f"parent of {s['name']}" for s in spans
+                   if s.get("parent_id") and s["parent_id"] not in ids]
