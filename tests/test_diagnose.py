@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from dflash.serving.drafter_check import check
+from dflash.tools.drafter_check import check
 
 from tap_models import (
     edited_drafter,
