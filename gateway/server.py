@@ -1,4 +1,8 @@
-"""Gateway process: tokenizer, drafter registry, sessions; forwards to the verifier."""
+"""Gateway process: tokenizer, drafter registry, sessions; forwards to the verifier.
+
+:func:`build` assembles an unstarted gateway (client port, admin plane, HTTP front);
+:func:`main` is ``python -m gateway`` (flags: :mod:`gateway.flags`; the verifier link:
+:mod:`gateway.upstream`)."""
 
 from __future__ import annotations
 
@@ -231,7 +235,8 @@ def main(argv=None) -> None:
     run_until_signal(rt, a.grace, on_stop=on_stop)
 
 
-def _credentials(a: argparse.Namespace):
+def _credentials(a: argparse.Namespace
+                 ) -> tuple[ServerTLS | None, ClientTLS | None, str | None, ClientAuth | None]:
     """(server TLS, verifier TLS, admin token, API keys) the flags ask for; exits with one line
     naming the flag when one is wrong."""
     try:
