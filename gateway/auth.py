@@ -7,8 +7,9 @@
   ``dflash.v1.Gateway`` RPC needs a known key (UNAUTHENTICATED otherwise); each key has its own
   request rate (token bucket) and Generate concurrency, over which it gets RESOURCE_EXHAUSTED
   with a ``retry-after-ms`` hint while other keys are served.
-* :class:`ClientStreams` bounds the Generate streams each client has open, keys or not (the
-  key's name, else the peer's IP address), on the gRPC port and the HTTP front together.
+
+The Generate streams each client has open, keys or not, are bounded apart
+(:mod:`gateway.client_streams`).
 
 API keys file: one key a line, ``key [name [max_concurrency [rate_per_s]]]`` separated by
 blanks; ``#`` starts a comment. ``name`` (default ``sha256:<first 8 hex digits of the key>``)
@@ -22,13 +23,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 import math
 import threading
 import time
-import urllib.parse
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,7 +37,6 @@ log = logging.getLogger("dflash.gateway")
 
 MIN_SECRET_CHARS = 16           # an admin token or API key shorter than this is refused
 CONCURRENCY_RETRY_MS = 200      # hint of a stream refused for a key's or client's stream limit
-DEFAULT_STREAMS_PER_CLIENT = 64  # --max-streams-per-client: an eighth of the default --max-streams
 EXEMPT_PREFIXES = ("/grpc.health.v1.",)   # probes need no credentials
 CLIENT_PREFIX = "/dflash.v1.Gateway/"
 LIMITED_STREAM = "/dflash.v1.Gateway/Generate"
@@ -103,12 +100,13 @@ class AuthError(Exception):
         self.code, self.retry_after_ms = code, retry_after_ms
 
 
-def _wrap(handler, guard):
+def wrap_unary_request(handler, guard):
     """``handler`` with ``guard(behavior, streaming)`` applied to its (unary-request) behavior."""
     if handler is None or handler.request_streaming:
         return handler
-    kind = "unary_stream" if handler.response_streaming else "unary_unary"
-    return handler._replace(**{kind: guard(getattr(handler, kind), handler.response_streaming)})
+    if handler.response_streaming:
+        return handler._replace(unary_stream=guard(handler.unary_stream, True))
+    return handler._replace(unary_unary=guard(handler.unary_unary, False))
 
 
 class AdminAuth(grpc.ServerInterceptor):
@@ -122,7 +120,7 @@ class AdminAuth(grpc.ServerInterceptor):
         handler = continuation(details)
         if self._digest is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
-        return _wrap(handler, self._guard)
+        return wrap_unary_request(handler, self._guard)
 
     def _allowed(self, context) -> bool:
         token = bearer(context)
@@ -253,7 +251,7 @@ class ClientAuth(grpc.ServerInterceptor):
         if not details.method.startswith(CLIENT_PREFIX):
             return handler
         limited = details.method == LIMITED_STREAM
-        return _wrap(handler, lambda behavior, streaming: self._guard(behavior, streaming, limited))
+        return wrap_unary_request(handler, lambda behavior, streaming: self._guard(behavior, streaming, limited))
 
     def admit(self, token: str | None, limited: bool) -> "Admitted":
         """Check the key ``token`` and spend its rate (and a stream slot when ``limited``:
@@ -327,134 +325,3 @@ class Admitted:
             if self._holds and not self._released:
                 self._released = True
                 self.state.open -= 1
-
-
-def address_identity(host: str) -> str:
-    """A client's IP address as ``ipv4:<address>`` or ``ipv6:<address>`` (normalised: one form
-    per address, an IPv4-mapped IPv6 address as its IPv4 one, so a dual-stack socket does not
-    make one client two); ``unix:`` for an empty host (a Unix socket's client); anything that
-    is not an IP address as ``host:<host>``."""
-    if not host:
-        return "unix:"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return f"host:{host}"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return f"ipv{ip.version}:{ip.compressed}"
-
-
-def peer_identity(peer: str) -> str:
-    """The client of a gRPC peer string (``context.peer()``) without its port:
-    ``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``; ``ipv6:%5B::1%5D:51234`` (gRPC escapes the
-    brackets; unescaped is read too) -> ``ipv6:::1`` (:func:`address_identity`'s form, the one
-    the HTTP front gives the same client); ``unix:<path>`` is kept whole (every process on a
-    Unix socket is one client: the peer names no process); any other scheme too."""
-    scheme, _, rest = peer.partition(":")
-    if scheme not in ("ipv4", "ipv6"):
-        return peer
-    hostport = urllib.parse.unquote(rest)
-    if hostport.startswith("["):                 # [v6]:port
-        host = hostport[1:].partition("]")[0]
-    elif hostport.count(":") == 1:               # v4:port
-        host = hostport.partition(":")[0]
-    else:                                        # a bare address, no port
-        host = hostport
-    return address_identity(host) if host else peer
-
-
-class ClientStreams(grpc.ServerInterceptor):
-    """At most ``limit`` Generate streams open per client (0 = unbounded), counted over the gRPC
-    port and the HTTP front together; one more is refused at once with RESOURCE_EXHAUSTED (HTTP
-    429) and a ``retry-after-ms`` hint of :data:`CONCURRENCY_RETRY_MS`, while other clients
-    are served. A slot is held from the stream's first step until the RPC terminates: finished,
-    failed or cancelled by the client.
-
-    The client (:meth:`client`) is the API key's ``key:<name>`` when ``api_keys`` are on (a key
-    with its own ``max_concurrency`` is bounded by that alone, in ClientAuth), else the peer's
-    IP address (:func:`peer_identity`); never ``x-dflash-client``, which a caller may change
-    with every request. Place it after ClientAuth: an unauthenticated call never takes a slot.
-
-    Raises ValueError when ``limit`` < 0.
-    """
-
-    def __init__(self, limit: int, api_keys: ClientAuth | None = None):
-        if limit < 0:
-            raise ValueError(f"max_streams_per_client: must be >= 0, got {limit}")
-        self.limit, self.api_keys = limit, api_keys
-        self._open: dict[str, int] = {}     # client -> streams open (absent = 0)
-        self._lock = threading.Lock()
-        self.refused = 0
-
-    def open(self, client: str) -> int:
-        """Streams ``client`` has open now."""
-        with self._lock:
-            return self._open.get(client, 0)
-
-    def client(self, token: str | None, address: str) -> str | None:
-        """Whom a Generate stream counts for: ``address`` (an :func:`address_identity` or
-        :func:`peer_identity`) without keys, else ``key:<name>`` of the key ``token`` names;
-        None when it is not bounded here (limit 0, or the key has its own max_concurrency)."""
-        if not self.limit:
-            return None
-        if self.api_keys is None:
-            return address
-        key = self.api_keys.key(token)
-        if key is None:          # ClientAuth refuses it; counted by address meanwhile
-            return address
-        return None if key.max_concurrency else f"key:{key.name}"
-
-    def acquire(self, client: str | None) -> Callable[[], None]:
-        """Take one of ``client``'s slots (None: nothing to take); returns the function that
-        gives it back (idempotent). Raises AuthError (RESOURCE_EXHAUSTED, with the retry hint)
-        when ``client`` has ``limit`` streams open."""
-        if client is None:
-            return lambda: None
-        with self._lock:
-            n = self._open.get(client, 0)
-            if n >= self.limit:
-                self.refused += 1
-                refused = True
-            else:
-                self._open[client] = n + 1
-                refused = False
-        if refused:
-            raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"too many streams: client {client[:64]} has {self.limit} open, the "
-                            f"per-client limit; retry after {CONCURRENCY_RETRY_MS} ms",
-                            CONCURRENCY_RETRY_MS)
-        released = threading.Event()
-
-        def release() -> None:
-            with self._lock:
-                if released.is_set():
-                    return
-                released.set()
-                left = self._open[client] - 1
-                if left:
-                    self._open[client] = left
-                else:             # no entry per client ever seen: the map stays bounded
-                    del self._open[client]
-        return release
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if not self.limit or details.method != LIMITED_STREAM:
-            return handler
-        return _wrap(handler, self._guard)
-
-    def _guard(self, behavior, streaming):
-        def stream(request, context):
-            client = self.client(bearer(context), peer_identity(context.peer() or ""))
-            try:
-                release = self.acquire(client)
-            except AuthError as e:
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
-                context.abort(e.code, str(e))
-                raise AssertionError("unreachable: context.abort raises") from e
-            # add_callback runs when the RPC terminates, also when it is cancelled mid-stream.
-            if not context.add_callback(release):
-                release()
-            yield from behavior(request, context)
-        return stream if streaming else behavior

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from dflash.core.errors import FieldError
 from dflash.core.sampling import InvalidParam
-from gateway.auth import address_identity, peer_identity
+from gateway.peers import address_identity, peer_identity
 
 ROLES = ("system", "user", "assistant", "tool")
 SESSION_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
@@ -53,7 +53,7 @@ def short(value: str) -> str:
 
 def client_identity(context) -> str:
     """Who is calling: metadata ``x-dflash-client`` if present, else the peer address without
-    its port in one form per address (``gateway.auth.peer_identity``: ``ipv4:127.0.0.1``,
+    its port in one form per address (``gateway.peers.peer_identity``: ``ipv4:127.0.0.1``,
     ``ipv6:::1``), the form :func:`http_identity` gives the same client, so a session is its
     owner's on both ports. Raises InvalidParam for an over-long client name."""
     for key, value in context.invocation_metadata() or ():
@@ -66,7 +66,7 @@ def client_identity(context) -> str:
 
 def http_identity(headers, host: str) -> str:
     """:func:`client_identity` for an HTTP request: header ``x-dflash-client`` if present,
-    else the client's address (``gateway.auth.address_identity``: ``ipv4:127.0.0.1``,
+    else the client's address (``gateway.peers.address_identity``: ``ipv4:127.0.0.1``,
     ``ipv6:::1``, an IPv4-mapped address as its IPv4 one), the form :func:`client_identity`
     gives the same client over gRPC, so one client owns its sessions on both ports. Raises
     InvalidParam for an over-long client name."""
@@ -136,9 +136,11 @@ class DecodeGuard(grpc.ServerInterceptor):
                 return behavior(request, context)
             return run
 
-        kind = "unary_stream" if handler.response_streaming else "unary_unary"
+        if handler.response_streaming:
+            return handler._replace(request_deserializer=deserialize,
+                                    unary_stream=guarded(handler.unary_stream))
         return handler._replace(request_deserializer=deserialize,
-                                **{kind: guarded(getattr(handler, kind))})
+                                unary_unary=guarded(handler.unary_unary))
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ generation calls the same path as the gRPC ``Generate`` (:meth:`GatewayServicer.
 what it raises maps to HTTP statuses through :mod:`gateway.status` and comes back in OpenAI's
 error shape, 400s naming the parameter. API keys (``gateway.auth.ClientAuth``) are the gRPC
 port's: ``Authorization: Bearer <key>``, the same rate and stream limits and session owners;
-the per-client stream bound (``gateway.auth.ClientStreams``) counts a client's streams on both
+the per-client stream bound (``gateway.client_streams.ClientStreams``) counts a client's streams on both
 ports together, the client being its key or its address (uvicorn's: the TCP peer's, or the
 ``X-Forwarded-For`` a proxy on loopback sends; never ``x-dflash-client``).
 A client that disconnects cancels its generation (the verifier calls with it), whether it was
@@ -17,33 +17,34 @@ waiting for a JSON response, for the first event of a stream, or reading the str
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash.core.errors import FieldError
-from gateway.auth import AuthError, ClientAuth, ClientStreams, address_identity, bearer_value
+from gateway.auth import AuthError, ClientAuth, bearer_value
+from gateway.client_streams import ClientStreams
 from gateway.generation import Cancel
 from gateway.inputs import http_identity
 from gateway.openai_body import BodyError, parse_body
-from gateway.openai_convert import Assembler, Prepared, TokenText, chat_request, completion_request, http_param
+from gateway.openai_convert import Assembler, Prepared, chat_request, completion_request, http_param
 from gateway.openai_models import ChatRequest, CompletionRequest, DrafterInfo, ModelCard, ModelList
+from gateway.openai_stream import GONE, SSE, Run, collect, first_message, sse, unless_disconnected
+from gateway.peers import address_identity
 from gateway.status import error_body, retry_after_ms, status_of
+from gateway.token_text import TokenText
 
 log = logging.getLogger("dflash.gateway.http")
 BUSY_RETRY_MS = 200      # hint of a request refused because every stream slot is taken
 CLIENT_CLOSED = 499      # nginx's "client closed request": the status nobody receives
-_END = object()
-_GONE = object()         # the client disconnected before the awaited result
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
@@ -87,111 +88,24 @@ def _param_of(loc) -> str:
     return out
 
 
-class _Run:
-    """One Generate stream iterated in a worker thread; its messages handed to the event loop.
-
-    :meth:`close` (idempotent) cancels the verifier calls, stops the thread after its current
-    message and releases the request's slots (``on_close``)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor, make_stream,
-                 cancel: Cancel, on_close: Callable[[], None]):
-        self.loop, self.cancel, self.on_close = loop, cancel, on_close
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._stop = threading.Event()
-        self._closed = False
-        pool.submit(self._work, make_stream)
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:      # the loop is gone (server shut down)
-            self._stop.set()
-
-    def _work(self, make_stream) -> None:
-        stream = None
-        try:
-            stream = make_stream()
-            for item in stream:
-                self._put(item)
-                if self._stop.is_set():
-                    break
-            self._put(_END)
-        except BaseException as e:   # noqa: BLE001 - handed to the request's coroutine
-            self._put(e)
-        finally:
-            if stream is not None:
-                stream.close()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self.queue.get()
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._stop.set()
-            self.cancel.cancel()
-            self.on_close()
-
-
-class _SSE(StreamingResponse):
-    """A server-sent event stream whose request is closed however the response ends (also when
-    the client went away before its first byte)."""
-
-    def __init__(self, content, run: _Run):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.run = run
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.close()
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away. Awaited after the body was read, so the next ASGI
-    message is ``http.disconnect``: the server sends it when the connection closes."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable):
-    """``work``'s result (or its exception), or ``_GONE`` when the client disconnected first;
-    ``work`` is cancelled then (and when this coroutine is)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+async def _events(asm: Assembler, run: Run, first, prepared: Prepared, chat: bool):
+    """The server-sent events of a stream whose ``first`` message came (None: it ended
+    without one): role chunks, the deltas, usage when asked, ``[DONE]``; an error after the
+    status line is an error event."""
     try:
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()   # no-op once finished
-        gone.cancel()
-    return task.result() if task in done else _GONE
-
-
-async def _first(run: _Run):
-    """The run's first message; None when it ended without one."""
-    try:
-        return await run.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _collect(run: _Run, asm: Assembler) -> None:
-    async for m in run:
-        asm.add(m)
+        for c in asm.role_chunks():
+            yield sse(c)
+        if first is not None:
+            for c in asm.chunks(first):
+                yield sse(c)
+            async for m in run:
+                for c in asm.chunks(m):
+                    yield sse(c)
+        if prepared.include_usage:
+            yield sse(asm.usage_chunk())
+    except Exception as e:   # noqa: BLE001 - after the status line: an error event
+        yield sse(_core_error_body(e, prepared, chat))
+    yield "data: [DONE]\n\n"
 
 
 class OpenAIFront:
@@ -311,51 +225,40 @@ class OpenAIFront:
             owner, on_close = self._admit_stream(request)
         except (FieldError, AuthError) as e:
             return _core_error(e, prepared, chat)
-        cancel = Cancel()
-        headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
-        r = prepared.request
-        asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
-                        logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
-        run = _Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
-            prepared.request, owner, cancel, trace_headers=headers, response_id=asm.id,
-            stream=prepared.stream, chat_template_kwargs=prepared.chat_template_kwargs,
-            fill_context=prepared.fill_context), cancel, on_close)
+        asm, run = self._start(request, prepared, owner, on_close, chat)
         # Nothing is sent before the whole answer (JSON) or its first message (a stream, so that
         # errors before it become statuses): a client gone meanwhile cancels the generation.
         try:
-            got = await _unless_disconnected(request, _first(run) if prepared.stream
-                                             else _collect(run, asm))
+            got = await unless_disconnected(request, first_message(run) if prepared.stream
+                                             else collect(run, asm))
         except Exception as e:   # noqa: BLE001 - mapped by the one table
             run.close()
             return _core_error(e, prepared, chat)
         except BaseException:    # cancelled (the server shutting down): free the slot too
             run.close()
             raise
-        if got is _GONE or not prepared.stream:
+        if got is GONE or not prepared.stream:
             run.close()          # cancels the verifier calls of a generation still running
-            if got is _GONE:
+            if got is GONE:
                 log.info("client disconnected: generation cancelled")
                 return Response(status_code=CLIENT_CLOSED)
             return JSONResponse(asm.body())
-        first = got
+        return SSE(_events(asm, run, got, prepared, chat), run)
 
-        async def events():
-            try:
-                for c in asm.role_chunks():
-                    yield _sse(c)
-                if first is not None:
-                    for c in asm.chunks(first):
-                        yield _sse(c)
-                    async for m in run:
-                        for c in asm.chunks(m):
-                            yield _sse(c)
-                if prepared.include_usage:
-                    yield _sse(asm.usage_chunk())
-            except Exception as e:   # noqa: BLE001 - after the status line: an error event
-                yield _sse(_core_error_body(e, prepared, chat))
-            yield "data: [DONE]\n\n"
-
-        return _SSE(events(), run)
+    def _start(self, request: Request, prepared: Prepared, owner: str,
+               on_close: Callable[[], None], chat: bool) -> tuple[Assembler, Run]:
+        """The generation of ``prepared`` for ``owner`` started in a worker thread, and the
+        assembler of its response; ``on_close`` runs when the run is closed."""
+        cancel = Cancel()
+        headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+        r = prepared.request
+        asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
+                        logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
+        run = Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
+            prepared.request, owner, cancel, trace_headers=headers, response_id=asm.id,
+            stream=prepared.stream, chat_template_kwargs=prepared.chat_template_kwargs,
+            fill_context=prepared.fill_context), cancel, on_close)
+        return asm, run
 
     # ------------------------------------------------------------------ the app
     def _models(self) -> ModelList:

@@ -295,6 +295,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 mode=MODE_OFF if r.HasField("speculation") and not r.speculation
                 else r.speculation_mode))
 
+    def _fit_window(self, request: gateway_pb2.GenerateRequest, prompt_len: int
+                    ) -> gateway_pb2.GenerateRequest:
+        """``request`` with ``max_tokens`` 0 (fill_context) made the rest of the context window.
+        Raises InvalidParam naming ``prompt`` or ``max_tokens`` when they do not fit it."""
+        if prompt_len >= self.max_positions:
+            raise InvalidParam("prompt", f"{prompt_len} tokens do not fit the context window "
+                               f"of {self.max_positions} tokens")
+        if request.max_tokens == 0:    # fill_context: the rest of the window
+            filled = gateway_pb2.GenerateRequest()
+            filled.CopyFrom(request)
+            filled.max_tokens = self.max_positions - prompt_len
+            request = filled
+        if prompt_len + request.max_tokens > self.max_positions:
+            raise InvalidParam("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
+                               f"({request.max_tokens}) exceeds the context window of "
+                               f"{self.max_positions} tokens")
+        return request
+
     def stream(self, request: gateway_pb2.GenerateRequest, owner: str, cancel: Cancel | None = None,
                *, chat_template_kwargs: dict | None = None, fill_context: bool = False
                ) -> Iterator[gateway_pb2.GenerateResponse]:
@@ -317,18 +335,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._check_owner(request.session_id, owner)
         label = self._drafter(request)
         prompt = self._prompt_ids(request, chat_template_kwargs)
-        if len(prompt) >= self.max_positions:
-            raise InvalidParam("prompt", f"{len(prompt)} tokens do not fit the context window "
-                               f"of {self.max_positions} tokens")
-        if request.max_tokens == 0:    # fill_context: the rest of the window
-            filled = gateway_pb2.GenerateRequest()
-            filled.CopyFrom(request)
-            filled.max_tokens = self.max_positions - len(prompt)
-            request = filled
-        if len(prompt) + request.max_tokens > self.max_positions:
-            raise InvalidParam("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens "
-                               f"({request.max_tokens}) exceeds the context window of "
-                               f"{self.max_positions} tokens")
+        request = self._fit_window(request, len(prompt))
         if request.session_id:
             self._claim(request.session_id, label, owner)
         entry = self.registry.get(label) if label else None

@@ -86,7 +86,8 @@ def http_status(e: BaseException) -> int:
 
 
 def retry_after_ms(e: BaseException) -> int | None:
-    return getattr(e, "retry_after_ms", None)
+    """The ``retry-after-ms`` hint of a refusal (the two exceptions that carry one), else None."""
+    return e.retry_after_ms if isinstance(e, (UpstreamError, AuthError)) else None
 
 
 def openai_error(message: str, status: Status, param: str | None = None,

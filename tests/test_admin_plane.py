@@ -19,8 +19,8 @@ from dflash.serving.telemetry import serve_metrics
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.registry import DrafterAllowlist
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
+from helpers import generate_ids
 
 TOKEN = "s3cret-admin-token-0123456789"
 RPC_TIMEOUT = 30

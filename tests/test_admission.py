@@ -232,7 +232,7 @@ def test_stream_limit_keeps_workers_for_unary_rpcs():
 def test_gateway_passes_the_refusal_and_its_retry_hint_on(target_model, tokenizer):
     from dflash.v1 import gateway_pb2
 
-    from conftest import Stack
+    from helpers import Stack
 
     stack = Stack(target_model, tokenizer, max_batch=1, admission=Admission(max_waiting=0))
     try:

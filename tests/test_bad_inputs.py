@@ -16,8 +16,8 @@ import pytest
 from dflash.core.convert import card_to_proto
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 
-from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter
+from helpers import Stack, generate_ids
 
 NAN = float("nan")
 

@@ -17,8 +17,7 @@ import torch
 from dflash.v1 import common_pb2, verifier_pb2
 from drafter_svc.engine import DrafterEngine
 
-from conftest import Stack, generate_ids
-from helpers import assert_same_tokens, reference, wait_until
+from helpers import Stack, assert_same_tokens, generate_ids, reference, wait_until
 
 LENGTHS = [2, 3, 5, 8, 11, 17, 25, 40, 60, 90, 130, 180, 240, 300, 7, 50]
 MAX_NEW = 32

@@ -14,9 +14,8 @@ import torch
 from dflash.core import wire
 from drafter_svc.engine import DrafterEngine
 
-from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter
-from helpers import PROMPTS, spec
+from helpers import PROMPTS, Stack, generate_ids, spec
 
 N = 33      # 1 token from prefill, then 2 full blocks of 16
 

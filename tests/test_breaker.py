@@ -26,9 +26,8 @@ from dflash.v1 import verifier_pb2
 from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker
 from verifier_svc.servicer import DrafterPool
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import free_ports, wait_until
+from helpers import free_ports, generate_ids, wait_until
 
 B = 4
 DEADLINE_S = 0.2

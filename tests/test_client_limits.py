@@ -15,15 +15,9 @@ import grpc
 import pytest
 
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
-from gateway.auth import (
-    DEFAULT_STREAMS_PER_CLIENT,
-    AuthError,
-    ClientAuth,
-    ClientStreams,
-    address_identity,
-    load_api_keys,
-    peer_identity,
-)
+from gateway.auth import AuthError, ClientAuth, load_api_keys
+from gateway.client_streams import DEFAULT_STREAMS_PER_CLIENT, ClientStreams
+from gateway.peers import address_identity, peer_identity
 
 from gateway_doubles import ScriptedVerifier, request, serve_verifier, sse_events
 

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from dflash.serving.drafter_check import check
+from dflash.tools.drafter_check import check
 
 from tap_models import (
     edited_drafter,
@@ -210,7 +210,7 @@ def test_gateway_mode_reads_the_deployment(tap):
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.target import TargetModel
 
-    from conftest import Stack
+    from helpers import Stack
 
     target, dirs = tap
     tele = {name: Telemetry(service=name) for name in ("gateway", "verifier", "drafter")}

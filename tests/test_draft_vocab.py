@@ -12,8 +12,7 @@ from dflash.core.proposer import ProposalRequest
 from dflash.core.sampling import Sampling, position_noise, probs_from_logits
 from drafter_svc.engine import DrafterEngine
 
-from conftest import generate_ids
-from helpers import PROMPTS, assert_same_tokens, reference, spec
+from helpers import PROMPTS, assert_same_tokens, generate_ids, reference, spec
 
 
 def test_build_ranks_by_count_then_id():

@@ -21,8 +21,7 @@ from grpc_health.v1 import health_pb2
 from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 
-from conftest import generate_ids
-from helpers import free_ports, health, wait_until
+from helpers import free_ports, generate_ids, health, wait_until
 
 PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12],
            [200, 201, 7, 7, 7, 31, 90, 114, 115, 116, 117, 118, 5, 6, 240, 241, 30, 33]]

@@ -17,9 +17,8 @@ from dflash.core.proposer import Proposal
 from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import PROMPTS, free_ports, reference, wait_until
+from helpers import PROMPTS, free_ports, generate_ids, reference, wait_until
 
 B = 8
 N_STREAMS = 8

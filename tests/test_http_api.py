@@ -26,10 +26,9 @@ from grpc_health.v1 import health_pb2
 
 from dflash.v1 import gateway_pb2
 
-from conftest import Stack
 from doubles import ReferenceDrafter
 from gateway_doubles import ScriptedVerifier, http_front, request, serve_verifier, sse_events
-from helpers import reference, wait_until
+from helpers import Stack, reference, wait_until
 
 B = 4
 N = 20
@@ -231,7 +230,7 @@ def _target_logprobs(hf_target, prompt_ids, out_ids):
 def _verifier_sends_logprobs(stack) -> bool:
     from dflash.v1 import common_pb2
 
-    from conftest import generate_ids
+    from helpers import generate_ids
 
     _, last = generate_ids(stack.verifier_stub(), [72, 105], max_tokens=1,
                            sampling=common_pb2.SamplingParams(logprobs=True))

@@ -17,7 +17,7 @@ from gateway.inputs import ECHO_CHARS, InputLimits, bad_utf8_field, client_ident
 from gateway.registry import DrafterRegistry
 from gateway.servicer import GatewayServicer
 
-from conftest import Stack, generate_ids
+from helpers import Stack, generate_ids
 
 LIM = InputLimits()
 LONG = "Q" * 5000                  # a value no error message may quote whole

@@ -1,14 +1,22 @@
 """dflash/ by layer: ``core`` (the algorithm) imports no other layer of dflash, ``serving``
-only ``core``, and the torch-free client nothing but the generated stubs."""
+only ``core``, and the torch-free client nothing but the generated stubs. Across the packages,
+the import-linter contract in pyproject.toml (core <- serving <- services <- application) holds
+on the real tree and fails on a planted violation."""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-DFLASH = Path(__file__).resolve().parents[1] / "dflash"
+ROOT = Path(__file__).resolve().parents[1]
+DFLASH = ROOT / "dflash"
+ROOT_PACKAGES = ("dflash", "verifier_svc", "drafter_svc", "gateway", "kernels")
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 ALLOWED = {
     "core": {"core", "v1"},
     "serving": {"core", "serving", "v1"},
@@ -42,3 +50,47 @@ def test_a_layer_imports_only_the_layers_below_it(layer):
 
 def test_no_flat_modules_are_left_beside_the_layers():
     assert sorted(p.name for p in DFLASH.glob("*.py")) == ["__init__.py"]
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` with the repository's contract over the packages found in ``tree``."""
+    if not LINT_IMPORTS.exists():
+        pytest.fail(f"{LINT_IMPORTS} missing: import-linter comes with the dev extra (scripts/setup.sh)")
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(ROOT / "pyproject.toml")],
+        cwd=tree, capture_output=True, text=True, timeout=120,
+    )
+
+
+def _copy_packages(dest: Path) -> None:
+    """The Python sources of every root package, copied under ``dest`` (nothing else)."""
+    def not_source(folder: str, names: list[str]) -> set[str]:
+        return {n for n in names if n == "__pycache__" or (Path(folder, n).is_file() and not n.endswith(".py"))}
+
+    for package in ROOT_PACKAGES:
+        shutil.copytree(ROOT / package, dest / package, ignore=not_source)
+
+
+def test_the_tree_keeps_the_layer_contract():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("dflash/core/planted.py", "dflash.serving.metrics"),      # core reaching up to serving
+        ("dflash/serving/planted.py", "verifier_svc.request"),     # serving reaching into a service
+        ("gateway/planted.py", "drafter_svc.engine"),              # one service into another
+        ("verifier_svc/planted.py", "dflash.tools.cli"),           # a service into the application
+        ("dflash/client/planted.py", "dflash.core.errors"),        # the torch-free client into core
+    ],
+)
+def test_a_planted_upward_import_breaks_the_contract(tmp_path, importer, imported):
+    _copy_packages(tmp_path)
+    (tmp_path / importer).write_text(f"import {imported}\n")
+    result = _lint_imports(tmp_path)
+    planted = importer.removesuffix(".py").replace("/", ".")
+    assert result.returncode != 0, result.stdout
+    assert f"{planted} -> {imported}" in result.stdout

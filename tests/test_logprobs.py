@@ -11,8 +11,8 @@ from dflash.core.sampling import Sampling
 from dflash.v1 import common_pb2, verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
+from helpers import generate_ids
 from markov import TableDrafter, TableTarget
 
 PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12]]

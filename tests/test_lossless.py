@@ -6,9 +6,8 @@ import pytest
 
 from drafter_svc.engine import DrafterEngine
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference, spec
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, generate_ids, reference, spec
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16])

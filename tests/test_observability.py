@@ -23,9 +23,8 @@ from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tracing import JsonLinesSpanExporter, StepTracing, provider_from_env
 from dflash.v1 import verifier_pb2
 
-from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter, client_session_id
-from helpers import PROMPTS, reference, wait_until
+from helpers import PROMPTS, Stack, generate_ids, reference, wait_until
 
 GW_SPAN = "text_completion dflash"   # GenAI: "{operation} {model}" (build's default model name)
 B = 4

@@ -12,9 +12,8 @@ from dflash.v1 import verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
 
-from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter, chains
-from helpers import PROMPTS, reference, wait_until
+from helpers import PROMPTS, Stack, generate_ids, reference, wait_until
 
 LABEL = "d@1"
 

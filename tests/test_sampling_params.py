@@ -23,7 +23,7 @@ from dflash.core.sampling import InvalidParam, Sampling, probs_from_logits
 from dflash.v1 import common_pb2
 from verifier_svc.request import Request, validate
 
-from conftest import generate_ids
+from helpers import generate_ids
 
 NAN = float("nan")
 

@@ -16,8 +16,8 @@ from dflash.core.proposer import DraftError, Proposal
 from dflash.v1 import common_pb2, gateway_pb2, verifier_pb2
 from gateway.emitted import EmittedStats
 
-from conftest import Stack, generate_ids
 from doubles import ReferenceDrafter, client_session_id
+from helpers import Stack, generate_ids
 
 B = 8
 N = 1 + 3 * B                     # the prefill token, then three full blocks

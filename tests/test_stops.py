@@ -6,9 +6,8 @@ import pytest
 
 from dflash.v1 import gateway_pb2, verifier_pb2
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import reference
+from helpers import generate_ids, reference
 
 B = 8
 PROMPT = [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12]

@@ -15,8 +15,7 @@ from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.suffix_drafts import AnswerStore
 
-from conftest import generate_ids
-from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, generate_ids, reference
 from markov import TableTarget
 
 V = 24

@@ -10,9 +10,8 @@ import pytest
 from dflash.v1 import common_pb2, verifier_pb2
 from drafter_svc.engine import DrafterEngine
 
-from conftest import generate_ids
 from doubles import ReferenceDrafter
-from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, generate_ids, reference
 
 
 def spec(addr, mode="tree", budget=0, block_size=0):

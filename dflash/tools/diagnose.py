@@ -120,7 +120,7 @@ def _encode(tok, prompt, raw: bool) -> list[int]:
 # ---------------------------------------------------------------------- the report
 def diagnose(a) -> dict:
     """The whole report as a dict (what ``--json`` prints)."""
-    from dflash.serving.drafter_check import check
+    from dflash.tools.drafter_check import check
 
     t0, c0 = time.perf_counter(), time.process_time()
     report: dict = {"static": [], "probe": None, "costs": None, "speculation": None, "live": None,

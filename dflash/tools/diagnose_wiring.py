@@ -34,9 +34,9 @@ from collections.abc import Sequence
 import torch
 
 from dflash.core.config import DrafterConfig
-from dflash.serving.drafter_check import raw_sliding, target_window
 from dflash.tools.diagnose_stats import Paired, paired
 from dflash.tools.diagnose_tf import Head, ProbeSeq, Scores, counter, drafter_for, score, walk
+from dflash.tools.drafter_check import raw_sliding, target_window
 
 ALPHA = 0.01          # error rate of a fix named, per kind of setting (Bonferroni within)
 MIN_GAIN = 0.02       # nats per draft position: a smaller fit gain is not worth an edit
