@@ -11,9 +11,9 @@ import torch
 
 from dflash.core.suffix import MAX_MATCH, MAX_OCCURRENCES, proposal_depth
 from dflash.tools.diagnose_suffix import (
+    Stream,
     SuffixReplay,
     SuffixSettings,
-    Stream,
     plain_costs,
     replays,
 )

@@ -22,7 +22,6 @@ import torch
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.tools.diagnose_tf import CHUNK, Head, ProbeSeq, block_hidden
 
-
 #: anchor -> (top ids int64 [depth, K], their log-probabilities float32 [depth, K]): the
 #: drafter's top-k per draft position of its block at that anchor, as served
 Tops = dict[int, tuple[torch.Tensor, torch.Tensor]]
