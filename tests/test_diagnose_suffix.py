@@ -216,3 +216,21 @@ def test_a_deployments_accepted_tokens_by_source_are_read_from_its_metrics():
         server.shutdown()
     assert dep.by_source == {"d@1": {"drafter": 4.0, "suffix": 3.0}}
     assert dep.suffix_nodes == {"d@1": 6.0}
+
+
+def test_hybrid_repriced_at_other_costs_is_its_replay_at_those_costs():
+    """Hybrid's trees do not depend on the costs, so the spread's rounds reprice one replay:
+    the same figures as replaying at those costs."""
+    from dflash.tools.diagnose_modes import Context
+
+    streams = _drafted_streams(2)
+    s = SuffixSettings(enabled=True, answer_tokens=0, answer_total=0)
+    cheap, dear = plain_costs(0.01, 0.0001, B - 1), plain_costs(0.01, 0.003, B - 1)
+    got = []
+    for first in (None, cheap):
+        rp = SuffixReplay(streams, block_size=B, max_tokens=40, settings=s, label="diagnose")
+        if first is not None:
+            rp.run(Context(first, [(B - 1, 1)] * 10, {7: 2.0}, B, (7,), 7).policy((7,)), "hybrid", 7)
+        r = rp.run(Context(dear, [(B - 1, 1)] * 10, {7: 2.0}, B, (7,), 7).policy((7,)), "hybrid", 7)
+        got.append((r.committed, round(r.seconds, 9)))
+    assert got[0] == got[1] and got[0][1] > 0

@@ -98,7 +98,8 @@ class Replayed:
     tokens included, the prefill's first tokens not) in ``seconds`` (the policy's prices);
     accepted drafts by source (a node the drafter and the suffix index both proposed counts as
     the drafter's, as the verifier counts it); ``shapes``: steps per shape (``shape_name``);
-    ``committed``: per step, (tokens committed, of them accepted suffix-only candidates)."""
+    ``committed``: per step, (tokens committed, of them accepted suffix-only candidates);
+    ``chosen``: per step, the shape verified."""
 
     steps: int = 0
     tokens: int = 0
@@ -107,6 +108,7 @@ class Replayed:
     suffix_accepted: int = 0
     shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     committed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    chosen: list[Shape] = dataclasses.field(default_factory=list)     # per step
 
     @property
     def tau(self) -> float:
@@ -164,15 +166,24 @@ class SuffixReplay:
         if mode not in (MODE_SUFFIX, MODE_HYBRID, MODE_ADAPTIVE):
             raise ValueError(f"mode: {mode!r} is not suffix, hybrid or adaptive")
         key = (mode, budget, tree_budget, id(policy.costs))
-        if key not in self._cache:
+        if key in self._cache:
+            return self._cache[key]
+        # hybrid's shapes and trees do not depend on the costs: other costs only reprice them
+        base = self._cache.get((mode, budget, tree_budget, None)) if mode == MODE_HYBRID else None
+        if base is not None:
+            model = policy.costs.fit()
+            out = dataclasses.replace(base, seconds=sum(_price(policy, sh, model) for sh in base.chosen))
+        else:
             nodes = budget or (tree_budget if mode != MODE_ADAPTIVE else
                                max(policy.tree_budgets, default=tree_budget))
             out = Replayed()
             cal, answers = SuffixCalibration(), self.settings.answers()
             for s in self.streams:
                 self._stream(policy, mode, nodes, s, cal, answers, out)
-            self._cache[key] = out
-        return self._cache[key]
+            if mode == MODE_HYBRID:
+                self._cache[(mode, budget, tree_budget, None)] = out
+        self._cache[key] = out
+        return out
 
     def _stream(self, policy: SpeculationPolicy, mode: str, nodes: int, s: Stream,
                 cal: SuffixCalibration, answers: AnswerStore, out: Replayed) -> None:
@@ -212,6 +223,7 @@ class SuffixReplay:
             out.drafter_accepted += len(path) - suffix
             out.shapes[shape_name(sh, src)] += 1
             out.committed.append((commit, suffix))
+            out.chosen.append(sh)
             index.extend(toks[a + 1:a + 1 + commit])
             a += commit
             emitted += commit
