@@ -12,8 +12,9 @@ the target's rope, sliding layers), with a paired test per setting naming the fi
 config.json edit; (c) costs: verify and draft seconds per block length of the target and
 drafter as the services would serve them (their threads, dtypes, skinny and packed products;
 or, with --gateway --metrics, the deployment's own policy cells and acceptance), and every
-servable mode priced at the measured acceptance, chains and trees, with the adaptive policy's
-own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
+servable mode priced at the measured acceptance, chains and trees, suffix and hybrid trees
+(suffix candidates replayed over the continuations, dflash/tools/diagnose_suffix.py), with
+the adaptive policy's own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
 chooses a tree of 15 nodes; expected 1.6x", per prompt domain. docs/diagnose.md explains every
 finding.
 

@@ -116,11 +116,13 @@ class Replayed:
         return self.tokens / self.steps if self.steps else 1.0
 
     def choice(self) -> str:
-        """The shapes chosen, most frequent first, with their shares of the steps ("off" when
-        every step was)."""
+        """The shapes chosen, most frequent first, with their shares of the steps (the shape
+        alone when every step chose it: "off", "k = 3")."""
         if set(self.shapes) <= {"off"}:
             return "off"
         top = self.shapes.most_common()
+        if len(top) == 1:               # one shape every step: its name, as a policy's choice
+            return top[0][0]
         head = f"{top[0][0]} at {100 * top[0][1] / self.steps:.0f}% of steps"
         rest = ", ".join(f"{name} {100 * n / self.steps:.0f}%" for name, n in top[1:4])
         return head + (f" ({rest})" if rest else "")
