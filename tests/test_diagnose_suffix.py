@@ -234,3 +234,59 @@ def test_hybrid_repriced_at_other_costs_is_its_replay_at_those_costs():
         r = rp.run(Context(dear, [(B - 1, 1)] * 10, {7: 2.0}, B, (7,), 7).policy((7,)), "hybrid", 7)
         got.append((r.committed, round(r.seconds, 9)))
     assert got[0] == got[1] and got[0][1] > 0
+
+
+# ---------------------------------------------------------------------- with a drafter
+@pytest.mark.parametrize("budget", [3, 7])
+def test_hybrid_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, budget):
+    """Mode hybrid with a real drafter (partial acceptance: a wrong rope spreads it) over a
+    target whose text repeats: the engine and the replay, built from the probe's continuations,
+    its per-anchor acceptance and top-k, commit the same tokens, and the same suffix-only
+    accepted tokens, step by step (the drafter's tree, the suffix candidates above its
+    marginal node, the merge under the budget)."""
+    import json
+
+    from dflash.tools.diagnose_tf import Head, score
+    from dflash.tools.diagnose_trees import drafter_tops
+    from dflash.tools.probe import InProcessProbe
+    from verifier_svc.engine import Request, VerifierEngine
+
+    from tap_models import letter_prompt, make_probe_drafter, make_tap_target, mixed_prompt
+
+    target = make_tap_target(tmp_path / "target")
+    d = make_probe_drafter(tmp_path / "recent", target, recent=True, block_size=B)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_theta"] = 1e8
+    (d / "config.json").write_text(json.dumps(cfg))
+    probe = InProcessProbe(target, d)
+    prompts = [mixed_prompt(), mixed_prompt("c", "d", 28, 14), letter_prompt("k", 9)]
+    max_new = 1 + 3 * B
+    settings = SuffixSettings(enabled=True, answer_tokens=0, answer_total=0)
+    label = probe.engine.card.label
+    policy = SpeculationPolicy("hybrid", explore_every=0, tree_budgets=(budget,))
+    policy.costs = plain_costs(0.01, 0.001, BIG)
+    policy.observe_acceptance(label, [(B - 1, 1)] * 30 + [(B - 1, 3)] * 10)
+    for _ in range(3):
+        policy.acceptance.observe_trees(label, [(budget, 2)])
+    engine = VerifierEngine(probe.target, spec_mode="hybrid", tree_budget=budget,
+                            suffix=settings.enabled, answers=settings.answers())
+    engine.policy.costs, engine.policy.acceptance = policy.costs, policy.acceptance
+    engine.policy.observe = lambda fb: None
+    try:
+        want = []
+        for i, p in enumerate(prompts):
+            events = list(engine.generate(Request(request_id=f"h{i}", prompt=list(p),
+                                                  max_tokens=max_new, proposer=probe.engine)))
+            want += [(len(ev.tokens), ev.suffix_accepted) for ev in events[1:]]
+        seqs = probe.collect(prompts, ["x"] * 3, max_new_tokens=max_new)
+        head = Head.of(probe.head.lm_head, None)
+        kw = dict(layer_ids=probe.layer_ids, mask_token_id=probe.drafter.cfg.mask_token_id)
+        scores = score(probe.drafter, probe.head, head, seqs, **kw)
+        tops = drafter_tops(probe.drafter, probe.head, head, seqs, [budget], **kw)
+    finally:
+        engine.close()
+        probe.close()
+    r = replays(seqs, scores, tops, block_size=B, max_tokens=max_new, label=label,
+                settings=settings)["all"].run(policy, "hybrid", budget)
+    assert r.committed == want
+    assert 0 < r.suffix_accepted and 0 < r.drafter_accepted
