@@ -237,13 +237,14 @@ def test_hybrid_repriced_at_other_costs_is_its_replay_at_those_costs():
 
 
 # ---------------------------------------------------------------------- with a drafter
-@pytest.mark.parametrize("budget", [3, 7])
-def test_hybrid_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, budget):
-    """Mode hybrid with a real drafter (partial acceptance: a wrong rope spreads it) over a
-    target whose text repeats: the engine and the replay, built from the probe's continuations,
-    its per-anchor acceptance and top-k, commit the same tokens, and the same suffix-only
-    accepted tokens, step by step (the drafter's tree, the suffix candidates above its
-    marginal node, the merge under the budget)."""
+@pytest.mark.parametrize("mode, budget", [("hybrid", 3), ("hybrid", 7), ("adaptive", 7)])
+def test_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, mode, budget):
+    """Modes hybrid and adaptive with a real drafter (partial acceptance: a wrong rope spreads
+    it) over a target whose text repeats: the engine and the replay, built from the probe's
+    continuations, its per-anchor acceptance and top-k, commit the same tokens, and the same
+    suffix-only accepted tokens, step by step (the drafter's tree, the suffix candidates above
+    its marginal node, the merge under the budget; adaptive's chains, hybrid trees and suffix
+    arms, from the same policy figures and each request's own counts)."""
     import json
 
     from dflash.tools.diagnose_tf import Head, score
@@ -263,15 +264,15 @@ def test_hybrid_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, 
     max_new = 1 + 3 * B
     settings = SuffixSettings(enabled=True, answer_tokens=0, answer_total=0)
     label = probe.engine.card.label
-    policy = SpeculationPolicy("hybrid", explore_every=0, tree_budgets=(budget,))
+    policy = SpeculationPolicy(mode, explore_every=0, tree_budgets=(budget,))
     policy.costs = plain_costs(0.01, 0.001, BIG)
     policy.observe_acceptance(label, [(B - 1, 1)] * 30 + [(B - 1, 3)] * 10)
     for _ in range(3):
         policy.acceptance.observe_trees(label, [(budget, 2)])
-    engine = VerifierEngine(probe.target, spec_mode="hybrid", tree_budget=budget,
+    engine = VerifierEngine(probe.target, spec_mode=mode, tree_budget=budget, tree_budgets=(budget,),
                             suffix=settings.enabled, answers=settings.answers())
     engine.policy.costs, engine.policy.acceptance = policy.costs, policy.acceptance
-    engine.policy.observe = lambda fb: None
+    engine.policy.observe, engine.policy.explore_every = lambda fb: None, 0
     try:
         want = []
         for i, p in enumerate(prompts):
@@ -287,6 +288,8 @@ def test_hybrid_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, 
         engine.close()
         probe.close()
     r = replays(seqs, scores, tops, block_size=B, max_tokens=max_new, label=label,
-                settings=settings)["all"].run(policy, "hybrid", budget)
+                settings=settings)["all"].run(policy, mode, budget)
     assert r.committed == want
     assert 0 < r.suffix_accepted and 0 < r.drafter_accepted
+    if mode == "adaptive":      # it chose among several shapes
+        assert len(r.shapes) > 1, r.shapes

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from dflash.core.speculation import MODE_ADAPTIVE, MODE_HYBRID, MODE_SUFFIX
+from dflash.core.stats import AcceptanceCounter
 from dflash.core.suffix import SuffixIndex
 from verifier_svc.cost_model import StepCostModel, relative_rows
 from verifier_svc.policy import Shape, SpeculationPolicy
@@ -192,7 +193,7 @@ class SuffixReplay:
         """One session: prefill's token, then decode steps until the continuation is
         committed; its answer kept for the tenant (as ``VerifierEngine._commit`` on finish)."""
         B, toks, P = self.block_size, s.tokens, s.prompt_len
-        index, rates = SuffixIndex(), SessionRates()
+        index, rates, stats = SuffixIndex(), SessionRates(), AcceptanceCounter()
         index.sync(toks[:P + 1])
         drafter = s.chain is not None
         proposer = SimpleNamespace(card=SimpleNamespace(label=self.label)) if drafter else None
@@ -203,7 +204,7 @@ class SuffixReplay:
             limit = max(0, min(depth, left))
             offer = offer_for(index, answers.indexes(TENANT), limit, cal, rates) if limit else None
             job = SimpleNamespace(mode=mode, block_limit=B if drafter else 1, emitted=emitted,
-                                  stats=None, tree_budget=nodes, suffix_limit=depth,
+                                  stats=stats, tree_budget=nodes, suffix_limit=depth,
                                   req=SimpleNamespace(max_tokens=self.max_tokens, proposer=proposer))
             sh = policy.choose_shapes([job], 0, [offer])[0]
             src = _sourced(policy, self.label, sh, s.tops.get(a) if s.tops else None, offer, limit)
@@ -218,6 +219,8 @@ class SuffixReplay:
                 if sh.k:                # a chain: the drafter's accepted prefix at this anchor
                     path = [0] * min(sh.k, (s.chain or {}).get(a, 0), len(truth))
             commit = min(len(path) + 1, len(truth))
+            # the request's own counts, as the engine records them (adaptive's per-request table)
+            stats.record(src.tree.max_depth if src is not None else sh.k, len(path))
             out.steps += 1
             out.tokens += commit
             out.seconds += _price(policy, sh, model)
