@@ -6,10 +6,14 @@
 1. ``dflash diagnose --prompts humaneval --first --num-prompts LIMIT --max-tokens MAX``: the
    verdict, its exit status, and the speed-up it expects of adaptive speculation on those
    prompts (``speculation.all.adaptive_speedup``), priced on the costs of the target and
-   drafter as the services would serve them;
+   drafter as the services would serve them, its suffix arms and hybrid trees replayed over
+   the continuations (``dflash/tools/diagnose_suffix.py``) with the verifier's suffix settings
+   as the bench's stack runs them (``--start`` keeps no recent answers: the diagnose run gets
+   ``DFLASH_SUFFIX_ANSWER_TOKENS=0``);
 2. ``dflash bench --start --limit LIMIT --max-tokens MAX --spec-modes adaptive``: the same
    first LIMIT HumanEval prompts through a started stack, adaptive and speculation off
-   interleaved per prompt; measured speed-up = TPOT(off) / TPOT(adaptive).
+   interleaved per prompt; measured speed-up = TPOT(off) / TPOT(adaptive); accepted drafts by source (drafter /
+   suffix) beside the ones diagnose expects.
 
 Sequential, never at once (each would slow the other). Writes ``docs/bench/NAME/``: the
 diagnose report (``diagnose.json``, ``diagnose.txt``), the bench files (``bench.json``,
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -64,7 +69,9 @@ def main() -> int:
                  "--run-dir", str(ROOT / "runs" / "diagnose-vs-bench")] + (["--tiny"] if a.tiny else [])
 
     t0 = time.time()
-    diag = subprocess.run(diag_cmd, cwd=ROOT, capture_output=True, text=True)
+    # the bench's stack keeps no recent answers (dflash bench --start): price the same
+    env = os.environ | {"DFLASH_SUFFIX_ANSWER_TOKENS": "0"}
+    diag = subprocess.run(diag_cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if not diag.stdout.strip():
         print(diag.stderr, file=sys.stderr)
         return 2
@@ -86,12 +93,16 @@ def main() -> int:
     measured = agg["off"]["tpot_ms"] / served["tpot_ms"]
     ratio = expected / measured if expected else None
     ok = ratio is not None and abs(ratio - 1) <= TOLERANCE
+    ad = next((m for m in spec.get("modes", []) if m["mode"] == "adaptive"), {})
     cmp = {"expected_speedup": expected, "measured_speedup": round(measured, 3),
            "ratio": round(ratio, 3) if ratio else None, "tolerance": TOLERANCE, "within": ok,
            "diagnose_verdict": report["verdict"], "diagnose_exit": diag.returncode,
            "diagnose_choice": spec.get("adaptive_choice"), "diagnose_best": spec.get("best_mode"),
            "spread": spec.get("spread"), "settings": (report.get("costs") or {}).get("settings"),
            "measured_tau": served["tau"], "diagnose_tau": report["probe"]["domains"]["all"]["tau"],
+           "diagnose_adaptive_tau": spec.get("expected_tokens"),
+           "measured_accepted_by_source": served.get("accepted_by_source"),
+           "diagnose_accepted_by_source": ad.get("accepted_by_source"),
            "seconds": {"diagnose": round(t1 - t0, 1), "bench": round(t2 - t1, 1)},
            "machine": _machine(), "tiny": a.tiny}
     (out / "compare.json").write_text(json.dumps(cmp, indent=1))
@@ -106,9 +117,15 @@ def _machine() -> str:
                      if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
-    import os
-
     return f"{model}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d', time.gmtime())}"
+
+
+def _tau(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _src(by: dict | None) -> str:
+    return "-" if not by else f"{by.get('drafter', 0)} / {by.get('suffix', 0)}"
 
 
 def _readme(a, c: dict, diag_cmd: list[str], bench_cmd: list[str]) -> str:
@@ -119,10 +136,10 @@ def _readme(a, c: dict, diag_cmd: list[str], bench_cmd: list[str]) -> str:
 {c['machine']}; first {a.limit} HumanEval prompts x {a.max_tokens} tokens, greedy, batch 1
 (`scripts/diagnose_vs_bench.py --name {a.name}`).
 
-| | adaptive speed-up vs speculation off | tau |
-|---|---|---|
-| `dflash diagnose` expects ({c['diagnose_choice']}; spread +-{c['spread']}) | {exp} | {c['diagnose_tau']:.2f} (teacher-forced walk, block 16) |
-| `dflash bench` measures (TPOT off / TPOT adaptive) | {c['measured_speedup']:.2f}x | {c['measured_tau']:.2f} |
+| | adaptive speed-up vs speculation off | tau | accepted drafts: drafter / suffix |
+|---|---|---|---|
+| `dflash diagnose` expects ({c['diagnose_choice']}; spread +-{c['spread']}) | {exp} | {_tau(c['diagnose_adaptive_tau'])} adaptive (walk at block 16: {c['diagnose_tau']:.2f}) | {_src(c['diagnose_accepted_by_source'])} |
+| `dflash bench` measures (TPOT off / TPOT adaptive) | {c['measured_speedup']:.2f}x | {c['measured_tau']:.2f} | {_src(c['measured_accepted_by_source'])} |
 
 Ratio expected / measured {c['ratio']}; within +-{int(100 * c['tolerance'])}%: **{c['within']}**.
 Diagnose verdict: {c['diagnose_verdict']} (exit {c['diagnose_exit']}), best servable mode

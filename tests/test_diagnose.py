@@ -179,10 +179,11 @@ def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
     assert rc == 0 and "verdict: healthy" in text
     assert "all: tau 8.00" in text and "<- fits better" not in text
     assert "speculation (all): speculation at block 8 is" in text
-    # every draft is accepted (tau 8), so adaptive speculates and expects a gain; which k wins
-    # (6 or 7 on these tiny shapes) rests on measured milliseconds, so it is not pinned
-    m = re.search(r"adaptive chooses k = (\d+); expected ([\d.]+)x", text)
-    assert m and int(m.group(1)) >= 1 and float(m.group(2)) > 1.0, text
+    # every draft is accepted (tau 8), so adaptive speculates and expects a gain; which k or
+    # tree wins (and at which share of the replayed steps) rests on measured milliseconds, so
+    # it is not pinned
+    m = re.search(r"adaptive chooses (k = [1-9]\d*|a tree of \d+ nodes)[^;]*; expected ([\d.]+)x", text)
+    assert m and float(m.group(2)) > 1.0, text
 
 
 def test_cli_refuses_bad_arguments(tap, capsys):
@@ -230,6 +231,10 @@ def test_gateway_mode_reads_the_deployment(tap):
     dep = r["deployment"]
     assert dep["drafter_version"] == "tap-drafter@L1" and dep["drafts"] > 0
     assert dep["tau"] == pytest.approx(r["live"]["tau"])          # the only traffic so far
+    # accepted drafts by source: the deployment's counters, the responses' own figures
+    by = r["live"]["accepted_by_source"]
+    assert dep["accepted_by_source"] == pytest.approx({k: float(v) for k, v in by.items()})
+    assert sum(by.values()) == pytest.approx((r["live"]["tau"] - 1) * r["live"]["drafts"])
     assert r["costs"]["source"].startswith("reported by http://127.0.0.1:")
     assert r["costs"]["cells_ms"]                                 # the policy's own cells
     assert set(r["speculation"]) == {"all", "deployment (lifetime)"}

@@ -95,7 +95,7 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)
     modes = [m["mode"] for m in r["speculation"]["all"]["modes"]]
     assert modes == ["off", "fixed", *(f"chain:{k}" for k in range(1, B - 1)), "tree:2", "tree:5",
-                     "tree:6", "adaptive"]
+                     "tree:6", "suffix", "hybrid:2", "hybrid:5", "hybrid:6", "adaptive"]
 
 
 # ---------------------------------------------------------------------- trees
@@ -163,12 +163,14 @@ def test_a_deployments_tree_tokens_are_read_from_its_metrics():
 
 # ---------------------------------------------------------------------- the table of modes
 def _costs(plain: float, per_draft: float, top: int, rounds: int = 3) -> CostTable:
-    """Step seconds ``plain + per_draft * k`` at every k up to ``top``, the same every round."""
+    """Step (and verify) seconds ``plain + per_draft * k`` at every k up to ``top``, the same
+    every round."""
     def model() -> StepCostModel:
         m = StepCostModel()
         for k in range(top + 1):
-            m.observe_step(1, k, plain + per_draft * k)
-            m.observe_step(1, k, plain + per_draft * k)
+            for _ in range(2):
+                m.observe_step(1, k, plain + per_draft * k)
+                m.observe_verify(1, k, plain + per_draft * k)
         return m
     return CostTable(model(), {}, {}, "synthetic", [model() for _ in range(rounds)])
 

@@ -12,8 +12,9 @@ the target's rope, sliding layers), with a paired test per setting naming the fi
 config.json edit; (c) costs: verify and draft seconds per block length of the target and
 drafter as the services would serve them (their threads, dtypes, skinny and packed products;
 or, with --gateway --metrics, the deployment's own policy cells and acceptance), and every
-servable mode priced at the measured acceptance, chains and trees, with the adaptive policy's
-own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
+servable mode priced at the measured acceptance, chains and trees, suffix and hybrid trees
+(suffix candidates replayed over the continuations, dflash/tools/diagnose_suffix.py), with
+the adaptive policy's own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
 chooses a tree of 15 nodes; expected 1.6x", per prompt domain. docs/diagnose.md explains every
 finding.
 
@@ -32,12 +33,10 @@ import random
 import sys
 import time
 
+from dflash.tools.diagnose_gateway import DEPLOYMENT, gateway_figures
 from dflash.tools.probe import BROKEN_P1, BROKEN_TAU, DEGRADED_P1, DEGRADED_TAU
 
 EXIT = {"healthy": 0, "mis-wired": 1, "broken": 2, "degraded": 3}
-#: The domain whose prices decide the verdict: the deployment's lifetime traffic when read
-#: (--gateway --metrics), else every probe prompt.
-DEPLOYMENT = "deployment (lifetime)"
 DEFAULT_SETS = "humaneval,chat"
 
 
@@ -145,14 +144,15 @@ def diagnose(a) -> dict:
     prompts = draw_prompts(a)
     costs = blocks = None
     trees: dict[str, dict[int, float]] = {}
+    replays: dict = {}                  # domain -> diagnose_suffix.SuffixReplay
     if a.gateway:
-        costs, blocks, trees = _gateway(a, prompts, report)
+        costs, blocks, trees = gateway_figures(a, prompts, report)
     budgets = _tree_budgets()
     if a.drafter and a.target:
-        local, local_trees, costs, budgets = _in_process(a, prompts, report, costs, budgets)
+        local, local_trees, costs, budgets, replays = _in_process(a, prompts, report, costs, budgets)
         blocks = local | {k: v for k, v in (blocks or {}).items() if k != "all"}
         trees = local_trees | {k: v for k, v in trees.items() if k != "all"}
-    _speculation(report, costs, blocks, trees, budgets)
+    _speculation(report, costs, blocks, trees, budgets, replays)
     _verdict(report, warnings)
     return _timed(report, t0, c0)
 
@@ -171,50 +171,6 @@ def _timed(report: dict, t0: float, c0: float) -> dict:
     return report
 
 
-def _gateway(a, prompts, report):
-    """The deployment's live tau on the probe prompts, and its counters and cost cells."""
-    from dflash.tools.diagnose_cost import blocks_from_rates, scrape
-    from dflash.tools.probe import gateway_probe
-
-    live = gateway_probe(a.gateway, [p for _, p in prompts], max_tokens=a.max_tokens,
-                         drafter=a.use_drafter, raw=a.raw)
-    report["live"] = _live_dict(live)
-    blocks = {"all": blocks_from_rates(live.stats.per_position_rate)} if live.stats.drafts else None
-    trees: dict[str, dict[int, float]] = {}
-    costs = None
-    if not a.metrics:
-        report["notes"].append("--gateway without --metrics: the deployment's costs and lifetime "
-                               "acceptance are not read; give the verifier's --metrics-port as "
-                               "--metrics HOST:PORT to price on them")
-    for url in a.metrics:
-        try:
-            dep = scrape(url)
-        except OSError as e:
-            raise SystemExit(f"dflash diagnose: error: --metrics {url}: {e}") from None
-        version = a.use_drafter if "@" in a.use_drafter else dep.busiest()
-        rates = dep.rates(version) if version else []
-        report["deployment"] = {
-            "source": dep.source, "drafter_version": version,
-            "tau": 1 + dep.accepted.get(version, 0.0) / dep.drafts[version] if rates else None,
-            "per_position": [round(r, 4) for r in rates], "drafts": dep.drafts.get(version, 0.0),
-            "verify_ms": round(1e3 * dep.verify_mean.get(version, 0.0), 2),
-            "draft_ms": round(1e3 * dep.draft_mean.get(version, 0.0), 2)}
-        report["deployment"]["tree_tokens"] = dep.trees.get(version or "", {})
-        costs = dep.cost_table() or costs
-        if rates:
-            blocks = (blocks or {}) | {DEPLOYMENT: blocks_from_rates(rates)}
-            trees[DEPLOYMENT] = dep.trees.get(version or "", {})
-    return costs, blocks, trees
-
-
-def _live_dict(r) -> dict:
-    s = r.stats
-    return {"tau": s.mean_acceptance_length, "per_position": s.per_position_rate,
-            "draft_acceptance_rate": s.draft_acceptance_rate, "drafts": s.drafts,
-            "fallback_steps": s.fallback_steps, "block_size": r.block_size, "prompts": r.prompts,
-            "seconds": r.seconds, "summary": r.summary()}
-
-
 def _in_process(a, prompts, report, costs, budgets):
     """The teacher-forced probe, every setting, the vocabulary coverage, tree acceptance, and
     the step costs of the served pair (``dflash.tools.served``), loaded first: it picks the
@@ -225,8 +181,10 @@ def _in_process(a, prompts, report, costs, budgets):
     import torch
     from transformers import AutoTokenizer
 
+    from dflash.tools.diagnose_modes import LABEL
+    from dflash.tools.diagnose_suffix import replays as suffix_replays
     from dflash.tools.diagnose_tf import Head, counter, score, walk
-    from dflash.tools.diagnose_trees import tree_steps, tree_summary
+    from dflash.tools.diagnose_trees import drafter_tops, tree_steps, tree_summary
     from dflash.tools.diagnose_wiring import (
         best_fixes,
         controls_sentence,
@@ -287,21 +245,27 @@ def _in_process(a, prompts, report, costs, budgets):
                             "prompts": sum(s.domain == dom for s in seqs) if dom != "all" else len(seqs)}
         # what is priced is the served drafter's own acceptance: in its dtype, when that is
         # not the probe's float32 (the wiring statistics keep full precision)
-        net, net_head, rows_head = probe.drafter, probe.head, head
+        net, net_head, rows_head, scores = probe.drafter, probe.head, head, saved.scores
         t = time.perf_counter()
         if served is not None and served.drafter.card.dtype != probe.engine.card.dtype:
             net, net_head = served.drafter.drafter, served.drafter.head
             rows_head = Head.of(net_head.lm_head, served.drafter.draft_vocab)
-            blocks = walk(score(net, net_head, rows_head, seqs, layer_ids=probe.layer_ids,
-                                mask_token_id=cfg.mask_token_id), seqs)
+            scores = score(net, net_head, rows_head, seqs, layer_ids=probe.layer_ids,
+                           mask_token_id=cfg.mask_token_id)
+            blocks = walk(scores, seqs)
             for dom, rows in blocks.items():
                 domains[dom]["tau_served"] = round(counter(rows).mean_acceptance_length, 3)
                 domains[dom]["served_dtype"] = served.drafter.card.dtype
         if len(blocks) == 2:                    # one domain: it is "all"
             blocks = {"all": blocks["all"]}
-        steps = tree_steps(net, net_head, rows_head, seqs,
-                           sorted(set(budgets[0]) | {budgets[1]}), layer_ids=probe.layer_ids,
-                           mask_token_id=cfg.mask_token_id)
+        sizes = sorted(set(budgets[0]) | {budgets[1]})
+        tops = drafter_tops(net, net_head, rows_head, seqs, sizes, layer_ids=probe.layer_ids,
+                            mask_token_id=cfg.mask_token_id) if sizes else None
+        steps = tree_steps(net, net_head, rows_head, seqs, sizes, layer_ids=probe.layer_ids,
+                           mask_token_id=cfg.mask_token_id, tops=tops)
+        # suffix candidates replayed over the continuations (diagnose_suffix), per domain
+        replays = suffix_replays(seqs, scores, tops, block_size=cfg.block_size,
+                                 max_tokens=a.max_tokens, label=LABEL)
         trees = {dom: tree_summary(v) for dom, v in steps.items() if dom in blocks}
         for dom, tv in trees.items():
             domains[dom]["tree_tokens"] = {n: round(x, 3) for n, x in tv.items()}
@@ -330,15 +294,16 @@ def _in_process(a, prompts, report, costs, budgets):
                                                      max(ids, key=len), B, threads=served.threads))
             costs.settings = served.choices()
             report["probe"]["seconds"]["costs"] = round(time.perf_counter() - t, 1)
-        return blocks, trees, costs, budgets
+        return blocks, trees, costs, budgets, replays
     finally:
         probe.close()
         if served is not None:
             served.close()
 
 
-def _speculation(report: dict, costs, blocks, trees, budgets) -> None:
-    """Every servable mode priced per domain (``dflash.tools.diagnose_cost.payoff``)."""
+def _speculation(report: dict, costs, blocks, trees, budgets, replays) -> None:
+    """Every servable mode priced per domain (``dflash.tools.diagnose_cost.payoff``), suffix
+    modes over that domain's replay (``dflash.tools.diagnose_suffix``) where there is one."""
     from dflash.tools.diagnose_cost import payoff
 
     if costs is None:
@@ -354,7 +319,7 @@ def _speculation(report: dict, costs, blocks, trees, budgets) -> None:
         arms = tuple(sorted(trees.get(dom) or {})) if dom == DEPLOYMENT else budgets[0]
         if rows:
             pays[dom] = payoff(costs, rows, B, trees=trees.get(dom), tree_budgets=arms,
-                               tree_budget=budgets[1])
+                               tree_budget=budgets[1], replay=replays.get(dom))
     report["speculation"] = {dom: p.as_dict() for dom, p in pays.items() if p is not None}
 
 

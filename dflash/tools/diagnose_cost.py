@@ -113,8 +113,10 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
                     v = time.perf_counter() - t
                     target.crop(cache, n)
                 costs.observe_step(1, k, v + d)
+                costs.observe_verify(1, k, v)     # what suffix trees are priced from
                 for _ in range(2):      # confirmed: one round's cell is its own price
                     per_round[r].observe_step(1, k, v + d)
+                    per_round[r].observe_verify(1, k, v)
                 verify[k].append(v)
                 draft[k].append(d)
     finally:
@@ -161,13 +163,22 @@ class Payoff:
         trees = [r for r in self.rows if r.mode.startswith("tree:")]
         if trees:
             parts.append("trees " + ", ".join(f"{r.mode[5:]} nodes {r.speedup:.2f}x" for r in trees))
+        suffix, hybrids = self.row("suffix"), [r for r in self.rows if r.mode.startswith("hybrid:")]
+        if suffix:
+            parts.append(f"suffix {suffix.speedup:.2f}x (tau {suffix.tokens:.2f})")
+        if hybrids:
+            parts.append("hybrid " + ", ".join(f"{r.mode[7:]} nodes {r.speedup:.2f}x" for r in hybrids))
         if ad is None:
             parts.append("adaptive not priced")
         elif ad.choice == "off":
             parts.append("adaptive turns speculation off (k = 0): 1.0x")
         else:
-            what = f"a {ad.choice}" if ad.choice.startswith("tree") else ad.choice
-            parts.append(f"adaptive chooses {what}; expected {ad.speedup:.2f}x")
+            what = f"a {ad.choice}" if ad.choice.startswith(("tree", "suffix")) else ad.choice
+            src = ad.accepted_by_source
+            share = (f", {src['suffix']} of {src['suffix'] + src['drafter']} accepted drafts "
+                     "from suffix candidates" if src and src["suffix"] + src["drafter"] else "")
+            parts.append(f"adaptive chooses {what}; expected {ad.speedup:.2f}x (tau "
+                         f"{ad.tokens:.2f}{share})")
         if best is not None:
             parts.append(f"best {best.mode} {best.speedup:.2f}x (spread +-{self.spread:.2f})")
         return "; ".join(parts)
@@ -175,7 +186,7 @@ class Payoff:
     def as_dict(self) -> dict:
         fixed, ad, best = self.row("fixed"), self.row("adaptive"), self.best
         k = 0 if ad is None or ad.choice == "off" else (
-            int(ad.choice[4:]) if ad.choice.startswith("k = ") else self.block_size - 1)
+            int(ad.choice[4:].split()[0]) if ad.choice.startswith("k = ") else self.block_size - 1)
         return {"block_size": self.block_size, "plain_ms": round(self.plain_ms, 2),
                 "fixed_speedup": round(fixed.speedup, 3) if fixed else None,
                 "adaptive_choice": ad.choice if ad else None, "adaptive_k": k,
@@ -190,12 +201,14 @@ class Payoff:
 
 def payoff(table: CostTable, blocks: Sequence[tuple[int, int]], block_size: int, *,
            trees: dict[int, float] | None = None, tree_budgets: tuple[int, ...] = (),
-           tree_budget: int = 0) -> Payoff | None:
+           tree_budget: int = 0, replay=None) -> Payoff | None:
     """Every servable mode at ``table``'s costs and the verified ``blocks`` ((drafts, accepted
-    drafts) each, as the verifier records them) and ``trees`` (budget -> tokens per tree step).
-    None when the costs cannot price plain decoding (no speculation-off cell)."""
+    drafts) each, as the verifier records them) and ``trees`` (budget -> tokens per tree step);
+    ``replay`` (``diagnose_suffix.SuffixReplay``): the continuations suffix candidates are
+    replayed over (None: no suffix modes priced). None when the costs cannot price plain
+    decoding (no speculation-off cell)."""
     ctx = Context(table.costs, list(blocks), dict(trees or {}), block_size, tuple(tree_budgets),
-                  tree_budget)
+                  tree_budget, replay)
     rows = price_modes(ctx)
     if not rows:
         return None
@@ -236,6 +249,10 @@ class Deployment:
     source: str
     trees: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     # version -> node budget -> tokens per tree step (EMA)
+    by_source: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # version -> source ("drafter", "suffix") -> accepted draft tokens
+    suffix_nodes: dict[str, float] = dataclasses.field(default_factory=dict)
+    # version -> suffix candidates verified
 
     def rates(self, version: str) -> list[float]:
         d = self.drafts.get(version, 0.0)
@@ -285,6 +302,10 @@ def scrape(url: str, timeout: float = 10.0) -> Deployment:
                 row[pos] = v
             elif s.name == "dflash_spec_policy_step_seconds":
                 dep.cells[(int(lab["batch_bucket"]), int(lab["drafts"]))] = v
+            elif s.name == "dflash_spec_decode_num_accepted_tokens_by_source_total":
+                dep.by_source.setdefault(ver, {})[lab["source"]] = v
+            elif s.name == "dflash_spec_decode_num_suffix_nodes_total":
+                dep.suffix_nodes[ver] = v
             elif s.name == "dflash_spec_policy_tree_tokens":
                 dep.trees.setdefault(ver, {})[int(lab["budget"])] = v
             elif s.name == "dflash_spec_policy_overhead_seconds":

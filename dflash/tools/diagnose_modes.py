@@ -10,6 +10,12 @@ overhead included; a tree of n nodes priced like a chain of n drafts, as the pol
 and the adaptive row is a fresh adaptive ``SpeculationPolicy`` asked what it would do
 (``choose_shapes``). "x plain decoding" is tokens per second against one token per
 speculation-off step at the same costs.
+
+Suffix candidates (modes ``suffix`` and ``hybrid:N``, and adaptive's suffix arms) depend on the
+text a session has seen, so they are priced by a replay of the target's continuations
+(``dflash.tools.diagnose_suffix``) when the context carries one: adaptive is then priced as the
+verifier serves it, with its suffix arms, step by step; without one (no local probe, or
+``--suffix off``), as a policy without suffix candidates chooses.
 """
 
 from __future__ import annotations
@@ -17,11 +23,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODE_HYBRID, MODE_SUFFIX
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy
+
+if TYPE_CHECKING:
+    from dflash.tools.diagnose_suffix import Replayed, SuffixReplay
 
 LABEL = "diagnose"
 
@@ -33,7 +43,8 @@ class Context:
     ``blocks``: verified chain blocks ``(drafts, accepted drafts)`` (as the verifier records
     them); ``trees``: node budget -> mean tokens one tree step commits (bonus included), for the
     budgets measured; ``tree_budgets``: the verifier's ``--tree-budgets`` (adaptive's arms);
-    ``tree_budget``: its ``--tree-budget`` (mode tree)."""
+    ``tree_budget``: its ``--tree-budget`` (mode tree); ``replay``: the continuations to replay
+    suffix candidates over (None: suffix candidates are not priced)."""
 
     costs: StepCostModel
     blocks: Sequence[tuple[int, int]]
@@ -41,6 +52,7 @@ class Context:
     block_size: int
     tree_budgets: tuple[int, ...]
     tree_budget: int
+    replay: SuffixReplay | None = None
 
     @property
     def plain_seconds(self) -> float:
@@ -67,12 +79,18 @@ class Priced:
     tokens: float             # expected tokens committed per step, bonus included
     seconds: float            # expected seconds per step, overhead included
     speedup: float            # tokens per second against one token per plain step
-    choice: str = ""          # adaptive: what it picks ("k = 2", "tree of 7 nodes", "off")
+    choice: str = ""          # adaptive: what it picks ("k = 2", "tree of 7 nodes", "off";
+                              # replayed: the shapes by share of steps)
+    # replayed modes: accepted drafts by who proposed them ("drafter", "suffix")
+    accepted_by_source: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "tokens": round(self.tokens, 3),
-                "ms": round(1e3 * self.seconds, 2), "speedup": round(self.speedup, 3),
-                "choice": self.choice}
+        out = {"mode": self.mode, "tokens": round(self.tokens, 3),
+               "ms": round(1e3 * self.seconds, 2), "speedup": round(self.speedup, 3),
+               "choice": self.choice}
+        if self.accepted_by_source is not None:
+            out["accepted_by_source"] = dict(self.accepted_by_source)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +129,35 @@ def _trees(ctx: Context) -> list[Priced]:
     return [_row(ctx, f"tree:{n}", ctx.trees[n], n) for n in sizes]
 
 
+def _replayed(ctx: Context, mode: str, r: Replayed, choice: str = "") -> Priced:
+    sec = r.seconds / r.steps if r.steps else ctx.plain_seconds
+    return Priced(mode, r.tau, sec, r.tau / sec * ctx.plain_seconds, choice,
+                  {"drafter": r.drafter_accepted, "suffix": r.suffix_accepted})
+
+
+def _suffix(ctx: Context) -> list[Priced]:
+    """Mode suffix (its ``--tree-budget`` nodes at most, as many as pay each step)."""
+    if ctx.replay is None:
+        return []
+    r = ctx.replay.run(ctx.policy(), MODE_SUFFIX, tree_budget=ctx.tree_budget)
+    return [_replayed(ctx, "suffix", r, r.choice())]     # "off": it never speculated
+
+
+def _hybrids(ctx: Context) -> list[Priced]:
+    """Mode hybrid with each node budget trees are priced at (a request's ``tree_budget``)."""
+    if ctx.replay is None or not ctx.trees:
+        return []
+    policy = ctx.policy(tuple(ctx.trees))
+    sizes = sorted(n for n in set(ctx.tree_budgets) | {ctx.tree_budget} if n in ctx.trees)
+    return [_replayed(ctx, f"hybrid:{n}", ctx.replay.run(policy, MODE_HYBRID, n))
+            for n in sizes]
+
+
 def _adaptive(ctx: Context) -> list[Priced]:
     policy = ctx.policy(ctx.tree_budgets)
+    if ctx.replay is not None:      # as served: suffix arms, and hybrid trees
+        r = ctx.replay.run(policy, MODE_ADAPTIVE, tree_budget=ctx.tree_budget)
+        return [_replayed(ctx, "adaptive", r, r.choice())]
     job = SimpleNamespace(mode=MODE_ADAPTIVE, block_limit=ctx.block_size, emitted=0, stats=None,
                           tree_budget=max(ctx.tree_budgets, default=0) or MAX_TREE_BUDGET,
                           req=SimpleNamespace(max_tokens=1 << 30, proposer=SimpleNamespace(
@@ -133,6 +178,8 @@ MODES: tuple[ModeEntry, ...] = (
     ModeEntry("fixed", _fixed),
     ModeEntry("chain", _chains),
     ModeEntry("tree", _trees),
+    ModeEntry("suffix", _suffix),
+    ModeEntry("hybrid", _hybrids),
     ModeEntry("adaptive", _adaptive),
 )
 

@@ -22,6 +22,13 @@ def _setting_line(s: dict) -> str:
             f"{sub}{flag}")
 
 
+def _sources(by: dict | None) -> str:
+    """"; accepted drafts: drafter N / suffix M" when any suffix candidate was accepted."""
+    if not by or not by.get("suffix"):
+        return ""
+    return f"; accepted drafts: drafter {by.get('drafter', 0):.0f} / suffix {by['suffix']:.0f}"
+
+
 def render(report: dict) -> str:
     lines: list[str] = []
     if report["static"]:
@@ -51,13 +58,15 @@ def render(report: dict) -> str:
                          f"{v['tokens']} tokens the target emitted; most frequent missing "
                          f"{v['missing']}")
     if report.get("live"):
-        lines.append(f"gateway probe: {report['live']['summary']}")
+        lines.append(f"gateway probe: {report['live']['summary']}"
+                     + _sources(report["live"].get("accepted_by_source")))
     dep = report.get("deployment")
     if dep:
         tau = "-" if dep["tau"] is None else f"{dep['tau']:.2f}"
         lines.append(f"deployment ({dep['source']}, {dep['drafter_version']}): lifetime tau {tau} "
                      f"over {dep['drafts']:.0f} drafts, per-position {_rates(dep['per_position'])}; "
-                     f"verify {dep['verify_ms']} ms, draft {dep['draft_ms']} ms per step")
+                     f"verify {dep['verify_ms']} ms, draft {dep['draft_ms']} ms per step"
+                     + _sources(dep.get("accepted_by_source")))
     c = report.get("costs")
     if c:
         v = ", ".join(f"k={k} {ms}" for k, ms in c["verify_ms"].items())

@@ -22,34 +22,33 @@ import torch
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.tools.diagnose_tf import CHUNK, Head, ProbeSeq, block_hidden
 
+#: anchor -> (top ids int64 [depth, K], their log-probabilities float32 [depth, K]): the
+#: drafter's top-k per draft position of its block at that anchor, as served
+Tops = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
 
 @torch.inference_mode()
-def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
-               seqs: Sequence[ProbeSeq], budgets: Sequence[int], *, layer_ids: Sequence[int],
-               mask_token_id: int) -> dict[str, dict[int, list[int]]]:
-    """Tokens committed per tree step (path + bonus), per domain (and ``"all"``) and budget.
-
-    ``drafter`` / ``layer_ids`` / ``mask_token_id``: the saved setting (what is served);
-    ``head``: the rows drafts are read through (the draft vocabulary, if any). Empty
-    ``budgets``: ``{}``."""
+def drafter_tops(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
+                 seqs: Sequence[ProbeSeq], budgets: Sequence[int], *, layer_ids: Sequence[int],
+                 mask_token_id: int) -> list[Tops]:
+    """Per sequence, the drafter's top-k at every anchor (``K`` = the largest budget, ``depth`` =
+    ``min(B - 1, K)`` positions): what a tree of any of ``budgets`` is built from. ``drafter`` /
+    ``layer_ids`` / ``mask_token_id``: the saved setting (what is served); ``head``: the rows
+    drafts are read through (the draft vocabulary, if any)."""
     from drafter_svc.engine import top_k_logprobs
-    from verifier_svc.tree import build_tree
 
-    budgets = sorted(set(budgets))
-    if not budgets:
-        return {}
+    top_k = max(budgets)
     B = drafter.cfg.block_size
-    depth = min(B - 1, budgets[-1])
-    top_k = budgets[-1]
+    depth = min(B - 1, top_k)
     idx = [i + 1 for i in layer_ids]             # dflash.core.taps: id i is hidden_states[i + 1]
     dtype = next(drafter.parameters()).dtype
-    out: dict[str, dict[int, list[int]]] = {"all": {n: [] for n in budgets}}
+    out: list[Tops] = []
     for s in seqs:
         n_ids = len(s.ids)
         feats = s.hidden[idx].permute(1, 0, 2).reshape(n_ids - 1, -1).to(dtype)
         ctx_all = drafter.context_kv(feats[None], torch.arange(n_ids - 1)[None])
         anchors = list(s.anchors)
-        tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        tops: Tops = {}
         for c in range(0, len(anchors), CHUNK):
             A = torch.tensor(anchors[c:c + CHUNK])
             h = block_hidden(drafter, target_head, s.ids, A, ctx_all, B, mask_token_id)
@@ -59,16 +58,40 @@ def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
             ids = head.ids[rows] if head.ids is not None else rows
             for j, a in enumerate(A.tolist()):
                 tops[a] = (ids[j], vals[j])
+        out.append(tops)
+    return out
+
+
+def tree_steps(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
+               seqs: Sequence[ProbeSeq], budgets: Sequence[int], *, layer_ids: Sequence[int],
+               mask_token_id: int, tops: Sequence[Tops] | None = None
+               ) -> dict[str, dict[int, list[int]]]:
+    """Tokens committed per tree step (path + bonus), per domain (and ``"all"``) and budget.
+
+    Arguments as :func:`drafter_tops`; ``tops``: its result, when already computed. Empty
+    ``budgets``: ``{}``."""
+    from verifier_svc.tree import build_tree
+
+    budgets = sorted(set(budgets))
+    if not budgets:
+        return {}
+    B = drafter.cfg.block_size
+    if tops is None:
+        tops = drafter_tops(drafter, target_head, head, seqs, budgets, layer_ids=layer_ids,
+                            mask_token_id=mask_token_id)
+    out: dict[str, dict[int, list[int]]] = {"all": {n: [] for n in budgets}}
+    for s, seq_tops in zip(seqs, tops):
+        n_ids = len(s.ids)
         dom = out.setdefault(s.domain, {n: [] for n in budgets})
         for n in budgets:
             a = s.prompt_len
-            while a in tops:
+            while a in seq_tops:
                 left = n_ids - 1 - a if s.ended else n_ids - 2 - a   # draft positions available
                 limit = min(B - 1, n, left)
                 if limit <= 0:          # no room to draft: a plain step, not a tree step
                     a += 1
                     continue
-                got = _committed(build_tree, tops[a], s.ids, a, limit, n)
+                got = _committed(build_tree, seq_tops[a], s.ids, a, limit, n)
                 dom[n].append(got)
                 out["all"][n].append(got)
                 a += got
