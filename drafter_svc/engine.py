@@ -140,7 +140,7 @@ class DrafterEngine:
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
         self.capture = capture
-        self.last_draft = 0.0        # time.monotonic() of the last call (the learner's idle clock)
+        self.last_draft = 0.0        # time.monotonic() of the last call's arrival (learner's idle clock)
         self._sessions: dict[str, _SessionCtx] = {}
         self._spill_checked = 0.0
         self._lock = threading.Lock()
@@ -243,6 +243,7 @@ class DrafterEngine:
         column 0, blocks right-padded, a mask hiding what lies past each). A bad item fails
         alone. Runs on the engine's compute thread, or its context thread when no item has a
         block to draft (the caller waits either way, so calls keep their order)."""
+        self.last_draft = time.monotonic()     # a learner in this process yields to it now
         if threading.get_ident() == self._compute_ident:   # from on_compute_thread
             return self._propose_on(requests)
         pool = self._compute
@@ -281,7 +282,6 @@ class DrafterEngine:
                     if r.top_k:
                         p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
         done = _to_host(out, self.device)
-        self.last_draft = time.monotonic()
         if self.capture is not None:
             self.capture.observe(requests, done)
         return done

@@ -42,13 +42,19 @@ class CaptureStore:
         fingerprint: the target's fingerprint recorded in every file; :meth:`read` skips files
             of another target.
         layer_ids: the tap layer ids recorded in every file.
+        writer: this instance writes (creates the directory, removes a killed writer's
+            ``.tmp``); False for a reader beside a live writer (the learner, ``dflash learn``).
     """
 
-    def __init__(self, path: str | Path, *, max_bytes: int, fingerprint: str = "",
-                 layer_ids: tuple[int, ...] = ()):
+    def __init__(self, path: str | Path, *, max_bytes: int = 1 << 62, fingerprint: str = "",
+                 layer_ids: tuple[int, ...] = (), writer: bool = True):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes: must be > 0, got {max_bytes}")
         self.path = Path(path)
+        if not writer:
+            self.max_bytes, self.fingerprint, self.layer_ids = max_bytes, fingerprint, tuple(layer_ids)
+            self._lock, self._next = threading.Lock(), -1
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
         self.max_bytes = max_bytes
@@ -63,6 +69,8 @@ class CaptureStore:
     def files(self) -> list[tuple[int, Path]]:
         """(seq, path) of every complete conversation file, oldest first."""
         out = []
+        if not self.path.is_dir():
+            return out
         for p in self.path.iterdir():
             m = _NAME.match(p.name)
             if m:
