@@ -89,16 +89,17 @@ def gate(serving: list[ConvScore], candidate: list[ConvScore], *, margin: float 
     tau_c = 1 + a_c.sum() / max(1.0, blocks.sum())
     gain = tau_c / tau_s - 1
     wins, losses = int((a_c > a_s).sum()), int((a_c < a_s).sum())
-    figures = dict(conversations=n, tau_serving=round(float(tau_s), 4),
-                   tau_candidate=round(float(tau_c), 4), gain=round(float(gain), 4),
-                   wins=wins, losses=losses, margin=margin, confidence=confidence)
+    base = GateResult(release=False, reason="", conversations=n, tau_serving=round(float(tau_s), 4),
+                      tau_candidate=round(float(tau_c), 4), gain=round(float(gain), 4),
+                      gain_lower=float("nan"), wins=wins, losses=losses, margin=margin,
+                      confidence=confidence)
     if n < min_conversations:
-        return GateResult(release=False, reason=f"{n} held-out conversations, fewer than "
-                          f"{min_conversations}", gain_lower=float("nan"), **figures)
+        return dataclasses.replace(
+            base, reason=f"{n} held-out conversations, fewer than {min_conversations}")
     idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     b = blocks[idx].sum(1)
     boot = (1 + a_c[idx].sum(1) / b) / (1 + a_s[idx].sum(1) / b) - 1
     lower = float(np.quantile(boot, 1 - confidence))
     ok = lower > margin
     reason = (f"gain {gain:+.2%}, lower bound {lower:+.2%} {'>' if ok else '<='} margin {margin:.2%}")
-    return GateResult(release=ok, reason=reason, gain_lower=round(lower, 4), **figures)
+    return dataclasses.replace(base, release=ok, reason=reason, gain_lower=round(lower, 4))

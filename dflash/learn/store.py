@@ -68,7 +68,7 @@ class CaptureStore:
 
     def files(self) -> list[tuple[int, Path]]:
         """(seq, path) of every complete conversation file, oldest first."""
-        out = []
+        out: list[tuple[int, Path]] = []
         if not self.path.is_dir():
             return out
         for p in self.path.iterdir():
