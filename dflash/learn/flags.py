@@ -51,3 +51,15 @@ def capture_from_args(a, card) -> Capture | None:
     store = CaptureStore(Path(a.learn_dir) / "store", max_bytes=int(a.learn_bytes),
                          fingerprint=card.target_fingerprint, layer_ids=card.target_layer_ids)
     return Capture(store, stop_ids=stop_ids(a.target))
+
+
+def learner_from_args(a, engine, registry=None):
+    """The in-process idle learner of ``--learn-idle-s`` > 0 (started), or None."""
+    if not (a.learn_dir and a.learn_idle_s > 0):
+        return None
+    from dflash.learn.idle import IdleLearner
+    from dflash.learn.learner import Learner
+
+    learner = Learner(a.learn_dir, a.drafter, a.target)
+    return IdleLearner(engine, learner, idle_s=a.learn_idle_s, threads=max(1, int(a.learn_threads)),
+                       registry=registry).start()
