@@ -10,11 +10,12 @@ import time
 
 import pytest
 import torch
-from learn_helpers import fill_store
 
 from dflash.core.checkpoint import load_drafter
 from dflash.learn.gate import ConvScore, gate, score
 from dflash.learn.learner import LearnConfig, Learner
+
+from learn_helpers import fill_store
 
 N_CONVS = 120                      # 6 held out
 FAST = LearnConfig(lr=3e-3, warmup_steps=5, max_steps=400, ckpt_every=20, eval_every=1000,

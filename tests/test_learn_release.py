@@ -10,7 +10,6 @@ import time
 
 import grpc
 import pytest
-from learn_helpers import fill_store
 from prometheus_client import generate_latest
 
 from dflash.core.checkpoint import load_drafter
@@ -23,6 +22,7 @@ from drafter_svc.engine import DrafterEngine
 from conftest import Stack
 from doubles import ReferenceDrafter
 from helpers import reference, wait_until
+from learn_helpers import fill_store
 
 THREADS, MAX_NEW = 3, 17
 FAST = LearnConfig(lr=3e-3, warmup_steps=5, max_steps=400, ckpt_every=50, eval_every=1000,
