@@ -201,3 +201,22 @@ def test_capture_changes_no_draft(make_drafter, tiny_target, tmp_path):
         plain.close()
         taped.close()
     assert taped.capture.written == 1
+
+
+def test_no_learn_tenant_is_never_captured_through_the_verifier(stack, make_drafter, tiny_target,
+                                                                tmp_path):
+    """The verifier's --no-learn-tenants marks its items ``no_learn`` on the Draft stream."""
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target)
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    engine.capture = Capture(store, min_answer_tokens=1, idle_s=0.2)
+    addr = stack.add_drafter(engine)
+    stack.verifier.servicer.no_learn_tenants = frozenset({"secret"})
+    v = stack.verifier_stub()
+    secret, public = PROMPTS[2], PROMPTS[1]           # 18 and 11 prompt tokens
+    generate_ids(v, secret, max_tokens=12, session_id="a", tenant="secret", speculation=spec(addr))
+    generate_ids(v, public, max_tokens=12, session_id="b", tenant="pub", speculation=spec(addr))
+    wait_until(lambda: engine.capture.written >= 1, 30, "the public conversation")
+    time.sleep(0.5)                                   # a second one would be written by now
+    convs = store.read("train") + store.read("heldout")
+    assert len(convs) == 1
+    assert int(convs[0]["loss_mask"].nonzero()[0]) == len(public)
