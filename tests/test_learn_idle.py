@@ -87,3 +87,17 @@ def test_status_shows_store_progress_and_decisions(learn_dir, tiny_target, make_
     assert learn_cli.main(["learn", "status", "--learn-dir", str(learn_dir)]) == 0
     text = capsys.readouterr().out
     assert "57 training + 3 held-out conversations" in text and "refused" in text
+
+
+def test_cli_train_then_release_refused_or_forced(learn_dir, tiny_target, make_drafter, capsys):
+    d0 = str(make_drafter(block_size=4))
+    common = ["--learn-dir", str(learn_dir), "--drafter", d0, "--target", str(tiny_target)]
+    assert learn_cli.main(["learn", "train", *common, "--steps", "3"]) == 0
+    assert "held-out tau" in capsys.readouterr().out
+    assert learn_cli.main(["learn", "release", *common]) == 1       # 3 held-out: too few
+    assert '"decision": "refused"' in capsys.readouterr().out
+    assert not (learn_dir / "versions").exists()
+    assert learn_cli.main(["learn", "release", *common, "--force"]) == 0
+    out = learn_dir / "versions" / "tiny-drafter@2"
+    assert load_drafter(out).cfg.version == "2"
+    assert '"decision": "forced"' in capsys.readouterr().out

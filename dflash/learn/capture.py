@@ -99,7 +99,8 @@ class Capture:
             rec.drafts = None
             return
         if n:
-            rec.taps.append(r.context.to(torch.bfloat16))
+            # a copy even when already bf16: an in-process caller may reuse the rows' buffer
+            rec.taps.append(r.context.to("cpu", torch.bfloat16, copy=True))
             if rec.rows == 0:
                 rec.ids = [UNKNOWN] * n             # the prompt: only its taps arrive
             else:
