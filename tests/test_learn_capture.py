@@ -220,3 +220,19 @@ def test_no_learn_tenant_is_never_captured_through_the_verifier(stack, make_draf
     convs = store.read("train") + store.read("heldout")
     assert len(convs) == 1
     assert int(convs[0]["loss_mask"].nonzero()[0]) == len(public)
+
+
+def test_a_session_first_seen_mid_conversation_or_with_a_gap_is_not_misaligned(tmp_path):
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    cap = Capture(store, min_answer_tokens=1)
+    none = torch.empty(0, dtype=torch.int64)
+    taps = torch.randn(20, KH)
+    cap.observe([_req("late", 5, taps[5:7], 30, 1)], [Proposal(tokens=none)])   # starts at 5
+    cap.observe([_req("late", 7, taps[7:8], 31, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("gap", 0, taps[:3], 40, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("gap", 3, taps[3:4], 41, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("gap", 9, taps[9:10], 42, 1)], [Proposal(tokens=none)])  # a gap: stop
+    cap.close()
+    (conv,) = store.read("heldout")
+    assert conv["input_ids"].tolist() == [0, 0, 0, 40, 41]          # "gap" up to its gap
+    assert torch.equal(conv["taps"][:4], taps[:4].bfloat16())

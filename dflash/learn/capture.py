@@ -30,7 +30,7 @@ from dflash.core.proposer import DraftError, Proposal, ProposalRequest
 from dflash.learn.store import CaptureStore
 
 log = logging.getLogger("dflash.learn")
-#: Positions kept per conversation: a longer one keeps its first MAX_POSITIONS.
+#: Positions kept per conversation: a longer one keeps what it had below MAX_POSITIONS.
 MAX_POSITIONS = 8192
 UNKNOWN = -1
 
@@ -45,6 +45,7 @@ class _Record:
     rows: int = 0
     drafts: list[int] | None = None
     seq: int | None = None       # its number in the store, once written
+    stopped: bool = False        # recording ended (a gap, the length cap): later calls ignored
     last: float = 0.0            # time.monotonic() of its last call
     dirty: bool = False          # grown since it was last written
 
@@ -90,14 +91,17 @@ class Capture:
         if rec is None or r.context_start == 0:
             if rec is not None:
                 self._finish(rec)
-            rec = self._records[r.session_id] = _Record()
-        rec.last, rec.dirty = time.monotonic(), True
-        if r.context_start != rec.rows or (rec.rows and len(rec.ids) != rec.rows + 1):
-            _crop(rec, r.context_start)
+            # a session first seen past position 0 (capture switched on mid-conversation) lacks
+            # its start: never recorded, until it restarts at 0
+            rec = self._records[r.session_id] = _Record(stopped=r.context_start != 0)
         n = int(r.context.shape[0])
-        if rec.rows + n + 1 > MAX_POSITIONS:
-            rec.drafts = None
+        if r.context_start > rec.rows or rec.rows + n + 1 > MAX_POSITIONS:
+            rec.stopped = True                      # a gap, or too long: keep what it has
+        if rec.stopped:
             return
+        rec.last, rec.dirty = time.monotonic(), True
+        if r.context_start < rec.rows:
+            _crop(rec, r.context_start)
         if n:
             # a copy even when already bf16: an in-process caller may reuse the rows' buffer
             rec.taps.append(r.context.to("cpu", torch.bfloat16, copy=True))
