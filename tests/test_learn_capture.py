@@ -236,3 +236,19 @@ def test_a_session_first_seen_mid_conversation_or_with_a_gap_is_not_misaligned(t
     (conv,) = store.read("heldout")
     assert conv["input_ids"].tolist() == [0, 0, 0, 40, 41]          # "gap" up to its gap
     assert torch.equal(conv["taps"][:4], taps[:4].bfloat16())
+
+
+def test_read_with_a_cache_rereads_only_what_changed(tmp_path):
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    for i in range(3):
+        store.add(*_conv(30, i))
+    cache: dict = {}
+    first = store.read("train", cache)
+    again = store.read("train", cache)
+    assert [a is b for a, b in zip(first, again)] == [True, True]    # not read twice
+    store.add(*_conv(45, 7), seq=1)                                   # conversation 1 grew
+    (p2,) = [p for s, p in store.files() if s == 2]
+    p2.unlink()                                                       # 2 dropped
+    now = store.read("train", cache)
+    assert [int(d["seq"]) for d in now] == [1] and now[0]["input_ids"].shape[0] == 45
+    assert set(cache) == {1}

@@ -76,6 +76,7 @@ class Learner:
         self.step, self.seconds, self.loss = 0, 0.0, float("nan")
         self.curve: list[dict] = []
         self.train_convs: list[dict[str, torch.Tensor]] = []
+        self._cache: dict[str, dict] = {"train": {}, "heldout": {}}   # files read, by split
         self.run_dir = self.dir / "run"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -88,11 +89,12 @@ class Learner:
     # ------------------------------------------------------------------ data
     def reload(self) -> int:
         """Re-read the training split (conversations written meanwhile); returns its size."""
-        self.train_convs = [c for c in self.store.read("train") if len(valid_anchors(c["loss_mask"]))]
+        self.train_convs = [c for c in self.store.read("train", self._cache["train"])
+                            if len(valid_anchors(c["loss_mask"]))]
         return len(self.train_convs)
 
     def heldout(self) -> list[dict[str, torch.Tensor]]:
-        return self.store.read("heldout")
+        return self.store.read("heldout", self._cache["heldout"])
 
     # ------------------------------------------------------------------ training
     def lr_now(self) -> float:

@@ -122,35 +122,55 @@ class CaptureStore:
             p.unlink(missing_ok=True)
             total -= size
 
-    def read(self, split: str) -> list[dict[str, torch.Tensor]]:
+    def read(self, split: str, cache: dict | None = None) -> list[dict[str, torch.Tensor]]:
         """Conversations of ``split`` ("train" or "heldout"), oldest first, as
         ``{input_ids, loss_mask, taps, seq}`` dicts; files that do not parse or belong to
-        another target are skipped. Raises ValueError naming ``split`` for another value."""
+        another target are skipped. ``cache`` (a dict the caller keeps between calls): only
+        files new or changed since the last call are read. Raises ValueError naming ``split``
+        for another value."""
         if split not in ("train", "heldout"):
             raise ValueError(f"split: 'train' or 'heldout', got {split!r}")
-        out = []
+        cache = {} if cache is None else cache
+        out, seen = [], set()
         for seq, p in self.files():
-            meta = _metadata(p)
-            if meta is None or meta.get("split") != split:
-                continue
-            if self.fingerprint and meta.get("target_fingerprint") != self.fingerprint:
+            if (seq % HELDOUT_EVERY == 0) != (split == "heldout"):
                 continue
             try:
-                d = load_file(str(p))
-            except Exception:         # noqa: BLE001 -- removed or torn under us: skip it
+                st = p.stat()
+            except FileNotFoundError:  # dropped by the writer's budget meanwhile
                 continue
-            d["seq"] = torch.tensor(seq)
-            out.append(d)
+            key = (str(p), st.st_mtime_ns, st.st_size)
+            seen.add(seq)
+            if seq not in cache or cache[seq][0] != key:
+                cache[seq] = (key, self._load(seq, p))
+            if cache[seq][1] is not None:
+                out.append(cache[seq][1])
+        for gone in set(cache) - seen:
+            del cache[gone]
         return out
+
+    def _load(self, seq: int, path: Path) -> dict[str, torch.Tensor] | None:
+        meta = _metadata(path)
+        if meta is None or (self.fingerprint and meta.get("target_fingerprint") != self.fingerprint):
+            return None
+        try:
+            d = load_file(str(path))
+        except Exception:             # noqa: BLE001 -- removed or torn under us: skip it
+            return None
+        d["seq"] = torch.tensor(seq)
+        return d
 
     def counts(self) -> dict[str, int]:
         """Conversations per split and the bytes kept (for ``dflash learn status``)."""
-        c = {"train": 0, "heldout": 0}
-        for _, p in self.files():
-            meta = _metadata(p)
-            if meta and meta.get("split") in c:
-                c[meta["split"]] += 1
-        return dict(c, bytes=self.nbytes())
+        files = self.files()
+        held = sum(seq % HELDOUT_EVERY == 0 for seq, _ in files)
+        size = 0
+        for _, p in files:
+            try:
+                size += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return {"train": len(files) - held, "heldout": held, "bytes": size}
 
 
 def _metadata(path: Path) -> dict | None:
