@@ -97,6 +97,7 @@ def test_learner_resumes_from_its_checkpoint(stores, tiny_target):
     b.run(5)
     assert all(torch.equal(a.drafter.state_dict()[k], v) for k, v in b.drafter.state_dict().items())
     b.reset()
+    assert b.step == 0 and b.evaluate().gain == 0.0          # the serving version's weights again
     assert Learner(clean, d0, tiny_target, cfg=FAST).step == 0
 
 

@@ -101,3 +101,5 @@ def test_cli_train_then_release_refused_or_forced(learn_dir, tiny_target, make_d
     out = learn_dir / "versions" / "tiny-drafter@2"
     assert load_drafter(out).cfg.version == "2"
     assert '"decision": "forced"' in capsys.readouterr().out
+    assert learn_cli.main(["learn", "release", *common, "--force"]) == 2   # still based on @1
+    assert "released already" in capsys.readouterr().err

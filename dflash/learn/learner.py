@@ -213,10 +213,14 @@ class Learner:
         torch.set_rng_state(extra["torch_rng"])
 
     def reset(self) -> None:
-        """Drop the candidate's checkpoint (after a release or a refusal): the next run starts
-        from the serving version again."""
+        """Start the candidate afresh from the serving version (after a release): its
+        checkpoint is dropped, its weights, optimizer, step and curve reset."""
         for name in (ckpt.TENSORS, ckpt.META):
             (self.run_dir / name).unlink(missing_ok=True)
+        self.drafter.load_state_dict(self.serving.state_dict())
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr,
+                                     weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        self.step, self.seconds, self.loss, self.curve = 0, 0.0, float("nan"), []
 
 
 def _tuplify(x):

@@ -49,17 +49,24 @@ def next_version(version: str) -> str:
 def release(learner, *, force: bool = False) -> Path | None:
     """Gate the learner's candidate; when it passes (or ``force``, logged as such) write it as
     the next version and start the next candidate from scratch. Returns the version's
-    directory, or None when refused."""
+    directory, or None when refused.
+
+    Raises FileExistsError when that version was released already (a learner still based on
+    the version before it: restart it with the released version as its serving drafter)."""
+    cfg = learner.serving.cfg
+    version = next_version(cfg.version)
+    label = f"{cfg.name}@{version}"
+    target = Path(learner.dir) / "versions" / label
+    if target.exists():
+        raise FileExistsError(f"{target}: {label} was released already; the learner's serving "
+                              f"drafter is still {learner.base}")
     res = learner.evaluate()
     figures = dataclasses.asdict(res)
     figures.update(base=learner.base, step=learner.step)
     if not (res.release or force):
         log_decision(learner.dir, "refused", **figures)
         return None
-    cfg = learner.serving.cfg
-    version = next_version(cfg.version)
-    label = f"{cfg.name}@{version}"
-    out = learner.save_candidate(Path(learner.dir) / "versions" / label, version)
+    out = learner.save_candidate(target, version)
     log_decision(learner.dir, "released" if res.release else "forced", version=label,
                  path=str(out), **figures)
     learner.reset()

@@ -120,7 +120,11 @@ def cmd_release(a) -> int:
 
     lr = _learner(a)
     old = lr.base
-    out = rel.release(lr, force=a.force)
+    try:
+        out = rel.release(lr, force=a.force)
+    except FileExistsError as e:
+        print(f"dflash learn release: {e}", file=sys.stderr)
+        return 2
     last = rel.decisions(a.learn_dir)[-1]
     print(json.dumps(last))
     if out is None:
