@@ -15,6 +15,7 @@ import os
 import threading
 import time
 
+import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
@@ -52,7 +53,7 @@ class IdleLearner:
         return self._stop.is_set() or time.monotonic() - self.engine.last_draft < self.idle_s
 
     def _loop(self) -> None:
-        claim(self.threads, others=1)
+        claim(self.threads, others=torch.get_num_threads())   # the process default stays
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError) as e:
