@@ -252,3 +252,20 @@ def test_read_with_a_cache_rereads_only_what_changed(tmp_path):
     now = store.read("train", cache)
     assert [int(d["seq"]) for d in now] == [1] and now[0]["input_ids"].shape[0] == 45
     assert set(cache) == {1}
+
+
+def test_learn_flags_off_by_default_and_private_dir(make_drafter, tiny_target, tmp_path):
+    from dflash.learn.flags import capture_from_args
+    from drafter_svc.server import parse_args
+
+    card = DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target).card
+    base = ["--drafter", "d", "--target", str(tiny_target)]
+    assert capture_from_args(parse_args(base), card) is None
+    a = parse_args(base + ["--learn-dir", str(tmp_path / "l"), "--learn-bytes", "1000"])
+    cap = capture_from_args(a, card)
+    try:
+        assert cap.store.max_bytes == 1000 and cap.store.fingerprint == card.target_fingerprint
+        assert stat.S_IMODE(os.stat(tmp_path / "l").st_mode) == 0o700
+        assert cap.stop_ids                      # the target's end-of-turn id
+    finally:
+        cap.close()

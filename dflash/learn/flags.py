@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from dflash.learn.capture import Capture
 from dflash.learn.store import CaptureStore
 from dflash.serving.argtypes import at_least
 
+log = logging.getLogger("dflash.learn")
 #: Default byte budget of the capture store (--learn-bytes): ~5.8 kB a token for SmolLM2's
 #: five 576-wide bf16 taps, so about 90 k tokens.
 DEFAULT_BYTES = 512 << 20
@@ -48,8 +50,12 @@ def capture_from_args(a, card) -> Capture | None:
     Raises ValueError naming ``--learn-bytes`` for a budget below one byte."""
     if not a.learn_dir:
         return None
-    store = CaptureStore(Path(a.learn_dir) / "store", max_bytes=int(a.learn_bytes),
+    root = Path(a.learn_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)          # the candidates' weights are learned from users' traffic
+    store = CaptureStore(root / "store", max_bytes=int(a.learn_bytes),
                          fingerprint=card.target_fingerprint, layer_ids=card.target_layer_ids)
+    log.info("capturing served conversations into %s (at most %d bytes)", store.path, store.max_bytes)
     return Capture(store, stop_ids=stop_ids(a.target))
 
 
@@ -61,5 +67,7 @@ def learner_from_args(a, engine, registry=None):
     from dflash.learn.learner import Learner
 
     learner = Learner(a.learn_dir, a.drafter, a.target)
+    log.info("learning in this process after %.1f s without a draft request (%d threads)",
+             a.learn_idle_s, max(1, int(a.learn_threads)))
     return IdleLearner(engine, learner, idle_s=a.learn_idle_s, threads=max(1, int(a.learn_threads)),
                        registry=registry).start()
