@@ -151,13 +151,14 @@ class Capture:
         """Queue ``rec`` as it stands (called under the lock; the copy is what gets written)."""
         if not (rec.rows and rec.taps and rec.dirty):
             return
-        seq = to_sequence(rec.ids, torch.cat(rec.taps))
-        if int(seq["loss_mask"].sum()) < self.min_answer_tokens:
+        if sum(t != UNKNOWN for t in rec.ids) < self.min_answer_tokens:
             return
         if rec.seq is None:
             rec.seq = self.store.new_seq()
         rec.dirty = False
-        self._queue.put((rec.seq, seq))
+        # copies of the lists (the tensors are never written again): the writer thread
+        # concatenates, so a release on the serving path costs no tensor work
+        self._queue.put((rec.seq, list(rec.ids), list(rec.taps)))
 
     def flush_idle(self) -> None:
         """Queue every session quiet for ``idle_s`` (the writer thread calls it)."""
@@ -176,8 +177,9 @@ class Capture:
                 continue
             if item is None:
                 return
-            seq, conv = item
+            seq, ids, taps = item
             try:
+                conv = to_sequence(ids, torch.cat(taps))
                 if self.store.add(conv["input_ids"], conv["loss_mask"], conv["taps"], seq) is not None:
                     self.written += 1
             except Exception:                      # noqa: BLE001 -- capture must never stop serving
