@@ -61,34 +61,44 @@ def test_every_20th_conversation_is_held_out(tmp_path):
 
 
 WRITER = """
-import sys, torch
-from dflash.learn.store import CaptureStore
-s = CaptureStore(sys.argv[1], max_bytes=1 << 40)
-i = 0
+import os, sys, time, torch
+import dflash.learn.store as st
+real, files = os.write, [0]
+
+def write(fd, data):                # the 4th file: half written, then held until killed
+    if files[0] == 3:
+        real(fd, bytes(data[:len(data) // 2]))
+        print("mid", flush=True)
+        time.sleep(60)
+    return real(fd, data)
+
+st.os.write = write
+s = st.CaptureStore(sys.argv[1], max_bytes=1 << 40)
 while True:
     s.add(torch.arange(20000), torch.ones(20000, dtype=torch.uint8), torch.randn(20000, 256).bfloat16())
-    i += 1
-    print(i, flush=True)
+    files[0] += 1
+    print(files[0], flush=True)
 """
 
 
-def test_sigkill_during_writes_leaves_a_valid_store(tmp_path):
+def test_sigkill_during_a_write_leaves_a_valid_store(tmp_path):
     d = tmp_path / "s"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE, env=env)
     try:
-        for _ in range(3):                # several files done, the next one being written
-            assert proc.stdout.readline(), "the writer died"
-        time.sleep(0.05)
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+        assert lines == [b"1", b"2", b"3", b"mid"], lines
+        assert len(list(d.glob("*.tmp"))) == 1            # killed mid-write, really
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     store = CaptureStore(d, max_bytes=1 << 40)
     assert not list(d.glob("*.tmp"))      # a new writer clears a killed one's temp file
     got = store.read("train") + store.read("heldout")
-    assert len(got) >= 3 and len(got) == len(store.files())
+    assert len(got) == 3 == len(store.files())
     assert all(g["taps"].shape == (20000, 256) and torch.equal(g["input_ids"], torch.arange(20000))
                for g in got)
+    assert store.add(*_conv(10, 0)).name == "conv_00000003.safetensors"   # numbering goes on
 
 
 def _req(sid, start, ctx, anchor, block, no_learn=False):
