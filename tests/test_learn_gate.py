@@ -128,3 +128,16 @@ def test_score_is_paired_by_conversation(stores, tiny_target):
     b = score(lr.serving, lr.head, list(reversed(held)))
     assert sorted(a, key=lambda s: s.seq) == sorted(b, key=lambda s: s.seq)
     assert [s.seq for s in a] == [int(c["seq"]) for c in held]
+
+
+def test_training_softmax_is_the_seen_ids_then_the_full_vocabulary(stores, tiny_target):
+    d0, _, clean, _ = stores
+    lr = Learner(clean, d0, tiny_target, cfg=dataclasses.replace(FAST, max_steps=10, full_vocab_after=0.5))
+    lr.reset()
+    lr.reload()
+    head_w, label_map = lr.softmax_head()
+    seen = torch.unique(torch.cat([c["input_ids"] for c in lr.train_convs]))
+    assert head_w.shape[0] == len(seen) < lr.head.vocab_size
+    assert (label_map[seen] >= 0).all() and torch.equal(head_w[label_map[seen]], lr.head.lm_head[seen])
+    lr.run(5)
+    assert lr.softmax_head()[1] is None and lr.softmax_head()[0] is lr.head.lm_head

@@ -46,6 +46,8 @@ class LearnConfig:
     ckpt_every: int = 25            # optimizer steps between checkpoints
     eval_every: int = 50            # optimizer steps between held-out points of the curve
     margin: float = 0.02            # the gate's relative τ margin
+    vocab_subset: bool = True       # softmax over the ids seen in the captured answers ...
+    full_vocab_after: float = 0.8   # ... until this fraction of max_steps, then the full one
     seed: int = 0
 
 
@@ -77,6 +79,7 @@ class Learner:
         self.curve: list[dict] = []
         self.train_convs: list[dict[str, torch.Tensor]] = []
         self._cache: dict[str, dict] = {"train": {}, "heldout": {}}   # files read, by split
+        self._softmax: tuple[torch.Tensor, torch.Tensor] | None = None
         self.run_dir = self.dir / "run"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -91,7 +94,22 @@ class Learner:
         """Re-read the training split (conversations written meanwhile); returns its size."""
         self.train_convs = [c for c in self.store.read("train", self._cache["train"])
                             if len(valid_anchors(c["loss_mask"]))]
+        self._softmax = None
+        if self.cfg.vocab_subset and self.train_convs:
+            # every id a label can be (the trainer's subset: ids seen in the data)
+            vocab = torch.unique(torch.cat([c["input_ids"] for c in self.train_convs])).to(self.device)
+            label_map = torch.full((self.head.vocab_size,), -1, dtype=torch.int64, device=self.device)
+            label_map[vocab] = torch.arange(len(vocab), device=self.device)
+            self._softmax = (self.head.lm_head[vocab].contiguous(), label_map)
         return len(self.train_convs)
+
+    def softmax_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(LM head rows, id -> row map) of this step's training softmax (the trainer's
+        ``softmax_head``: the seen ids first, the full vocabulary from ``full_vocab_after``)."""
+        late = self.step >= self.cfg.full_vocab_after * self.cfg.max_steps
+        if self._softmax is None or late:
+            return self.head.lm_head, None
+        return self._softmax
 
     def heldout(self) -> list[dict[str, torch.Tensor]]:
         return self.store.read("heldout", self._cache["heldout"])
@@ -118,8 +136,8 @@ class Learner:
                             mask_token_id=cfg.mask_token_id, gamma=self.gamma).to(self.device)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_now()
-        loss, _ = batch_loss(self.drafter, self.head, batch, self.head.lm_head, None,
-                             self.cfg.logit_chunk)
+        head_w, label_map = self.softmax_head()
+        loss, _ = batch_loss(self.drafter, self.head, batch, head_w, label_map, self.cfg.logit_chunk)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
