@@ -12,24 +12,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
-from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
+from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
-from dflash.core.sampling import coupled_choice, position_noise, probs_from_logits, sample_from
 from dflash.serving.threads import claim
+from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
+from drafter_svc.forward import append_context, draft_blocks
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
@@ -40,6 +40,9 @@ from kernels.skinny_linear import (
     tune_packed,
     tuning_summary,
 )
+
+if TYPE_CHECKING:
+    from dflash.learn.capture import Capture
 
 log = logging.getLogger("dflash.drafter")
 T = TypeVar("T")
@@ -94,12 +97,14 @@ class DrafterEngine:
             verifier's steps without speculation. "normal" = the process's policy. Where the
             policy cannot be set (not Linux) the thread keeps the process's, with a warning.
             Raises ValueError for other values.
+        capture: records what each call carries for the online learner
+            (``dflash.learn.capture.Capture``; it only reads requests and drafts); None = off.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
-                 context_sched: str = "idle"):
+                 context_sched: str = "idle", capture: Capture | None = None):
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -121,7 +126,7 @@ class DrafterEngine:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=self._compute_thread, initargs=(threads,))
         self._context = ThreadPoolExecutor(1, thread_name_prefix="drafter-context",
-                                           initializer=_context_thread,
+                                           initializer=context_thread_init,
                                            initargs=(context_threads, context_sched)) \
             if context_threads else None
         if draft_vocab is not None:
@@ -134,6 +139,8 @@ class DrafterEngine:
         self.pool = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads,
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
+        self.capture = capture
+        self.last_draft = 0.0        # time.monotonic() of the last call's arrival (learner's idle clock)
         self._sessions: dict[str, _SessionCtx] = {}
         self._spill_checked = 0.0
         self._lock = threading.Lock()
@@ -236,6 +243,7 @@ class DrafterEngine:
         column 0, blocks right-padded, a mask hiding what lies past each). A bad item fails
         alone. Runs on the engine's compute thread, or its context thread when no item has a
         block to draft (the caller waits either way, so calls keep their order)."""
+        self.last_draft = time.monotonic()     # a learner in this process yields to it now
         if threading.get_ident() == self._compute_ident:   # from on_compute_thread
             return self._propose_on(requests)
         pool = self._compute
@@ -253,7 +261,8 @@ class DrafterEngine:
                     sessions.append((i, r, self._session_for(r)))
                 except DraftError as e:
                     out[i] = e
-            self._append_context(sessions)
+            append_context(self.drafter, self.pool, [(r, s) for _, r, s in sessions],
+                           self.head.embed.dtype, self.device)
             drafting = []
             for i, r, sess in sessions:
                 if r.block_size <= 1:
@@ -265,10 +274,17 @@ class DrafterEngine:
             if drafting:
                 logits = self._draft_blocks([(r, sess) for _, r, sess in drafting])
                 for (i, r, sess), lg in zip(drafting, logits):
-                    p = out[i] = self._sample(r, sess, lg)
+                    p, sess.generator = choose_drafts(
+                        r, lg, length=sess.length, generator=sess.generator,
+                        draft_vocab=self.draft_vocab, vocab_size=self.cfg.vocab_size,
+                        device=self.device)
+                    out[i] = p
                     if r.top_k:
                         p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
-        return _to_host(out, self.device)
+        done = _to_host(out, self.device)
+        if self.capture is not None:
+            self.capture.observe(requests, done)
+        return done
 
     def on_compute_thread(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the engine's compute thread (its torch threads, its OpenMP team),
@@ -293,12 +309,16 @@ class DrafterEngine:
         with self._lock:
             self._sessions.clear()
             self.pool.collect()
+        if self.capture is not None:
+            self.capture.close()
 
     def release(self, session_ids: list[str]) -> None:
         with self._lock:
             for s in session_ids:
                 self._sessions.pop(s, None)
             self.pool.collect()
+        if self.capture is not None:
+            self.capture.end(session_ids)
 
     # ------------------------------------------------------------------ internals
     def _session_for(self, r: ProposalRequest) -> _SessionCtx:
@@ -326,113 +346,13 @@ class DrafterEngine:
         sess.last_used = time.monotonic()
         return sess
 
-    def _append_context(self, sessions) -> None:
-        """New context rows of every session through ``fc``/``k_proj``/``v_proj`` in one call
-        (per-position work: the rows of all sessions form one sequence with their own positions),
-        each session's slice then written into its pool row at its length."""
-        parts = [(r, sess) for _, r, sess in sessions if r.context.shape[0]]
-        if not parts:
-            return
-        dtype, dev = self.head.embed.dtype, self.device
-        feats = to_device(torch.cat([r.context for r, _ in parts]), dev).to(dtype)[None]
-        pos = torch.cat([torch.arange(s.length, s.length + r.context.shape[0], device="cpu")
-                         for r, s in parts])[None]
-        new_kv = self.drafter.context_kv(feats, to_device(pos, dev))   # per layer [1, kvh, sum n, d]
-        pool = self.pool
-        for _, sess in parts:
-            pool.ensure_resident(sess.seq)
-        pool.reserve(max(s.length + r.context.shape[0] for r, s in parts))
-        start = 0
-        for r, sess in parts:
-            n = r.context.shape[0]
-            for layer, (k, v) in enumerate(new_kv):
-                pool.write(layer, sess.seq.row, sess.length,
-                           k[:, :, start:start + n], v[:, :, start:start + n])
-            pool.advance([sess.seq], [n])
-            start += n
-
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
-        """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one),
-        all blocks in one drafter forward.
-
-        The items' sessions go onto pool rows ``0..b-1`` (``KVPool.arrange``: only sessions
-        not there yet move) and the drafter reads ``K[:b, :, :n_max]`` in place;
-        row i's context fills columns ``[0, length_i)`` and the mask hides the rest of them
-        (stale or zero, always finite) and the padding of shorter blocks."""
-        cfg = self.cfg
-        pool = self.pool
-        b = len(items)
-        order = list(range(b))
-        if b > 1:                                # row r holds items[order[r]]
-            slots = pool.arrange([s.seq for _, s in items])
-            order = sorted(range(b), key=slots.__getitem__)
-            items = [items[i] for i in order]
-        n_max = max(s.length for _, s in items)
-        q = max(r.block_size for r, _ in items)
-        dev, host = self.device, "cpu"           # built on the host, copied once (to_device)
-        block = torch.full((b, q), cfg.mask_token_id, dtype=torch.int64, device=host)
-        positions = torch.empty((b, q), dtype=torch.int64, device=host)
-        for i, (r, s) in enumerate(items):
-            block[i, 0] = r.anchor_token
-            positions[i] = torch.arange(s.length, s.length + q, device=host)
-        if b == 1:                               # the row's own context: attend everywhere
-            kv = pool.views(pool.ensure_resident(items[0][1].seq), 1, n_max)
-            mask = ctx_pos = None
-        else:
-            kv = pool.views(0, b, n_max)
-            keys = torch.arange(n_max + q, device=host)
-            lens = torch.tensor([s.length for _, s in items], device=host)[:, None]       # [b, 1]
-            blocks = torch.tensor([r.block_size for r, _ in items], device=host)[:, None]  # [b, 1]
-            ok = torch.where(keys < n_max, keys < lens, keys - n_max < blocks)    # [b, n+q]
-            mask = to_device(ok, dev)[:, None, None, :].expand(b, 1, q, n_max + q)
-            # column = position (sliding layers)
-            ctx_pos = torch.arange(n_max, device=dev).expand(b, n_max)
-        hidden = self.drafter(self.head.embed_tokens(to_device(block, dev)),
-                              to_device(positions, dev), kv, mask, context_positions=ctx_pos)
-        # One LM-head product for every block's rows: a product per block would stream the
-        # whole head (N x H) once per block, for a few rows each.
-        sizes = [r.block_size - 1 for r, _ in items]
-        rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
-        by_row = self.head.logits(rows, self._draft_head).split(sizes)
-        out: list[torch.Tensor] = [by_row[0]] * b
-        for row, i in enumerate(order):
-            out[i] = by_row[row]
-        return out
-
-    def _sample(self, r: ProposalRequest, sess: _SessionCtx, logits: torch.Tensor) -> Proposal:
-        """Drafts (and q for unseeded sampled drafts) in target ids: with a draft vocabulary,
-        logits are over its ids and q is scattered into a full-vocabulary [k, V] tensor, zero
-        elsewhere. Seeded drafts are ``argmax(q_t / position_noise(seed, t))`` for the sequence
-        indices t after the anchor (``dflash.core.sampling.position_noise``), sent without q."""
-        ids = self.draft_vocab
-        if r.sampling.greedy:
-            tok = logits.argmax(-1)
-            return Proposal(tokens=ids[tok] if ids is not None else tok)
-        probs = probs_from_logits(logits, r.sampling)
-        if r.sampling.seed is not None:
-            # the verifier's own noise for these sequence indices (the anchor sits at
-            # sess.length): coupled, a draft is accepted iff the target's race picks it too
-            first = sess.length + 1
-            noise = position_noise(r.sampling.seed, range(first, first + probs.shape[0]),
-                                   self.cfg.vocab_size, self.device)
-            tok = coupled_choice(probs, noise if ids is None else noise[:, ids])
-            # no q: coupled verification never reads it (and it is [k, V] floats on the wire)
-            return Proposal(tokens=ids[tok] if ids is not None else tok)
-        if sess.generator is None:
-            sess.generator = r.sampling.generator(self.device)
-        tok = sample_from(probs, sess.generator)
-        if ids is None:
-            return Proposal(tokens=tok, probs=probs)
-        full = probs.new_zeros((probs.shape[0], self.cfg.vocab_size))
-        full[:, ids] = probs
-        return Proposal(tokens=ids[tok], probs=full)
+        """Logits [block_size - 1, N] per item, all blocks in one forward (``forward.draft_blocks``)."""
+        return draft_blocks(self.drafter, self.head, self.pool, items, self._draft_head)
 
     def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`top_k_logprobs` of this block's draft logits, ids in the target vocabulary."""
-        idx, vals = top_k_logprobs(logits, k)
-        if self.draft_vocab is not None:
-            idx = self.draft_vocab[idx]
-        return idx, vals
+        """``drafts.top_k_logprobs`` of one block's logits, ids in the target vocabulary."""
+        return top_k_in_target_ids(logits, k, self.draft_vocab)
 
     #: Sessions not drafted for this long leave the pool for tensors of their own length
     #: (a kept conversation between turns), so idle ones do not hold rows sized to the longest.
@@ -451,53 +371,8 @@ class DrafterEngine:
         while len(self._sessions) > self.max_sessions:
             oldest = min(self._sessions, key=lambda s: self._sessions[s].last_used)
             del self._sessions[oldest]
-
-
-def top_k_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's top ``k`` per draft position, what DDTree builds its tree from
-    (Ringel & Romano, arXiv 2604.12989; liranringel/ddtree ``build_ddtree_tree``: float32
-    log-softmax of the draft logits, top-k per depth).
-
-    Args:
-        logits: float32 [K, N] of this block's drafts (N = draft vocabulary size when there
-            is one, else V), the very logits the drafts came from (no second forward).
-        k: 1 <= k <= MAX_TOP_K; more than N gives N columns.
-    Returns:
-        (ids int64 [K, c]: columns of ``logits``, i.e. draft-vocabulary rows when there is
-        one; logprobs float32 [K, c], descending per row), c = min(k, N): log-softmax at
-        temperature 1 whatever the request's sampling. Column 0 is ``argmax(logits)`` (its
-        first index among ties), the greedy draft.
-    """
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    n = lp.shape[-1]
-    c = min(k, n)
-    vals, idx = lp.topk(min(max(k, 2), n), dim=-1)   # >= 2 columns: a tie for the top shows
-    # topk does not promise argmax's first-index rule on ties (common in bf16 logits), yet
-    # column 0 must be the greedy chain's draft: put argmax first, and the column it held
-    # (if among the top) where it was. Its log-prob is the row's max (rounding is monotone),
-    # so the row stays sorted; a row without a tie is unchanged (its top is the argmax).
-    # Whole-tensor ops: no host round trip per row.
-    first = logits.argmax(-1)                                      # [K]
-    hit = idx == first[:, None]                                    # [K, c']
-    at = hit.to(torch.int64).argmax(-1)                            # first's column, or 0
-    rows = torch.arange(idx.shape[0], device=idx.device)
-    idx[rows, at] = torch.where(hit.any(-1), idx[:, 0], idx[rows, at])
-    idx[:, 0] = first
-    vals, idx = vals[:, :c], idx[:, :c]
-    return idx, vals
-
-
-def _context_thread(threads: int, sched: str) -> None:
-    """Initializer of the context thread: ``threads`` torch threads for this thread only (the
-    process default for threads started later is left as it was), and ``SCHED_IDLE`` when
-    ``sched`` is "idle" (Linux ``sched_setscheduler`` on the calling thread; an unprivileged
-    thread may lower its own policy)."""
-    claim(threads, others=torch.get_num_threads())
-    if sched == "idle":
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError) as e:
-            log.warning("context thread keeps the process's scheduling policy: %s", e)
+            if self.capture is not None:
+                self.capture.end([oldest])
 
 
 def _to_host(out: list, device: torch.device) -> list:
@@ -509,9 +384,11 @@ def _to_host(out: list, device: torch.device) -> list:
         return out
     for p in out:
         if isinstance(p, Proposal):
-            for name in ("tokens", "probs", "top_ids", "top_logprobs"):
-                t = getattr(p, name)
-                if t is not None and t.device.type == "cuda":
-                    setattr(p, name, t.to("cpu", non_blocking=True))
+            p.tokens = p.tokens.to("cpu", non_blocking=True)    # a no-op for host tensors
+            if p.probs is not None:
+                p.probs = p.probs.to("cpu", non_blocking=True)
+            if p.top_ids is not None and p.top_logprobs is not None:
+                p.top_ids = p.top_ids.to("cpu", non_blocking=True)
+                p.top_logprobs = p.top_logprobs.to("cpu", non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
     return out

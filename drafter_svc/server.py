@@ -7,6 +7,7 @@ import logging
 import os
 
 from dflash.core.device import DeviceError, add_device_args
+from dflash.learn.flags import add_learn_args, capture_from_args, learner_from_args
 from dflash.serving.argtypes import at_least, one_of
 from dflash.serving.server import (
     BindError,
@@ -67,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Linux scheduling policy of the thread running context-only calls: idle "
                         "(SCHED_IDLE: only on a core nothing else wants, i.e. in the verifier's "
                         "gaps) or normal [DFLASH_CONTEXT_SCHED]")
+    add_learn_args(p)
     add_common_args(p)
     return p.parse_args(argv)
 
@@ -113,6 +115,8 @@ def main(argv=None) -> None:
         serve_metrics(telemetry.registry, a.metrics_port, a.metrics_host)
     logging.getLogger("dflash.drafter").info("listening on port %d (NOT_SERVING while loading)", rt.port)
     engine = load_engine(a, device, threads)
+    engine.capture = capture_from_args(a, engine.card)   # after warmup: its draft is not kept
+    learner = learner_from_args(a, engine, telemetry.registry)
     n = engine.draft_vocab.numel() if engine.draft_vocab is not None else engine.cfg.vocab_size
     logging.getLogger("dflash.drafter").info("draft vocabulary: %d of %d ids; %s, %s", n,
                                              engine.cfg.vocab_size, engine.device, engine.card.dtype)
@@ -120,6 +124,8 @@ def main(argv=None) -> None:
     rt.set_serving(True)
     logging.getLogger("dflash.drafter").info("SERVING %s on port %d", engine.card.label, rt.port)
     def on_stop() -> None:
+        if learner is not None:
+            learner.close()
         engine.close()
         telemetry.shutdown()
 

@@ -79,7 +79,8 @@ def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
     return ProposalRequest(session_id=item.session_id, context_start=item.context_start,
                            context=wire.from_proto(item.context, "context"),
                            anchor_token=item.anchor_token, block_size=item.block_size,
-                           sampling=sampling_from_proto(item.sampling), top_k=item.top_k)
+                           sampling=sampling_from_proto(item.sampling), top_k=item.top_k,
+                           no_learn=item.no_learn)
 
 
 def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:

@@ -87,7 +87,8 @@ def test_the_meta_default_does_catch_an_implicit_device():
 
 STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
              "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py",
-             "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "dflash/core/kv_pool.py",
+             "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "drafter_svc/forward.py",
+             "drafter_svc/drafts.py", "dflash/core/kv_pool.py",
              "dflash/core/wire.py", "dflash/core/sampling.py", "kernels/__init__.py",
              "kernels/reference.py", "dflash/core/logits_processors.py"]
 HOST = ("tolist", "item", "numpy", "cpu")

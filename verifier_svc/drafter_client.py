@@ -265,7 +265,7 @@ class RemoteProposer:
                 session_id=r.session_id, context_start=r.context_start, context=t,
                 anchor_token=r.anchor_token, block_size=r.block_size,
                 sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller,
-                top_k=r.top_k))
+                top_k=r.top_k, no_learn=r.no_learn))
         self.last_wire_bytes = nbytes
         return items
 

@@ -89,6 +89,7 @@ class DraftItem:
     sampling: Sampling
     trace_context: dict[str, str]
     top_k: int = 0                     # alternatives wanted per draft position (a tree); 0 = chain
+    no_learn: bool = False             # its tenant opted out of online learning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,8 @@ class DrafterSync:
                                context=it.state.taps.rows(start), anchor_token=it.anchor,
                                block_size=block_size, sampling=it.sampling,
                                trace_context=it.trace_context,
-                               top_k=it.top_k if block_size > 1 else 0)   # nothing to rank
+                               top_k=it.top_k if block_size > 1 else 0,   # nothing to rank
+                               no_learn=it.no_learn)
 
     def _send_context(self, proposer: ContextSender, items: list[DraftItem]) -> None:
         """Context-only update nothing this step waits for; the held length advances now."""

@@ -456,7 +456,8 @@ class VerifierEngine:
                          anchor=s.tokens[-1], k=sh.k,
                          room=j.block_limit > 1 and req.max_tokens - j.emitted > 1,
                          sampling=req.sampling.for_drafter(), trace_context=ctx,
-                         top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0)
+                         top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
+                         no_learn=req.no_learn)
 
     @staticmethod
     def _verify(jobs: list[Job], drafts: list[DraftOutcome], trees: list[DraftTree | None],

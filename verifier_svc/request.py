@@ -60,6 +60,7 @@ class Request:
     prefix_group: str = ""              # may share prompt KV with this group's sessions ("" = none)
     tenant: str = ""                    # whose recent answers may be suffix candidates (the
     #                                     gateway's client identity; "" = the anonymous tenant)
+    no_learn: bool = False              # the tenant opted out: drafters never capture it (--no-learn-tenants)
     trace: RequestTrace | None = None
 
     @property

@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=env("DFLASH_SUFFIX_ANSWER_TOTAL", "262144"),
                    help="tokens of recent answers kept over all tenants (least recently used "
                         "tenants dropped first) [DFLASH_SUFFIX_ANSWER_TOTAL]")
+    p.add_argument("--no-learn-tenants", default=env("DFLASH_NO_LEARN_TENANTS", ""),
+                   help="comma-separated tenants (API key names) whose sessions a drafter with "
+                        "--learn-dir never captures (docs/learning.md) [DFLASH_NO_LEARN_TENANTS]")
     p.add_argument("--tree-budget", type=in_range(1, MAX_TREE_BUDGET),
                    default=env("DFLASH_TREE_BUDGET", str(DEFAULT_TREE_BUDGET)),
                    help="nodes of a draft tree in mode tree when the request names none "
@@ -248,6 +251,7 @@ def main(argv=None) -> None:
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker,
            upstream_tls=upstream_tls)
     rt.servicer.require_registered = not a.allow_unregistered_drafters
+    rt.servicer.no_learn_tenants = frozenset(t for t in a.no_learn_tenants.split(",") if t)
     stop = threading.Event()
 
     def sweeper():

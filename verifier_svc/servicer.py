@@ -83,6 +83,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.pool = pool
         self.metrics = metrics
         self.require_registered = require_registered
+        self.no_learn_tenants: frozenset[str] = frozenset()   # never captured by a learning drafter
         self._registered: set[str] = set()    # addresses whose CheckDrafter succeeded
         self._registered_lock = threading.Lock()
         self.owners = SessionOwners()
@@ -192,7 +193,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
                        block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
                        tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group,
-                       tenant=m.tenant)
+                       tenant=m.tenant, no_learn=m.tenant in self.no_learn_tenants)
 
     def _proposer(self, m, context):
         spec = m.speculation

@@ -55,6 +55,7 @@ class ProposalRequest:
     sampling: Sampling
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C, this request's step span
     top_k: int = 0              # alternatives per draft position (Proposal.top_ids); 0 = none
+    no_learn: bool = False      # its tenant opted out: never captured (dflash.learn.capture)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.tools import top
 
     top.add_parser(sub)
+    from dflash.tools import learn
+
+    learn.add_parser(sub)
     m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
     try:
         from dflash.tools import moe_convert

@@ -3,7 +3,7 @@ budget commits, walked over the probe's anchors as the greedy decode loop would 
 
 At each anchor ``a`` the drafter's block ``[token a, MASK x (B-1)]`` (the same forward as
 ``dflash.tools.diagnose_tf``) gives a distribution per draft position; its top-k per position
-(``drafter_svc.engine.top_k_logprobs`` over the rows drafts are read through, what the
+(``drafter_svc.drafts.top_k_logprobs`` over the rows drafts are read through, what the
 drafter serves) goes to the verifier's own ``verifier_svc.tree.build_tree``.
 Under greedy decoding the target's token after a path equals its continuation's next token, so
 the walk from the root follows the child carrying ``ids[a + d + 1]`` at depth ``d``; the step
@@ -35,7 +35,7 @@ def drafter_tops(drafter: DFlashDrafter, target_head: TargetHead, head: Head,
     ``min(B - 1, K)`` positions): what a tree of any of ``budgets`` is built from. ``drafter`` /
     ``layer_ids`` / ``mask_token_id``: the saved setting (what is served); ``head``: the rows
     drafts are read through (the draft vocabulary, if any)."""
-    from drafter_svc.engine import top_k_logprobs
+    from drafter_svc.drafts import top_k_logprobs
 
     top_k = max(budgets)
     B = drafter.cfg.block_size
