@@ -151,7 +151,7 @@ def test_trainer_and_evaluate_create_no_tensor_on_an_implicit_device(tiny, tmp_p
     """Training steps (vocabulary subset, then full; distillation), the held-out evaluation,
     checkpoints, the final save with a warm-start vocabulary, and the greedy DFlash loop."""
     from dflash.core.checkpoint import load_drafter, load_target_head
-    from dflash.train import ckpt
+    from dflash.recipe import ckpt
     from dflash.train.evaluate import dflash_greedy
     from dflash.train.featcache import as_numpy_seq
     from dflash.train.tokdata import TokenStore

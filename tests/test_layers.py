@@ -21,6 +21,8 @@ ALLOWED = {
     "core": {"core", "v1"},
     "serving": {"core", "serving", "v1"},
     "client": {"client", "v1"},
+    "recipe": {"core", "recipe"},
+    "learn": {"core", "serving", "recipe", "learn", "v1"},
 }
 
 

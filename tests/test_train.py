@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from dflash.tools.testing import make_tiny_target
-from dflash.train.blocks import block_mask, build_batch, position_weights, valid_anchors
+from dflash.recipe.blocks import block_mask, build_batch, position_weights, valid_anchors
 from dflash.train.featcache import as_numpy_seq
 from dflash.train.tokdata import TokenStore
-from dflash.train.trainer import TrainConfig, Trainer, batch_loss
+from dflash.recipe.loss import batch_loss
+from dflash.train.trainer import TrainConfig, Trainer
 
 B = 4
 MASK_ID = 259          # "<|mask|>" of the tiny byte tokenizer
@@ -142,7 +143,7 @@ def test_torn_checkpoint_is_refused(tiny):
     """The JSON and the tensors of a checkpoint must be of the same step."""
     import json
 
-    from dflash.train import ckpt
+    from dflash.recipe import ckpt
 
     t = Trainer(_cfg(tiny, "torn", max_steps=3, vocab_subset=True))
     t.train()

@@ -2,7 +2,7 @@
 the held-out conversations, by a margin, in a paired test.
 
 Both drafters are scored teacher-forced on the same blocks (the trainer's held-out measure,
-``dflash.train.trainer.batch_loss`` over the full vocabulary): per held-out conversation, fixed
+``dflash.recipe.loss.batch_loss`` over the full vocabulary): per held-out conversation, fixed
 anchors (seeded by its number), accepted drafts per block. The statistic is the relative gain
 in τ = 1 + accepted / blocks over all conversations; a paired bootstrap over conversations
 (resampling whole conversations, both drafters together) gives its one-sided lower bound, and
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from dflash.core.modeling import DFlashDrafter, TargetHead
-from dflash.train.blocks import build_batch, sample_anchors, valid_anchors
-from dflash.train.trainer import batch_loss
+from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
+from dflash.recipe.loss import batch_loss
 
 
 @dataclasses.dataclass(frozen=True)

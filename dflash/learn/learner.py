@@ -3,7 +3,7 @@
 The recipe is the trainer's (``dflash.train.trainer``): random anchors per conversation each
 step, blocks ``[anchor, MASK x (B-1)]``, loss weighted ``exp(-(k-1)/gamma)``, the target's head
 frozen, AdamW, warmup then cosine decay; warm start from the serving version. Checkpoints
-(``dflash.train.ckpt``: safetensors + JSON, no pickle) go to ``<learn_dir>/run`` every
+(``dflash.recipe.ckpt``: safetensors + JSON, no pickle) go to ``<learn_dir>/run`` every
 ``ckpt_every`` steps, so a killed learner resumes; a checkpoint of another base version is not
 resumed. Training runs in :meth:`Learner.run` one optimizer step at a time and stops between
 steps as soon as ``should_stop()`` says so (a draft request arrived): serving keeps priority.
@@ -25,9 +25,9 @@ import torch
 from dflash.core.checkpoint import load_drafter, load_target_head, save_drafter
 from dflash.learn.gate import GateResult, gate, score
 from dflash.learn.store import CaptureStore
-from dflash.train import ckpt
-from dflash.train.blocks import build_batch, sample_anchors, valid_anchors
-from dflash.train.trainer import batch_loss
+from dflash.recipe import ckpt
+from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
+from dflash.recipe.loss import batch_loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ One file per conversation, ``<dir>/conv_<seq:08d>.safetensors`` (seq = capture o
   ``taps``       bfloat16 [n, kH]  the target's tap features at each position (last row zeros:
                                    the last token's taps never reach the drafter)
 metadata: ``split`` ("train" | "heldout"), ``target_fingerprint``, ``target_layer_ids`` (JSON).
-The dicts :meth:`CaptureStore.read` returns are what ``dflash.train.blocks.build_batch`` takes.
+The dicts :meth:`CaptureStore.read` returns are what ``dflash.recipe.blocks.build_batch`` takes.
 
 Every ``HELDOUT_EVERY``-th conversation (seq % 20 == 0) is held out: never trained on, it is the
 release gate's slice. Files are written to ``.tmp`` names (mode 0600), fsynced and renamed, so a

@@ -4,7 +4,7 @@ The target generates a greedy continuation of each prompt once (batched), keepin
 hidden states; then, for each drafter *setting* (the saved config, target_layer_ids shifted,
 another mask token, ...), one batched drafter pass scores every anchor ``a`` of every response:
 the block ``[token a, MASK x (B-1)]`` at positions ``a .. a+B-1`` sees the taps of positions
-``< a`` (the training mask, ``dflash.train.blocks``), and draft position ``k`` is compared with
+``< a`` (the training mask, ``dflash.recipe.blocks``), and draft position ``k`` is compared with
 the target's token at ``a + k``. Under greedy decoding that token is exactly what the verifier
 would accept after ``k - 1`` accepted drafts, so per anchor:
 

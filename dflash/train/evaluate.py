@@ -102,10 +102,10 @@ def chat_prompts(n: int) -> list[list[dict]]:
 
 def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
     """Drafter weights (float32, on the host) from a trainer run directory's checkpoint
-    (``ckpt.safetensors`` + ``ckpt.json``, :mod:`dflash.train.ckpt`). Raises
+    (``ckpt.safetensors`` + ``ckpt.json``, :mod:`dflash.recipe.ckpt`). Raises
     ``FileNotFoundError`` when there is none."""
     from dflash.core.checkpoint import load_target_head
-    from dflash.train import ckpt
+    from dflash.recipe import ckpt
     from dflash.train.trainer import TrainConfig, drafter_config
 
     got = ckpt.load(Path(run_dir))

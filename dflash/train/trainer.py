@@ -2,11 +2,11 @@
 
 The target's embedding and LM head are frozen (:class:`dflash.core.modeling.TargetHead`); only the
 drafter trains. Each step takes ``seqs_per_step`` sequences (an epoch is a fresh permutation) and
-``anchors_per_seq`` fresh random anchors per sequence (:mod:`dflash.train.blocks`). Loss: CE
+``anchors_per_seq`` fresh random anchors per sequence (:mod:`dflash.recipe.blocks`). Loss: CE
 weighted by ``exp(-(k-1)/gamma)`` normalised by the weight sum. AdamW, linear warmup then cosine
 decay; with a time budget the schedule runs on elapsed training time, so a budgeted run always
 finishes its decay. Checkpoints (drafter + optimizer + step + RNG) go to ``<run_dir>/ckpt.{safetensors,json}``
-(:mod:`dflash.train.ckpt`, no pickle).
+(:mod:`dflash.recipe.ckpt`, no pickle).
 
 The LM head (49152 x 576) dominates the cost. ``vocab_subset`` restricts the training softmax to
 the token ids that occur in the training data (an approximation: ids never seen are not pushed
@@ -31,8 +31,9 @@ from dflash.core.checkpoint import load_target_head, save_drafter, target_finger
 from dflash.core.config import DrafterConfig, default_target_layer_ids
 from dflash.core.draft_vocab import build_draft_vocab, save_draft_vocab
 from dflash.core.modeling import DFlashDrafter, TargetHead
-from dflash.train import ckpt
-from dflash.train.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
+from dflash.recipe import ckpt
+from dflash.recipe.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
+from dflash.recipe.loss import batch_loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,80 +96,6 @@ def drafter_config(cfg: TrainConfig, tcfg: dict, head: TargetHead) -> DrafterCon
         target_layer_ids=tuple(default_target_layer_ids(tcfg["num_hidden_layers"], cfg.num_taps)),
         num_target_layers=tcfg["num_hidden_layers"], name=cfg.name, version=cfg.version,
         target_fingerprint=target_fingerprint(tcfg, head.embed))
-
-
-def weighted_ce(hidden: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor, chunk: int, soft_ids: torch.Tensor | None = None,
-                soft_p: torch.Tensor | None = None, kl_weight: float = 0.0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of the weighted loss and argmax predictions, logits computed ``chunk`` rows at a time.
-
-    hidden [M, H]; head_w [V', H]; labels [M] in [0, V'); weights [M] (float32).
-    With ``kl_weight`` w > 0, soft_ids [M, K] (rows of head_w, -1 = not in the softmax) and
-    soft_p [M, K] (float32, the target's top-k probabilities renormalised, 0 where unused) add
-    self-logit distillation: per row ``(1-w) CE(label) + w * (-sum_k p_k log q(id_k))``, the
-    cross-entropy to the target's distribution (KL up to the target's constant entropy).
-    Returns (sum_m w_m * loss_m, predictions [M]). Chunks are recomputed in backward
-    (activation checkpointing), so peak memory holds one chunk of logits.
-    """
-    soft = kl_weight > 0 and soft_ids is not None
-
-    def part(h, y, w, si=None, sp=None):
-        logits = F.linear(h, head_w).float()
-        lsm = torch.log_softmax(logits, -1)
-        loss = -lsm.gather(1, y[:, None])[:, 0]
-        if si is not None:
-            kl = -(sp * lsm.gather(1, si.clamp_min(0))).sum(-1)
-            loss = (1 - kl_weight) * loss + kl_weight * kl
-        return (loss * w).sum(), logits.argmax(-1)
-
-    total, preds = hidden.new_zeros((), dtype=torch.float32), []
-    for i in range(0, hidden.shape[0], chunk):
-        sl = slice(i, i + chunk)
-        args = (hidden[sl], labels[sl], weights[sl]) + ((soft_ids[sl], soft_p[sl]) if soft else ())
-        if torch.is_grad_enabled():
-            loss, p = checkpoint(part, *args, use_reentrant=False)
-        else:
-            loss, p = part(*args)
-        total, preds = total + loss, preds + [p]
-    return total, torch.cat(preds) if preds else labels.new_zeros(0)
-
-
-def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head_w: torch.Tensor,
-               label_map: torch.Tensor | None, chunk: int, kl_weight: float = 0.0
-               ) -> tuple[torch.Tensor, dict]:
-    """Normalised weighted loss for one :class:`BlockBatch` and accuracy statistics."""
-    ctx_kv = drafter.context_kv(batch.ctx_features.float(), batch.ctx_positions)
-    out = drafter(head.embed_tokens(batch.block_ids), batch.block_positions, ctx_kv, batch.mask)
-    sel = batch.labels >= 0                                             # [b, q]
-    labels = batch.labels[sel]
-    if label_map is not None:
-        labels = label_map[labels]
-    w = batch.weights[sel]
-    soft_ids = soft_p = None
-    if kl_weight > 0:
-        if batch.soft_ids is None:
-            raise ValueError("kl_weight: the batch has no target distribution (feature cache without top-k)")
-        soft_ids, soft_p = batch.soft_ids[sel], batch.soft_p[sel]
-        if label_map is not None:
-            soft_ids = label_map[soft_ids]
-            soft_p = torch.where(soft_ids >= 0, soft_p, 0.0)
-            soft_p = soft_p / soft_p.sum(-1, keepdim=True).clamp_min(1e-9)
-    loss_sum, preds = weighted_ce(out[sel], head_w, labels, w, chunk, soft_ids, soft_p, kl_weight)
-    loss = loss_sum / w.sum().clamp_min(1e-9)
-    # per-position accuracy and accepted prefix length (drafts accepted per block)
-    B = drafter.cfg.block_size
-    correct = torch.zeros_like(batch.labels, dtype=torch.bool)
-    correct[sel] = preds == labels
-    correct = correct.view(correct.shape[0], -1, B)[:, :, 1:]           # [b, N, B-1]
-    valid = sel.view(sel.shape[0], -1, B)[:, :, 1:]
-    has_block = valid[:, :, 0]
-    acc_pos = (correct & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1)
-    accepted = torch.cumprod(correct.int(), dim=-1).sum(-1)[has_block].float()
-    stats = {"acc_pos": acc_pos.tolist(), "accept_len": accepted.mean().item() if accepted.numel() else 0.0,
-             "correct": (correct & valid).sum((0, 1)).cpu(), "valid": valid.sum((0, 1)).cpu(),
-             "accepted_sum": accepted.sum().item(), "blocks": int(accepted.numel())}
-    return loss, stats
 
 
 class Trainer:
@@ -364,7 +291,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
-        """Checkpoint (safetensors + JSON, :mod:`dflash.train.ckpt`) into ``run_dir``."""
+        """Checkpoint (safetensors + JSON, :mod:`dflash.recipe.ckpt`) into ``run_dir``."""
         ckpt.save(self.run_dir, drafter=self.drafter.state_dict(), opt=self.opt.state_dict(),
                   tensors={"torch_rng": torch.get_rng_state(), "vocab": self.vocab},
                   meta={"step": self.step, "elapsed": self.elapsed, "epoch": self.epoch,
