@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.tools.testing import make_tiny_target
 from dflash.recipe.blocks import block_mask, build_batch, position_weights, valid_anchors
+from dflash.recipe.loss import batch_loss
+from dflash.tools.testing import make_tiny_target
 from dflash.train.featcache import as_numpy_seq
 from dflash.train.tokdata import TokenStore
-from dflash.recipe.loss import batch_loss
 from dflash.train.trainer import TrainConfig, Trainer
 
 B = 4

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dflash.core.checkpoint import load_target_head, save_drafter, target_fingerprint
 from dflash.core.config import DrafterConfig, default_target_layer_ids
