@@ -19,8 +19,7 @@ from dflash.learn.capture import Capture
 from dflash.learn.store import HELDOUT_EVERY, CaptureStore
 from drafter_svc.engine import DrafterEngine
 
-from conftest import generate_ids
-from helpers import PROMPTS, assert_same_tokens, reference, spec, wait_until
+from helpers import PROMPTS, assert_same_tokens, generate_ids, reference, spec, wait_until
 
 KH = 12
 

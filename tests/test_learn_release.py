@@ -19,9 +19,8 @@ from dflash.serving.telemetry import Telemetry
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 from drafter_svc.engine import DrafterEngine
 
-from conftest import Stack
 from doubles import ReferenceDrafter
-from helpers import reference, wait_until
+from helpers import Stack, reference, wait_until
 from learn_helpers import fill_store
 
 THREADS, MAX_NEW = 3, 17
