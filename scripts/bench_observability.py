@@ -159,22 +159,45 @@ def measure_trace(ui: str, gateway: str, prompt: str, max_tokens: int, timeout_s
 # ---- (b) batch-1 tokens/s, tracing to the UI vs off --------------------------------------
 
 
+def phoenix_cpu_s() -> float:
+    """CPU seconds (user + system) every running ``phoenix serve`` process has used so far
+    (Linux /proc; 0.0 elsewhere): where the trace UI's share of the cores goes."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            if not any(c.endswith(b"phoenix") for c in cmd) or b"serve" not in cmd:
+                continue
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick     # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def tracing_overhead(addrs: dict[str, str], prompts, rounds: int, max_tokens: int) -> dict:
-    """``addrs``: {"ui": gateway of the traced stack, "off": its twin}; ABBA rounds."""
+    """``addrs``: {"ui": gateway of the traced stack, "off": its twin}; ABBA rounds. Each run
+    also records the CPU seconds Phoenix used during it (its span ingest shares the cores)."""
     runs: list[dict] = []
     tokens: dict[str, list[list[list[int]]]] = {}
     for r in range(rounds):
         for cond in (("off", "ui") if r % 2 == 0 else ("ui", "off")):
+            cpu0, t0 = phoenix_cpu_s(), time.monotonic()
             rows = run_gateway(addrs[cond], prompts, max_tokens=max_tokens, speculation=True)
             n = sum(x["tokens"] for x in rows)
             runs.append({"round": r, "tracing": cond, "tokens": n,
                          "tok_s": n / sum(x["latency_s"] for x in rows),
-                         "tau": float(np.mean([x["tau"] for x in rows]))})
+                         "tau": float(np.mean([x["tau"] for x in rows])),
+                         "wall_s": time.monotonic() - t0, "phoenix_cpu_s": phoenix_cpu_s() - cpu0})
             tokens.setdefault(cond, []).append([x["token_ids"] for x in rows])
     tok = {c: [x["tok_s"] for x in runs if x["tracing"] == c] for c in ("ui", "off")}
     ratio = float(np.mean(tok["ui"]) / np.mean(tok["off"]))
     return {"runs": runs, "tok_s_ui": float(np.mean(tok["ui"])), "tok_s_off": float(np.mean(tok["off"])),
             "ratio": ratio, "paired": [u / o for u, o in zip(tok["ui"], tok["off"])],
+            "phoenix_cpu_share": {c: sum(x["phoenix_cpu_s"] for x in runs if x["tracing"] == c)
+                                  / max(1e-9, sum(x["wall_s"] for x in runs if x["tracing"] == c))
+                                  for c in ("ui", "off")},
             "spread_ui": _spread(tok["ui"]), "spread_off": _spread(tok["off"]),
             "same_tokens": all(t == tokens["off"][0] for c in tokens for t in tokens[c]),
             "target": OVERHEAD_TARGET, "ok": ratio >= OVERHEAD_TARGET}
@@ -301,7 +324,9 @@ def markdown(res: dict) -> str:
     else:
         out.append(f"| batch-1 tok/s traced >= {OVERHEAD_TARGET}x off | {ov['ratio']:.3f}x "
                    f"({ov['tok_s_ui']:.1f} / {ov['tok_s_off']:.1f}; spread ±{100 * ov['spread_off']:.1f}% off, "
-                   f"±{100 * ov['spread_ui']:.1f}% traced; same tokens: {ov['same_tokens']}) | {_verdict(ov['ok'])} |")
+                   f"±{100 * ov['spread_ui']:.1f}% traced; same tokens: {ov['same_tokens']}; Phoenix used "
+                   f"{100 * ov['phoenix_cpu_share']['ui']:.0f}% of a core during traced runs, "
+                   f"{100 * ov['phoenix_cpu_share']['off']:.0f}% during the others) | {_verdict(ov['ok'])} |")
     rf = tp["refresh"]
     med = f"{rf['median_s']:.3f}" if rf["median_s"] is not None else "-"
     out += [f"| {c['clients']} clients: tok/s with top not lower beyond the spread | {tp['ratio']:.3f}x "

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,30 @@ def test_tracing_overhead_interleaves_rounds_and_compares_means(bench, monkeypat
     assert x["spread_off"] == pytest.approx(5 / np.mean(speed["off"]))
     assert x["ok"] is (x["ratio"] >= 0.97) and x["ok"] is False
     assert x["same_tokens"] is False and x["runs"][0]["tau"] == pytest.approx(2.5)
+
+
+def test_phoenix_cpu_counts_only_phoenix_serve(bench, tmp_path):
+    """The trace UI's CPU seconds come from /proc: a busy ``phoenix serve`` stand-in is
+    counted, the same program under another name is not."""
+    burn = "#!{}\nimport time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n" \
+           "time.sleep(30)\n".format(sys.executable)
+    procs = []
+    for name in ("phoenix", "other"):
+        exe = tmp_path / name
+        exe.write_text(burn)
+        exe.chmod(0o755)
+        procs.append(subprocess.Popen([str(exe), "serve"]))
+    try:
+        base = bench.phoenix_cpu_s()
+        deadline = time.monotonic() + 30
+        while bench.phoenix_cpu_s() < 0.35 and time.monotonic() < deadline:
+            time.sleep(0.1)      # waiting for the stand-in to burn its 0.4 s
+        got = bench.phoenix_cpu_s()
+        assert 0.35 <= got < 0.4 + base + 0.2, (base, got)   # one burner counted, not two
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_report_says_what_was_skipped_and_why(bench):

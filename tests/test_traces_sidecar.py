@@ -77,6 +77,22 @@ def test_ui_process_starts_healthy_and_stops(tmp_path):
     ui.stop()   # idempotent
 
 
+def test_ui_runs_niced_by_default_and_at_normal_priority_on_request(tmp_path):
+    """Phoenix's span ingest shares the services' cores under `dflash up`: niced by default
+    (the process, not only a wrapper: ``nice`` execs it), as asked with 0, refused out of range."""
+    (port,) = free_ports(1)
+    ui = TracesUI(executable(tmp_path / "phoenix", FAKE_UI), tmp_path / "run", port=port)
+    assert ui.nice == traces_ui.DEFAULT_NICE == 19
+    ui.start()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, ui.proc.pid) == min(19, os.nice(0) + 19)
+    finally:
+        ui.stop()
+    assert TracesUI("phoenix", tmp_path, nice=0).command() == ["phoenix", "serve"]
+    with pytest.raises(ValueError, match="--traces-ui-nice"):
+        TracesUI("phoenix", tmp_path, nice=20)
+
+
 def test_ui_that_exits_fails_the_launch_with_its_log(tmp_path):
     ui = TracesUI(executable(tmp_path / "phoenix", "#!/bin/sh\necho 'no database'\nexit 3\n"),
                   tmp_path / "run", port=free_ports(1)[0])

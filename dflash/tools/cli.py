@@ -104,7 +104,8 @@ def cmd_up(a) -> int:
     if a.traces_ui:  # Phoenix from .venv-traces (dflash/tools/traces_ui.py)
         from dflash.tools.traces_ui import TracesUI
         sidecars.append(TracesUI.from_env(cfg.run_dir, host=cfg.host, port=a.traces_ui_port,
-                                          otlp_port=a.traces_ui_otlp_port))
+                                          otlp_port=a.traces_ui_otlp_port,
+                                          **({} if a.traces_ui_nice is None else {"nice": a.traces_ui_nice})))
     stack = new_stack(cfg, sidecars=sidecars)
     print("starting " + ("the traces UI, " if sidecars else "") + "drafter(s), verifier, gateway ...",
           flush=True)
@@ -307,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--traces-ui-port", type=int, default=6006, help="the trace UI's web port")
     up.add_argument("--traces-ui-otlp-port", type=int, default=4317,
                     help="the trace UI's OTLP/gRPC port (the services export to it)")
+    up.add_argument("--traces-ui-nice", type=int, choices=range(20), metavar="0..19",
+                    help="the trace UI's niceness (default: the lowest priority, 19): on the cores "
+                         "the services share, its span ingest runs in the cycles serving leaves; "
+                         "0 = normal priority")
     up.set_defaults(func=cmd_up)
     g = sub.add_parser("generate", help="stream one generation from a running gateway")
     g.add_argument("prompt")

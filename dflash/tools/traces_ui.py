@@ -33,6 +33,10 @@ TRACE_SPANS = ("/dflash.v1.Gateway/Generate", "/dflash.v1.Verifier/Generate", "v
 # The SDK's batch delay is 5 s by default; 1 s keeps a finished request's trace visible within
 # the issue's 5 s target, at one export per second per service.
 EXPORT_DELAY_MS = "1000"
+# Phoenix's niceness: on the cores the services share (one machine, `dflash up`), its span
+# ingest (~150 spans a request) took ~18% of batch-1 tokens/s at the default priority
+# (docs/observability.md, "The targets, measured"); niced, it runs in the cycles serving leaves.
+DEFAULT_NICE = 19
 
 INSTALL_HINT = """\
 --traces-ui needs Arize Phoenix (`phoenix`), and none was found in .venv-traces or on PATH.
@@ -55,9 +59,13 @@ class TracesUI:
     ``run_dir/phoenix``. A launcher sidecar (:class:`dflash.tools.launcher.Sidecar`)."""
 
     def __init__(self, binary: str, run_dir: str | Path, *, host: str = "127.0.0.1",
-                 port: int = 6006, otlp_port: int = 4317, timeout_s: float = 120.0):
+                 port: int = 6006, otlp_port: int = 4317, timeout_s: float = 120.0,
+                 nice: int = DEFAULT_NICE):
+        if not 0 <= nice <= 19:
+            raise ValueError(f"--traces-ui-nice: {nice} not in 0..19")
         self.binary, self.run_dir, self.host = binary, Path(run_dir), host
         self.port, self.otlp_port, self.timeout_s = port, otlp_port, timeout_s
+        self.nice = nice
         self.proc: subprocess.Popen | None = None
 
     @classmethod
@@ -93,6 +101,10 @@ class TracesUI:
         path = self.run_dir / "phoenix.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def command(self) -> list[str]:
+        """``phoenix serve``, under ``nice -n N`` when ``nice`` > 0 (nice execs it: one pid)."""
+        return (["nice", "-n", str(self.nice)] if self.nice else []) + [self.binary, "serve"]
+
     def start(self) -> None:
         """Start Phoenix and wait until its ``/healthz`` answers. Raises LaunchError (with the
         tail of its log) when it exits or is not up within ``timeout_s``."""
@@ -102,7 +114,7 @@ class TracesUI:
                "PHOENIX_GRPC_PORT": str(self.otlp_port), "PHOENIX_WORKING_DIR": str(data.resolve()),
                "PHOENIX_TELEMETRY_ENABLED": "false"}
         log = open(self.run_dir / "phoenix.log", "w")
-        self.proc = subprocess.Popen([self.binary, "serve"], stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         deadline = time.monotonic() + self.timeout_s
         while not http_ok(self.url + "/healthz"):
