@@ -4,18 +4,18 @@ reasons."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from dflash.core.proposer import DrafterCard, DraftError, Proposal
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal
 from dflash.core.sampling import Sampling
 from verifier_svc.acceptance import AcceptanceEstimator
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker, RemoteProposer
 from verifier_svc.drafter_sync import DrafterState, DrafterSync, DraftItem
 from verifier_svc.policy import Shape, SpeculationPolicy
+
+from doubles import policy_job
 
 WIDTH = 4
 CARD = DrafterCard(name="d", version="1", block_size=4, mask_token_id=0, target_layer_ids=(0,),
@@ -41,11 +41,7 @@ def test_draft_budget_is_the_no_speculation_cost_of_the_expected_tokens_minus_th
 
 
 def fixed_job(label, block=4, proposer=True):
-    card = types.SimpleNamespace(label=label)
-    return types.SimpleNamespace(mode="fixed", block_limit=block, emitted=1, tree_budget=0,
-                                 req=types.SimpleNamespace(
-                                     max_tokens=100,
-                                     proposer=types.SimpleNamespace(card=card) if proposer else None))
+    return policy_job(label, mode="fixed", block=block, max_tokens=100, proposer=proposer)
 
 
 def test_policy_budget_values_each_job_as_the_choice_of_blocks_does():
@@ -104,7 +100,7 @@ def test_deadline_is_the_budget_between_the_floor_and_the_cap():
 
 class DeadlineDouble:
     """A ``DeadlineProposer`` that records each call and answers as told: "ok" (k zeros), or
-    "late" (every result ``DraftError("slow")``, the late-failure callback kept)."""
+    "late" (every result ``DraftError(FallbackReason.LATE)``, the late-failure callback kept)."""
 
     def __init__(self):
         self.card = CARD
@@ -117,7 +113,7 @@ class DeadlineDouble:
                                       for r in requests]))
         if self.answer == "late":
             self.on_late = on_late_failure
-            return [DraftError("slow")] * len(requests)
+            return [DraftError(FallbackReason.LATE)] * len(requests)
         return [Proposal(tokens=torch.zeros(r.block_size - 1, dtype=torch.int64)) for r in requests]
 
     def propose(self, requests):
@@ -147,7 +143,7 @@ def test_a_late_draft_keeps_the_context_on_the_drafter_and_a_late_failure_resend
     assert sync.draft([], None) == [] and sync.wasted_seconds == 0.0
     d.answer = "late"
     out = step(sync, state, d, 0.02)
-    assert out.fallback == "slow" and out.tokens == [] and out.called
+    assert out.fallback == FallbackReason.LATE and out.tokens == [] and out.called
     assert state.length == 7                          # the late batch still carries its rows
     assert sync.wasted_seconds > 0
     d.answer = "ok"

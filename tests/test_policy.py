@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import grpc
 import pytest
 
@@ -12,17 +10,14 @@ from dflash.v1 import verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
 
-from doubles import ReferenceDrafter, chains
+from doubles import ReferenceDrafter, chains, policy_job
 from helpers import PROMPTS, Stack, generate_ids, reference, wait_until
 
 LABEL = "d@1"
 
 
 def job(mode="adaptive", block=16, max_tokens=1000, emitted=1):
-    card = types.SimpleNamespace(label=LABEL)
-    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                                 req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                           proposer=types.SimpleNamespace(card=card)))
+    return policy_job(LABEL, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted)
 
 
 def trained(rate_fn, cost_fn, batch=1, steps=400):

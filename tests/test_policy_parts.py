@@ -4,7 +4,6 @@ the step cost model on their own."""
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
 
@@ -13,17 +12,14 @@ from verifier_svc.acceptance import AcceptanceEstimator, session_table
 from verifier_svc.cost_model import StepCostModel, bucket
 from verifier_svc.policy import SpeculationPolicy, StepFeedback
 
+from doubles import policy_job
+
 LABELS = ("d@1", "e@2")
 
 
 def job(label, mode="adaptive", block=16, max_tokens=1000, emitted=1, stats=None):
-    card = types.SimpleNamespace(label=label)
-    j = types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                              req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                        proposer=types.SimpleNamespace(card=card)))
-    if stats is not None:
-        j.stats = stats
-    return j
+    return policy_job(label, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted,
+                      stats=stats)
 
 
 def random_step(rng: random.Random, jobs, ks) -> StepFeedback:

@@ -3,22 +3,19 @@ tree budgets (``verifier_svc/policy.py``), on job doubles."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.policy import CANDIDATES, Shape, SpeculationPolicy, StepFeedback
 
+from doubles import policy_job
+
 LABEL = "d@1"
 
 
 def job(mode="adaptive", block=16, tree_budget=16, max_tokens=1000, emitted=1):
-    card = types.SimpleNamespace(label=LABEL)
-    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                                 tree_budget=tree_budget,
-                                 req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                           proposer=types.SimpleNamespace(card=card)))
+    return policy_job(LABEL, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted,
+                      tree_budget=tree_budget)
 
 
 def policy(chain_rate: float, tree_tokens: dict[int, float], cost_fn, budgets=(4, 8, 16),

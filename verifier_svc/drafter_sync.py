@@ -14,7 +14,7 @@ A draft request that overtakes the news fails with ``context_gap`` on the drafte
 
 A step waits for its drafts no longer than what speculating is worth (``budget_s`` of
 :meth:`DrafterSync.draft`, from ``SpeculationPolicy.draft_budget``), handed to a
-:class:`DeadlineProposer`. A draft the step stopped waiting for (``DraftError("slow")``) is
+:class:`DeadlineProposer`. A draft the step stopped waiting for (``DraftError(FallbackReason.LATE)``) is
 still queued on the drafter, which takes in its context: the held length advances as for a
 context-only update, and a late failure is news in the same way.
 """
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dflash.core.proposer import DraftError, Proposal, ProposalRequest, Proposer
+from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest, Proposer
 from dflash.core.sampling import Sampling
 from verifier_svc.tap_buffer import TapRows
 
@@ -56,7 +56,7 @@ class DeadlineProposer(Protocol):
 
 
 #: The reason of a draft the step stopped waiting for while the drafter still takes it in.
-LATE = "slow"
+LATE = FallbackReason.LATE
 
 
 @dataclasses.dataclass
@@ -204,7 +204,7 @@ class DrafterSync:
                 else:
                     res = proposer.propose(reqs)
             except Exception as e:  # the drafter must never fail the request
-                res = [DraftError("exception", repr(e))] * len(reqs)
+                res = [DraftError(FallbackReason.EXCEPTION, repr(e))] * len(reqs)
             if all(isinstance(r, DraftError) for r in res):
                 self.wasted_seconds += time.perf_counter() - t_call
             for i, r in zip(idx, res):
@@ -278,14 +278,14 @@ class DrafterSync:
             return res.reason
         toks = res.tokens
         if toks.dim() != 1 or toks.numel() != k:
-            return "malformed_block"
+            return FallbackReason.MALFORMED_BLOCK
         if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
-            return "out_of_vocab"
+            return FallbackReason.OUT_OF_VOCAB
         if res.probs is not None and not self._probs_ok(res.probs, toks):
-            return "malformed_probs"
+            return FallbackReason.MALFORMED_PROBS
         if res.top_ids is not None or res.top_logprobs is not None:
             if not self._top_k_ok(res.top_ids, res.top_logprobs, k, top_k):
-                return "malformed_topk"
+                return FallbackReason.MALFORMED_TOPK
         return None
 
     def _probs_ok(self, q: torch.Tensor, toks: torch.Tensor) -> bool:

@@ -92,8 +92,10 @@ class Target(TargetCard, Protocol):
     failure: str | None                 # why the target can no longer run (expert parallel)
     path: Path                          # the checkpoint directory (Describe)
     dtype: torch.dtype
+    device: torch.device                # where its logits are (sampling noise is drawn there)
     lock: AbstractContextManager        # serialises forwards and cache changes
     supports_trees: bool                # forward_batch takes ``parents``; ``keep`` compacts
+    supports_fork: bool                 # ``fork`` copies a prompt prefix (shared prefill)
 
     def new_cache(self) -> CacheHandle: ...
 
@@ -107,6 +109,9 @@ class Target(TargetCard, Protocol):
     def keep(self, cache: CacheHandle, start: int, offsets: list[int]) -> None: ...
 
     def crop(self, cache: CacheHandle, length: int) -> None: ...
+
+    def fork(self, src: CacheHandle, dst: CacheHandle, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` positions (only with ``supports_fork``)."""
 
     def own(self, cache: CacheHandle) -> None: ...
 
@@ -269,7 +274,7 @@ class VerifierEngine:
         job.reuse = job.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
         # on the target's device: its noise is drawn where the logits are (a CPU generator
         # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
-        job.gen = req.sampling.generator(getattr(t, "device", "cpu"))
+        job.gen = req.sampling.generator(t.device)
         job.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
                          if req.sampling.penalised else None)
         job.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
@@ -306,12 +311,11 @@ class VerifierEngine:
         request's prefix group holds (the n samples of one request: the first prefills, the
         others copy its KV entries and taps, then run the last prompt token), when it is longer
         than what this session reuses of its own. Only sessions whose prompt is fully in their
-        cache lend (``Session.prefix_group``); a target without ``fork`` (expert parallel)
+        cache lend (``Session.prefix_group``); a target without ``supports_fork`` (expert parallel)
         prefills every sample."""
         s, req, t = job.session, job.req, self.target
-        fork = getattr(t, "fork", None)
         want = len(req.prompt) - 1               # the last prompt token runs: its logits are read
-        if not req.prefix_group or fork is None or job.reuse >= want:
+        if not req.prefix_group or not t.supports_fork or job.reuse >= want:
             return
         best, best_len = None, job.reuse
         for other in self._sessions.values():
@@ -327,7 +331,7 @@ class VerifierEngine:
         if best is None:
             return
         with t.lock:
-            fork(best.cache, s.cache, best_len)
+            t.fork(best.cache, s.cache, best_len)
         if s.drafter.tap_ids:
             s.drafter.taps.truncate(job.reuse)
             s.drafter.taps.append(best.drafter.taps.rows(job.reuse)[:best_len - job.reuse])

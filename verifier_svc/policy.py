@@ -312,8 +312,7 @@ class SpeculationPolicy:
         self._last_expectations = None
         limits = _limits(jobs)
         offers = list(offers) if offers is not None else [None] * len(jobs)
-        # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
-        budgets = [getattr(j, "tree_budget", 0) for j in jobs]
+        budgets = [j.tree_budget for j in jobs]
         slimits = _suffix_limits(jobs)
         modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
         b = bucket(len(jobs))
@@ -531,8 +530,7 @@ def _job_mode(j: PolicyJob, suffix_limit: int) -> str:
 
 def _suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
     """Deepest suffix candidate each job may verify this step (its tokens left)."""
-    # tolerant: test doubles of a job (SimpleNamespace) may carry no suffix limit
-    return [max(0, min(getattr(j, "suffix_limit", 0), j.req.max_tokens - j.emitted - 1)) for j in jobs]
+    return [max(0, min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)) for j in jobs]
 
 
 def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
@@ -569,8 +567,7 @@ class _Expectations:
             lb = self.label(i)
             if lb not in self._priors:
                 self._priors[lb] = self.acceptance.expected_table(lb, self.top)
-            # tolerant: test doubles of a job (SimpleNamespace) may carry no stats
-            stats = getattr(self.jobs[i], "stats", None) if self.per_request else None
+            stats = self.jobs[i].stats if self.per_request else None
             self._tables[i] = session_table(self._priors[lb], stats)
         return self._tables[i][k]
 

@@ -9,6 +9,7 @@ import uuid
 import grpc
 
 from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
+from dflash.core.proposer import FallbackReason
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
@@ -216,7 +217,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             log.warning("drafter %s unreachable (%s): request %s runs without speculation",
                         spec.drafter_address, e.code(), m.request_id)
             if self.metrics:
-                self.metrics.fallback("unavailable", "unknown")
+                self.metrics.fallback(FallbackReason.UNAVAILABLE, "unknown")
             return None
 
 
