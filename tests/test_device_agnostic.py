@@ -56,7 +56,7 @@ def test_the_decode_creates_no_tensor_on_an_implicit_device(target_model, make_d
     try:
         want = _decode(engine, drafter, sampling, mode, prompt)
         assert want[1] > 0 and (want[2] > 0) == (mode == "tree")   # it did speculate (trees)
-        threads = [lambda f: engine.scheduler.run_on_loop(f),
+        threads = [lambda f: engine.run_on_loop(f),
                    lambda f: drafter._compute.submit(f).result()]
         for run in threads:
             _on_thread(run, "meta")

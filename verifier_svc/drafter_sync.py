@@ -96,7 +96,7 @@ class DraftItem:
 class DraftOutcome:
     """One session's drafts this step."""
 
-    tokens: list[int]                  # k drafts (empty: none)
+    tokens: torch.Tensor               # [k] int64 drafts, the proposal's own (k = 0: none)
     probs: torch.Tensor | None         # [k, V] float, sampled drafts' q; None = greedy/one-hot
     fallback: str | None               # why a wanted block is missing
     called: bool                       # the drafter was called for it (its time counts)
@@ -107,7 +107,19 @@ class DraftOutcome:
     top_logprobs: torch.Tensor | None = None   # [k, c] float32 <= 0, descending per row
 
 
-NONE = DraftOutcome([], None, None, False)
+#: No drafts (never written to: every outcome without drafts shares it).
+EMPTY = torch.empty(0, dtype=torch.int64)
+NONE = DraftOutcome(EMPTY, None, None, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRound:
+    """One step's draft calls: per item its outcome (in item order), and the seconds spent in
+    calls that returned no usable draft (the drafter's failure, not the price of the step's
+    block: the policy leaves them out of the step's cost)."""
+
+    outcomes: list[DraftOutcome]
+    wasted_seconds: float = 0.0
 
 
 class DrafterSync:
@@ -127,7 +139,6 @@ class DrafterSync:
         self.context_flush = context_flush
         self._lock = threading.Lock()
         self._failed: set[tuple[str, int]] = set()   # (session, epoch) of failed async updates
-        self.wasted_seconds = 0.0    # of the last draft(): calls that returned no usable draft
 
     # ------------------------------------------------------------------ per session
     def bind(self, session_id: str, state: DrafterState, proposer: Proposer | None) -> bool:
@@ -159,16 +170,15 @@ class DrafterSync:
         state.reset()
 
     # ------------------------------------------------------------------ one step
-    def draft(self, items: list[DraftItem], budget_s: float | None = None) -> list[DraftOutcome]:
+    def draft(self, items: list[DraftItem], budget_s: float | None = None) -> DraftRound:
         """Per item its drafts; one call per drafter, with every session that has unsent rows.
 
         A call without any draft goes to a :class:`ContextSender` without waiting. ``budget_s``:
         seconds the step's draft calls may take in all (``SpeculationPolicy.draft_budget``;
         None = unknown): a :class:`DeadlineProposer` gets what is left of it when its call
-        starts. :attr:`wasted_seconds` is then the time spent in calls that returned no usable
-        draft."""
+        starts."""
         out = [NONE] * len(items)
-        self.wasted_seconds = 0.0
+        wasted = 0.0
         t0 = time.perf_counter()
         with self._lock:
             failed, self._failed = self._failed, set()
@@ -192,7 +202,7 @@ class DrafterSync:
             if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
                 self._send_context(proposer, [items[i] for i in idx])
                 for i in idx:
-                    out[i] = DraftOutcome([], None, None, True)
+                    out[i] = DraftOutcome(EMPTY, None, None, True)
                 continue
             reqs = [self._request(items[i], items[i].k + 1) for i in idx]
             t_call = time.perf_counter()
@@ -206,24 +216,24 @@ class DrafterSync:
             except Exception as e:  # the drafter must never fail the request
                 res = [DraftError(FallbackReason.EXCEPTION, repr(e))] * len(reqs)
             if all(isinstance(r, DraftError) for r in res):
-                self.wasted_seconds += time.perf_counter() - t_call
+                wasted += time.perf_counter() - t_call
             for i, r in zip(idx, res):
                 it = items[i]
                 reason = self.malformed(r, it.k, it.top_k if it.k else 0)
                 if reason == LATE:   # still queued on the drafter: its context lands there
                     log.info("session %s: drafter fallback (%s)", it.session_id, reason)
                     it.state.length = it.cached
-                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
+                    out[i] = DraftOutcome(EMPTY, None, reason if it.k else None, True)
                 elif reason:
                     it.state.reset()  # resend the whole context once the drafter is healthy
                     log.info("session %s: drafter fallback (%s)", it.session_id, reason)
-                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
+                    out[i] = DraftOutcome(EMPTY, None, reason if it.k else None, True)
                 else:
                     assert isinstance(r, Proposal)     # malformed() found nothing wrong
                     it.state.length = it.cached
-                    out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True,
+                    out[i] = DraftOutcome(r.tokens, r.probs, None, True,
                                           top_ids=r.top_ids, top_logprobs=r.top_logprobs)
-        return out
+        return DraftRound(out, wasted)
 
     def _resend_on_failure(self, items: list[DraftItem], what: str) -> Callable[[list[str]], None]:
         """The callback for sessions whose unawaited call (``what``) failed on the drafter (any

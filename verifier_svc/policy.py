@@ -72,8 +72,8 @@ from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, Po
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.suffix_drafts import SuffixOffer
 
-__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
-           "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
+__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Arm", "Decision", "PolicyJob",
+           "Shape", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
 #: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
@@ -125,6 +125,38 @@ class Decision:
     waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
     budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
     suffix: bool = False            # the chosen tree is of suffix candidates alone
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One candidate block shape for a step's adaptive jobs: a chain of ``k`` drafts
+    (``budget`` 0), a tree of ``budget`` nodes from the drafter's top-k with the suffix
+    candidates worth more merged in (``k`` 0), or, ``suffix_only``, a tree of ``budget`` suffix
+    candidates without the drafter."""
+
+    k: int = 0
+    budget: int = 0
+    suffix_only: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Tokens after the anchor the target verifies (before the batch's fixed blocks)."""
+        return self.k or self.budget
+
+
+@dataclasses.dataclass(frozen=True)
+class StepChoice:
+    """What :meth:`SpeculationPolicy.choose_shapes` decided for one step."""
+
+    shapes: list[Shape]                 # per job, in the order of the jobs
+    decision: Decision
+    # the expectations the choice valued its arms with (adaptive jobs; None: none made), which
+    # the drafters' deadline of the same step reuses (:meth:`SpeculationPolicy.draft_budget`)
+    expectations: _Expectations | None = None
+
+    @property
+    def ks(self) -> list[int]:
+        return [sh.k for sh in self.shapes]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,8 +245,6 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(alpha)
         self.costs = StepCostModel(alpha)
         self._steps = 0
-        self.last_decision: Decision | None = None
-        self._last_expectations: tuple[Sequence[PolicyJob], _Expectations] | None = None
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
@@ -301,123 +331,80 @@ class SpeculationPolicy:
     def choose(self, jobs: Sequence[PolicyJob], waiting: int = 0) -> list[int]:
         """Drafts per job this step (same order as ``jobs``); :meth:`choose_shapes` without the
         tree budgets."""
-        return [sh.k for sh in self.choose_shapes(jobs, waiting)]
+        return self.choose_shapes(jobs, waiting).ks
 
     def choose_shapes(self, jobs: Sequence[PolicyJob], waiting: int = 0,
-                      offers: Sequence[SuffixOffer | None] | None = None) -> list[Shape]:
-        """Each job's block this step (same order as ``jobs``). ``waiting``: requests whose
-        prompts wait for prefill behind this step; ``offers``: each job's suffix candidates
-        this step (None: none)."""
+                      offers: Sequence[SuffixOffer | None] | None = None) -> StepChoice:
+        """Each job's block this step and why. ``waiting``: requests whose prompts wait for
+        prefill behind this step; ``offers``: each job's suffix candidates this step (None:
+        none)."""
         self.acceptance.clear_expectation()
-        self._last_expectations = None
-        limits = _limits(jobs)
-        offers = list(offers) if offers is not None else [None] * len(jobs)
-        budgets = [j.tree_budget for j in jobs]
-        slimits = _suffix_limits(jobs)
-        modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
-        b = bucket(len(jobs))
-        shapes = [Shape(lim) if m == MODE_FIXED else
-                  _tree_shape(lim, budgets[i]) if m == MODE_TREE else
-                  _hybrid_shape(lim, budgets[i], offers[i] is not None) if m == MODE_HYBRID else
-                  self.suffix_shape(offers[i], b, budgets[i], slimits[i]) if m == MODE_SUFFIX
-                  else Shape(0) for i, (m, lim) in enumerate(zip(modes, limits))]
-        adaptive = [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE]
-        if not adaptive:
-            self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else MIXED,
-                                          k=-1, batch=len(jobs))
-            return shapes
+        batch = _Batch.of(jobs, offers)
+        shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
+        if not batch.adaptive:
+            modes = set(batch.modes)
+            return StepChoice(shapes, Decision(mode=batch.modes[0] if len(modes) == 1 else MIXED,
+                                               k=-1, batch=len(jobs)))
         if waiting:
-            self.last_decision = Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs), waiting=waiting)
-            return shapes
-        floor = max(sh.verified for sh in shapes)   # fixed sessions' blocks set the batch's shape
-        top = max(limits[i] for i in adaptive)
-        cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
-        # tree arms: only when every adaptive job may verify that budget (one shape per step)
-        tree_cap = min(budgets[i] for i in adaptive)
-        trees_ok = top and (not self.tree_max_batch or len(jobs) <= self.tree_max_batch)
-        arms = [n for n in self.tree_budgets if n <= tree_cap] if trees_ok else []
-        ex = self._expectations(jobs, limits)
-        e, e_tree, raw, label = ex.chain, ex.tree, ex.raw, ex.label
-        costs = self.costs
+            return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
+                                               waiting=waiting))
+        ex = _Expectations(self, jobs, batch.limits)
+        arms = _Arms(self, batch, shapes, ex)
+        best, explored = self._pick(arms)
+        for i in batch.adaptive:
+            shapes[i] = batch.adaptive_shape(i, best)
+        if best.k > 0 and not best.budget:
+            self.acceptance.expect(batch.adaptive, [ex.raw(i, shapes[i].k) - 1.0 for i in batch.adaptive])
+        return StepChoice(shapes, arms.decision(best, explored), ex)
 
-        fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != MODE_ADAPTIVE)
+    def _pinned_shape(self, batch: _Batch, i: int) -> Shape:
+        """Job ``i``'s shape when its mode fixes it (an adaptive job's placeholder: no drafts)."""
+        m, lim, budget, offer = batch.modes[i], batch.limits[i], batch.budgets[i], batch.offers[i]
+        if m == MODE_FIXED:
+            return Shape(lim)
+        if m == MODE_TREE:
+            return _tree_shape(lim, budget)
+        if m == MODE_HYBRID:
+            return _hybrid_shape(lim, budget, offer is not None)
+        if m == MODE_SUFFIX:
+            return self.suffix_shape(offer, batch.bucket, budget, batch.suffix_limits[i])
+        return Shape(0)
 
-        # an arm: (k, 0) = a chain of k drafts; (0, n) = a (hybrid) tree of n nodes; (-1, n) =
-        # a tree of n suffix candidates alone
-        def gain(arm: tuple[int, int]) -> float:
-            k, n = arm
-            if k < 0:
-                return fixed_tokens + sum(_offered(offers[i], n) for i in adaptive)
-            if n:
-                return fixed_tokens + sum(e_tree(i, n) + self._hybrid_gain(
-                    offers[i], label(i), n, slimits[i]) for i in adaptive)
-            return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
-
-        def size(arm: tuple[int, int]) -> int:
-            return max(arm[1] if arm[0] < 0 else arm[0] or arm[1], floor)
-
-        def price(arm: tuple[int, int]) -> float:
-            if arm[0] < 0:
-                return self.suffix_cost(b, size(arm), model)
-            return costs.estimate(b, size(arm), model)
-
-        model = costs.fit()
-        chain_arms = [(k, 0) for k in cands]
-        # a tree arm is priced by the fit, or by its own measured cell until there is a fit
-        all_arms = chain_arms + [(0, n) for n in arms
-                                 if model is not None or costs.measured(b, max(n, floor))]
-        # suffix-only arms: valued from this step's candidates, never explored
-        suffix_arms = [(-1, n) for n in arms if any(
-            offers[i] is not None and slimits[i] for i in adaptive)
-            if model is not None or costs.measured(b, max(n, floor))]
-        unmeasured = [k for k in cands if not costs.measured(b, max(k, floor))]
-        explored = False
-        if unmeasured and model is None:
-            best, explored = (unmeasured[0], 0), True
-        elif not costs.measured(b, floor):
+    def _pick(self, arms: _Arms) -> tuple[Arm, bool]:
+        """The arm this step runs and whether it was chosen to measure it: every chain length
+        first (until the cost model has a fit), then the bucket's baseline, then the best rate,
+        each tree budget once, and every ``explore_every`` steps a neighbour of the best."""
+        if arms.unmeasured and arms.model is None:
+            return Arm(arms.unmeasured[0]), True
+        if not self.costs.measured(arms.bucket, arms.floor):
             # The step without (further) speculation is the baseline every other k must beat
             # and the cheapest step to try: measure it in every batch bucket rather than
             # extrapolate it (otherwise a large bucket can run k > 0 without ever trying k = 0).
-            best, explored = (0, 0), True
-        else:
-            best = max(all_arms + suffix_arms, key=lambda a: gain(a) / max(price(a), 1e-9))
-            explored = best[0] in unmeasured if not best[1] else False
-            untried = [n for _, n in all_arms[len(chain_arms):]
-                       if any(self.acceptance.tree_expected(label(i), n) is None for i in adaptive)]
-            self._steps += 1
-            if untried:
-                best, explored = (0, untried[0]), True   # each budget is measured once, early
-            elif self.explore_every and self._steps % self.explore_every == 0:
-                # alternately the next larger and the next smaller arm by rows verified, a tree
-                # of n nodes just after the chain of n drafts (its neighbours are the chains of
-                # about its cost: listed after every chain, a small tree's neighbours were the
-                # longest chain and the next tree, and the chains it beat were never measured
-                # again, docs/trees.md "Under load"); at either end the one neighbour every time
-                # (from k = 0 the alternation would make every other exploration a k = 0 step)
-                by_size = sorted(all_arms, key=lambda a: (a[0] or a[1], a[1] > 0))
-                i = by_size.index(best if best[0] >= 0 else (0, best[1]))
-                up = (self._steps // self.explore_every) % 2 == 1 or i == 0
-                nb = by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
-                    else by_size[max(i - 1, 0)]
-                best, explored = nb, nb != best
-        priced = model is not None or costs.measured(b, size(best))
-        cost = price(best) if priced else 0.0
-        k_best, n_best = best
-        alone = k_best < 0
-        self.last_decision = Decision(mode=MODE_ADAPTIVE, k=k_best if not n_best else top,
-                                      batch=len(jobs), expected_tokens=gain(best),
-                                      cost_seconds=cost, explored=explored, budget=n_best,
-                                      suffix=alone)
-        for i in adaptive:
-            if alone:
-                shapes[i] = Shape(0, n_best, True) if offers[i] is not None and slimits[i] else Shape(0)
-            elif n_best and limits[i]:
-                shapes[i] = _hybrid_shape(limits[i], n_best, offers[i] is not None)
-            else:
-                shapes[i] = Shape(0 if n_best else min(k_best, limits[i]))
-        if k_best > 0 and not n_best:
-            self.acceptance.expect(adaptive, [raw(i, shapes[i].k) - 1.0 for i in adaptive])
-        return shapes
+            return Arm(0), True
+        best = max(arms.chains + arms.trees + arms.suffix, key=arms.rate)
+        explored = best.k in arms.unmeasured if not best.budget else False
+        untried = [a for a in arms.trees if arms.untried(a)]
+        self._steps += 1
+        if untried:
+            return untried[0], True               # each budget is measured once, early
+        if self.explore_every and self._steps % self.explore_every == 0:
+            nb = self._neighbour(arms, best)
+            return nb, nb != best
+        return best, explored
+
+    def _neighbour(self, arms: _Arms, best: Arm) -> Arm:
+        """Alternately the next larger and the next smaller arm by rows verified, a tree of n
+        nodes just after the chain of n drafts (its neighbours are the chains of about its
+        cost: listed after every chain, a small tree's neighbours were the longest chain and
+        the next tree, and the chains it beat were never measured again, docs/trees.md "Under
+        load"); at either end the one neighbour every time (from k = 0 the alternation would
+        make every other exploration a k = 0 step). A suffix-only tree's neighbours are its
+        drafter tree's."""
+        by_size = sorted(arms.chains + arms.trees, key=lambda a: (a.rows, a.budget > 0))
+        i = by_size.index(Arm(budget=best.budget) if best.suffix_only else best)
+        up = (self._steps // self.explore_every) % 2 == 1 or i == 0
+        return by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
+            else by_size[max(i - 1, 0)]
 
     # ------------------------------------------------------------------ suffix candidates
     def suffix_shape(self, offer: SuffixOffer | None, b: int, budget: int, limit: int) -> Shape:
@@ -474,29 +461,22 @@ class SpeculationPolicy:
         theta = self.drafter_node_value(label, budget, limit)
         return sum(offer.probs[j] - theta for j in offer.above(theta, limit)[:budget])
 
-    def _expectations(self, jobs: Sequence[PolicyJob], limits: list[int]) -> _Expectations:
-        """The step's :class:`_Expectations`, kept for :meth:`draft_budget` of the same jobs."""
-        ex = _Expectations(self, jobs, limits)
-        self._last_expectations = (jobs, ex)
-        return ex
-
     # ------------------------------------------------------------------ the drafters' deadline
-    def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape]) -> float | None:
+    def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape],
+                     expectations: _Expectations | None = None) -> float | None:
         """Seconds this step's drafter calls may take before speculating costs more than not
         speculating: :meth:`StepCostModel.draft_budget` at the step's batch and largest block,
         with each job's expected committed tokens for its shape (1 for a job not speculating),
-        as the choice of blocks values them. None when the step drafts nothing or the cost
+        as the choice of blocks values them (``expectations``, a :class:`StepChoice`'s). None when the step drafts nothing or the cost
         model has no verify cell for the batch's bucket yet (the caller then waits up to its
         own cap)."""
         k = max((sh.verified for sh in shapes), default=0)
         if not jobs or not k:
             return None
-        last = self._last_expectations
         # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
         # tables alone: a per-request table for every session of a large batch costs too much
         # for a deadline estimate
-        ex = last[1] if last is not None and last[0] is jobs else \
-            _Expectations(self, jobs, _limits(jobs), per_request=False)
+        ex = expectations or _Expectations(self, jobs, _limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
         return self.costs.draft_budget(len(jobs), k, tokens)
 
@@ -536,6 +516,103 @@ def _suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
 def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
     """Most drafts each job may verify this step (its block size, and its tokens left)."""
     return [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One step's jobs as the choice reads them, per job: its block limit, tree budget, suffix
+    depth, candidates and mode this step; the adaptive ones (indices); the batch bucket."""
+
+    limits: list[int]
+    budgets: list[int]
+    suffix_limits: list[int]
+    offers: list[SuffixOffer | None]
+    modes: list[str]
+    adaptive: list[int]
+    bucket: int
+
+    @classmethod
+    def of(cls, jobs: Sequence[PolicyJob], offers: Sequence[SuffixOffer | None] | None) -> _Batch:
+        slimits = _suffix_limits(jobs)
+        modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
+        return cls(_limits(jobs), [j.tree_budget for j in jobs], slimits,
+                   list(offers) if offers is not None else [None] * len(jobs), modes,
+                   [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE], bucket(len(jobs)))
+
+    def adaptive_shape(self, i: int, arm: Arm) -> Shape:
+        """Adaptive job ``i``'s shape under ``arm`` (within its own limits)."""
+        if arm.suffix_only:
+            return Shape(0, arm.budget, True) if self.offers[i] is not None and self.suffix_limits[i] \
+                else Shape(0)
+        if arm.budget and self.limits[i]:
+            return _hybrid_shape(self.limits[i], arm.budget, self.offers[i] is not None)
+        return Shape(0 if arm.budget else min(arm.k, self.limits[i]))
+
+
+class _Arms:
+    """The arms open to one step's adaptive jobs, each valued (expected committed tokens of the
+    whole batch) and priced (seconds of the step) at the batch's bucket. Every adaptive job
+    runs the same arm (one shape per step); the fixed jobs' blocks set its ``floor``."""
+
+    def __init__(self, policy: SpeculationPolicy, batch: _Batch, shapes: list[Shape],
+                 ex: _Expectations):
+        self.policy, self.batch, self.ex, self.costs = policy, batch, ex, policy.costs
+        self.bucket, adaptive = batch.bucket, batch.adaptive
+        self.floor = max(sh.verified for sh in shapes)
+        self.top = max(batch.limits[i] for i in adaptive)
+        self.fixed_tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)
+                                if batch.modes[i] != MODE_ADAPTIVE)
+        self.model = self.costs.fit()
+        cands = [k for k in CANDIDATES if k <= self.top] + ([self.top] if self.top not in CANDIDATES else [])
+        self.chains = [Arm(k) for k in cands]
+        self.unmeasured = [k for k in cands if not self.costs.measured(self.bucket, max(k, self.floor))]
+        # trees only when every adaptive job may verify that budget; a tree arm is priced by the
+        # fit, or by its own measured cell until there is a fit
+        cap = min(batch.budgets[i] for i in adaptive)
+        trees_ok = self.top and (not policy.tree_max_batch or len(shapes) <= policy.tree_max_batch)
+        budgets = [n for n in policy.tree_budgets if n <= cap and self._priced(n)] if trees_ok else []
+        self.trees = [Arm(budget=n) for n in budgets]
+        # suffix-only arms: valued from this step's candidates, never explored
+        offered = any(batch.offers[i] is not None and batch.suffix_limits[i] for i in adaptive)
+        self.suffix = [Arm(budget=n, suffix_only=True) for n in budgets] if offered else []
+
+    def _priced(self, rows: int) -> bool:
+        return self.model is not None or self.costs.measured(self.bucket, max(rows, self.floor))
+
+    def size(self, arm: Arm) -> int:
+        """Tokens after the anchor of the step's largest block under ``arm``."""
+        return max(arm.rows, self.floor)
+
+    def gain(self, arm: Arm) -> float:
+        """Expected committed tokens of the whole batch under ``arm``."""
+        b, ex, n = self.batch, self.ex, arm.budget
+        if arm.suffix_only:
+            return self.fixed_tokens + sum(_offered(b.offers[i], n) for i in b.adaptive)
+        if n:
+            return self.fixed_tokens + sum(ex.tree(i, n) + self.policy._hybrid_gain(
+                b.offers[i], ex.label(i), n, b.suffix_limits[i]) for i in b.adaptive)
+        return self.fixed_tokens + sum(ex.chain(i, min(arm.k, b.limits[i])) for i in b.adaptive)
+
+    def price(self, arm: Arm) -> float:
+        """Estimated seconds of the step under ``arm`` (a suffix-only tree: no drafter time)."""
+        if arm.suffix_only:
+            return self.policy.suffix_cost(self.bucket, self.size(arm), self.model)
+        return self.costs.estimate(self.bucket, self.size(arm), self.model)
+
+    def rate(self, arm: Arm) -> float:
+        return self.gain(arm) / max(self.price(arm), 1e-9)
+
+    def untried(self, arm: Arm) -> bool:
+        """Whether some adaptive job's drafter has no measured value for tree ``arm``."""
+        return any(self.policy.acceptance.tree_expected(self.ex.label(i), arm.budget) is None
+                   for i in self.batch.adaptive)
+
+    def decision(self, best: Arm, explored: bool) -> Decision:
+        cost = self.price(best) if self._priced(best.rows) else 0.0
+        return Decision(mode=MODE_ADAPTIVE, k=best.k if not best.budget else self.top,
+                        batch=len(self.batch.limits), expected_tokens=self.gain(best),
+                        cost_seconds=cost, explored=explored, budget=best.budget,
+                        suffix=best.suffix_only)
 
 
 class _Expectations:
