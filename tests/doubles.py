@@ -132,7 +132,7 @@ class TableCache:
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class TargetDouble:
-    """The engine's ``Target`` protocol (``verifier_svc.engine.Target``) for targets whose
+    """The engine's ``Target`` protocol (``verifier_svc.target_protocol.Target``) for targets whose
     logits come from a table: one CPU process that never fails, a cache that is its token
     list, no shared prefill. Subclasses give ``forward``."""
 

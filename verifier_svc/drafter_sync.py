@@ -218,22 +218,23 @@ class DrafterSync:
             if all(isinstance(r, DraftError) for r in res):
                 wasted += time.perf_counter() - t_call
             for i, r in zip(idx, res):
-                it = items[i]
-                reason = self.malformed(r, it.k, it.top_k if it.k else 0)
-                if reason == LATE:   # still queued on the drafter: its context lands there
-                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
-                    it.state.length = it.cached
-                    out[i] = DraftOutcome(EMPTY, None, reason if it.k else None, True)
-                elif reason:
-                    it.state.reset()  # resend the whole context once the drafter is healthy
-                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
-                    out[i] = DraftOutcome(EMPTY, None, reason if it.k else None, True)
-                else:
-                    assert isinstance(r, Proposal)     # malformed() found nothing wrong
-                    it.state.length = it.cached
-                    out[i] = DraftOutcome(r.tokens, r.probs, None, True,
-                                          top_ids=r.top_ids, top_logprobs=r.top_logprobs)
+                out[i] = self._outcome(items[i], r)
         return DraftRound(out, wasted)
+
+    def _outcome(self, it: DraftItem, r: Proposal | DraftError) -> DraftOutcome:
+        """One item's drafts from its call's result, and what its drafter now holds."""
+        reason = self.malformed(r, it.k, it.top_k if it.k else 0)
+        if reason:
+            log.info("session %s: drafter fallback (%s)", it.session_id, reason)
+            if reason == LATE:   # still queued on the drafter: its context lands there
+                it.state.length = it.cached
+            else:
+                it.state.reset()  # resend the whole context once the drafter is healthy
+            return DraftOutcome(EMPTY, None, reason if it.k else None, True)
+        assert isinstance(r, Proposal)     # malformed() found nothing wrong
+        it.state.length = it.cached
+        return DraftOutcome(r.tokens, r.probs, None, True, top_ids=r.top_ids,
+                            top_logprobs=r.top_logprobs)
 
     def _resend_on_failure(self, items: list[DraftItem], what: str) -> Callable[[list[str]], None]:
         """The callback for sessions whose unawaited call (``what``) failed on the drafter (any

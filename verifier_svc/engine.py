@@ -1,4 +1,4 @@
-"""The verifier engine: sessions, prefill, the speculative decode step, commit.
+"""The verifier engine: sessions, the speculative decode step, commit (prefill: ``prefill.py``).
 
 Pure torch/Python (no protobuf). The step follows z-lab/dflash ``dflash_generate`` (Sec. 1.7 of
 shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
@@ -6,7 +6,8 @@ shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
     choose k (policy) -> propose (drafter_sync) -> forward (target) -> verify (verification)
     -> commit (crop the KV cache, keep the taps, stop/length) -> feed the policy
 
-for every running session at once (continuous batching, ``verifier_svc/scheduler.py``): one
+for every running session at once (continuous batching: ``verifier_svc/scheduler.py`` says
+which, the loop of ``verifier_svc/core.py`` runs it), one ``StepRow`` per session: one
 drafter call per drafter, one target forward over every session's block on the persistent
 batch KV pool (``dflash/core/kv_pool.py``). With speculation off, or when the drafter fails, the
 same step runs with ``k = 0`` (plain autoregressive decoding): the baseline every benchmark
@@ -24,29 +25,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
-from dflash.core.sampling import InvalidParam, Sampling, coupled_choice, position_noise, probs_from_logits, sample_from
+from dflash.core.sampling import InvalidParam
 from dflash.core.speculation import (
-    DEFAULT_SUFFIX_DEPTH,
     MAX_TREE_BUDGET,
     MODE_FIXED,
-    MODE_HYBRID,
-    MODE_OFF,
-    MODE_SUFFIX,
-    MODE_TREE,
-    SUFFIX_MODES,
-    TREE_MODES,
 )
 from dflash.core.stats import AcceptanceCounter
-from verifier_svc.cards import TargetCard, check_drafter_card
+from verifier_svc.cards import check_drafter_card
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
@@ -59,9 +50,10 @@ from verifier_svc.policy import (
     StepFeedback,
     bucket,
 )
+from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
-from verifier_svc.sessions import CacheHandle, Session, SessionStore
+from verifier_svc.sessions import Session, SessionStore
 from verifier_svc.suffix_drafts import (
     DRAFTER,
     AnswerStore,
@@ -73,6 +65,7 @@ from verifier_svc.suffix_drafts import (
     offer_for,
     suffix_tree,
 )
+from verifier_svc.target_protocol import Target
 from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
 from verifier_svc.verification import RowParams, Verified, verify_batch
 
@@ -80,41 +73,6 @@ __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowC
            "check_drafter_card", "MAX_BLOCK_SIZE", "InvalidParam", "Target"]
 
 log = logging.getLogger("dflash.verifier")
-
-
-class Target(TargetCard, Protocol):
-    """What the engine needs of a target (``verifier_svc.target.TargetModel``, the expert-
-    parallel ``verifier_svc.ep.DistributedTarget``, test doubles); its card fields are checked
-    against each drafter's (``verifier_svc.cards``)."""
-
-    vocab_size: int
-    max_positions: int
-    eos_token_ids: frozenset[int]
-    failure: str | None                 # why the target can no longer run (expert parallel)
-    path: Path                          # the checkpoint directory (Describe)
-    dtype: torch.dtype
-    device: torch.device                # where its logits are (sampling noise is drawn there)
-    lock: AbstractContextManager        # serialises forwards and cache changes
-    supports_trees: bool                # forward_batch takes ``parents``; ``keep`` compacts
-    supports_fork: bool                 # ``fork`` copies a prompt prefix (shared prefill)
-
-    def new_cache(self) -> CacheHandle: ...
-
-    def forward(self, tokens: list[int], cache: CacheHandle, layer_ids: tuple[int, ...] | None,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def forward_batch(self, blocks: list[list[int]], caches: list[CacheHandle],
-                      layer_ids: list[tuple[int, ...]], parents: list[list[int] | None] | None = None
-                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]: ...
-
-    def keep(self, cache: CacheHandle, start: int, offsets: list[int]) -> None: ...
-
-    def crop(self, cache: CacheHandle, length: int) -> None: ...
-
-    def fork(self, src: CacheHandle, dst: CacheHandle, length: int) -> None:
-        """``dst`` holds ``src``'s first ``length`` positions (only with ``supports_fork``)."""
-
-    def own(self, cache: CacheHandle) -> None: ...
 
 
 class VerifierEngine:
@@ -277,110 +235,30 @@ class VerifierEngine:
         returns the prompt positions its session's cache already holds."""
         s, req, t = st.session, st.req, self.target
         taps_usable = self.sync.bind(s.id, s.drafter, req.proposer)
-        reuse = _common_prefix(s.tokens, req.prompt) if taps_usable else 0
+        reuse = common_prefix(s.tokens, req.prompt) if taps_usable else 0
         st.reuse = st.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
         # on the target's device: its noise is drawn where the logits are (a CPU generator
         # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
         st.gen = req.sampling.generator(t.device)
         st.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
-                         if req.sampling.penalised else None)
+                        if req.sampling.penalised else None)
         st.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
-        st.mode = req.spec_mode or self.spec_mode
-        st.block_limit = 1
-        st.tree_budget = 0
-        st.suffix_limit = 0
-        if req.proposer is not None and st.mode != MODE_OFF:
-            card = req.proposer.card
-            st.block_limit = min(req.block_size or card.block_size, card.block_size)
-            if self.trees and st.mode in TREE_MODES:
-                st.tree_budget = req.tree_budget or (
-                    self.tree_budget if st.mode in (MODE_TREE, MODE_HYBRID, MODE_SUFFIX)
-                    else max(self.policy.tree_budgets, default=0))
-        if self.suffix and st.mode != MODE_OFF and (req.proposer is not None or st.mode in SUFFIX_MODES):
-            # with a drafter, suffix candidates are its fallback in every mode (a failed call
-            # still speculates); without one, the modes that may speculate from them alone
-            st.suffix_limit = st.block_limit - 1 if req.proposer is not None else \
-                (req.block_size - 1 if req.block_size else DEFAULT_SUFFIX_DEPTH)
-            if not st.tree_budget:
-                st.tree_budget = req.tree_budget or (
-                    self.tree_budget if st.mode in (MODE_SUFFIX, MODE_HYBRID)
-                    else max(self.policy.tree_budgets, default=self.tree_budget))
+        st.mode, st.block_limit, st.tree_budget, st.suffix_limit = speculation_limits(
+            req, self.spec_mode, trees=self.trees, suffix=self.suffix, tree_budget=self.tree_budget,
+            tree_budgets=self.policy.tree_budgets)
         s.prefix_group = ""                  # this turn changes the cache: lends nothing now
         with t.lock:
             t.crop(s.cache, st.reuse)
         self.sync.truncate(s.drafter, st.reuse)
-        self._share_prefix(st)
+        share_prefix(st, t, self._sessions.values())
         if req.trace is not None:
             req.trace.prefill_started()
         return st.prefilled
 
-    def _share_prefix(self, st: DecodeState) -> None:
-        """Shared prompt prefill: copy the longest prompt prefix that another session of the
-        request's prefix group holds (the n samples of one request: the first prefills, the
-        others copy its KV entries and taps, then run the last prompt token), when it is longer
-        than what this session reuses of its own. Only sessions whose prompt is fully in their
-        cache lend (``Session.prefix_group``); a target without ``supports_fork`` (expert parallel)
-        prefills every sample."""
-        s, req, t = st.session, st.req, self.target
-        want = len(req.prompt) - 1               # the last prompt token runs: its logits are read
-        if not req.prefix_group or not t.supports_fork or st.reuse >= want:
-            return
-        best, best_len = None, st.reuse
-        for other in self._sessions.values():
-            if other is s or other.prefix_group != req.prefix_group:
-                continue
-            n = min(_common_prefix(other.tokens, req.prompt), other.cached, want)
-            if s.drafter.tap_ids:   # the drafter needs this prefix's taps: the same layers'
-                if other.drafter.tap_ids != s.drafter.tap_ids:
-                    continue
-                n = min(n, len(other.drafter.taps))
-            if n > best_len:
-                best, best_len = other, n
-        if best is None:
-            return
-        with t.lock:
-            t.fork(best.cache, s.cache, best_len)
-        if s.drafter.tap_ids:
-            s.drafter.taps.truncate(st.reuse)
-            s.drafter.taps.append(best.drafter.taps.rows(st.reuse)[:best_len - st.reuse])
-        st.shared = best_len - st.reuse
-        st.prefilled = best_len
-
     def prefill_chunk(self, st: DecodeState, budget: int) -> StepEvent | None:
-        """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in."""
-        s, req, t = st.session, st.req, self.target
-        d = s.drafter
-        t0 = time.perf_counter()
-        end = min(len(req.prompt), st.prefilled + max(budget, 1))
-        with t.lock:
-            logits, taps = t.forward(req.prompt[st.prefilled:end], s.cache, d.tap_ids,
-                                     logits_to_keep=1)         # only the last row is read
-        st.prefill_seconds += time.perf_counter() - t0
-        if d.tap_ids:
-            assert taps is not None                 # the target taps the layers it is asked for
-            d.taps.append(taps)
-        st.prefilled = end
-        if end < len(req.prompt):
-            return None
-        s.tokens = list(req.prompt)
-        s.prefix_group = req.prefix_group        # cache, taps and tokens agree on the prompt
-        raw = logits[-1:]                                       # [1, V]
-        first = self._sample(st.processor.apply(raw) if st.processor else raw,
-                             req.sampling, st.gen, len(req.prompt))
-        s.tokens.append(first)
-        if self.suffix:
-            s.suffix.sync(s.tokens)              # O(new tokens) after a turn that kept its prefix
-        if st.processor:
-            st.processor.commit([first])
-        st.emitted = 1
-        finish = FINISH_STOP if first in st.stops else (FINISH_LENGTH if req.max_tokens == 1 else None)
-        if req.proposer is not None and st.block_limit > 1:
-            d.proposer = req.proposer
-        return StepEvent(tokens=[first], finish=finish, verify_seconds=st.prefill_seconds,
-                         stats=st.stats, prompt_tokens=len(req.prompt),
-                         cached_prompt_tokens=st.reuse + st.shared,
-                         logprobs=token_logprobs(raw, [0], [first], req.sampling.top_logprobs)
-                         if req.sampling.logprobs else None)
+        """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in
+        (``verifier_svc.prefill.prefill_chunk``)."""
+        return prefill_chunk(st, self.target, budget, suffix=self.suffix)
 
     # ------------------------------------------------------------------ one decode step
     def decode_step(self, plan: StepPlan) -> list[StepEvent]:
@@ -590,20 +468,6 @@ class VerifierEngine:
         """Stop the loop's thread (requests still running fail)."""
         self.core.stop()
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None,
-                position: int) -> int:
-        """The token at sequence index ``position`` from the last row of ``logits`` [n, V]:
-        argmax, the seeded race against ``position_noise`` (as verification does), or a draw
-        from ``gen``."""
-        if sampling.greedy:
-            return int(logits[-1].argmax())
-        probs = probs_from_logits(logits[-1], sampling)
-        if sampling.seed is not None:
-            return int(coupled_choice(probs, position_noise(sampling.seed, [position],
-                                                            logits.shape[-1], logits.device)[0]))
-        assert gen is not None                      # a sampled request's job has its generator
-        return int(sample_from(probs, gen))
 
 
 def _processed(r: StepRow) -> torch.Tensor:
@@ -637,11 +501,3 @@ def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:
         return None
     depth = len(d.tokens)
     return build_tree(d.top_ids[:depth], d.top_logprobs[:depth], sh.budget)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
