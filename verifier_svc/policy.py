@@ -55,21 +55,20 @@ metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Sequence
 
 from dflash.core.speculation import (
     MODE_ADAPTIVE,
     MODE_FIXED,
     MODE_HYBRID,
-    MODE_OFF,
     MODE_SUFFIX,
     MODE_TREE,
     MODES,
-    SUFFIX_MODES,
 )
-from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, session_table
+from verifier_svc.arms import Arms, Batch, Expectations, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
+from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer
 
 __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Arm", "Decision", "PolicyJob",
@@ -84,134 +83,9 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-# Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
-CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
-#: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
-MIXED = "mixed"
 #: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
 #: below it never displaces a drafter node.
 MIN_NODE_VALUE = 0.02
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One job's block this step: ``k`` drafts asked of the drafter (0: no speculation);
-    ``budget`` > 0: verify a DDTree of at most ``budget`` nodes built from the drafter's top-k
-    over those ``k`` positions instead of the chain."""
-
-    k: int
-    budget: int = 0
-    #: suffix candidates join the tree (``k`` > 0: merged into the drafter's, a hybrid tree;
-    #: ``k`` = 0: a tree of ``budget`` suffix nodes alone)
-    suffix: bool = False
-
-    @property
-    def verified(self) -> int:
-        """Tokens after the anchor the target verifies (the cost model's ``k``)."""
-        return self.budget if self.budget and (self.k or self.suffix) else self.k
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """One step's choice and the figures it was made from (for metrics and spans)."""
-
-    mode: str                       # MODE_ADAPTIVE if any session is adaptive, else the batch's
-                                    # mode (MIXED: several)
-    k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
-    batch: int
-    expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]
-    cost_seconds: float = 0.0       # estimated step seconds at k
-    explored: bool = False
-    waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
-    budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
-    suffix: bool = False            # the chosen tree is of suffix candidates alone
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One candidate block shape for a step's adaptive jobs: a chain of ``k`` drafts
-    (``budget`` 0), a tree of ``budget`` nodes from the drafter's top-k with the suffix
-    candidates worth more merged in (``k`` 0), or, ``suffix_only``, a tree of ``budget`` suffix
-    candidates without the drafter."""
-
-    k: int = 0
-    budget: int = 0
-    suffix_only: bool = False
-
-    @property
-    def rows(self) -> int:
-        """Tokens after the anchor the target verifies (before the batch's fixed blocks)."""
-        return self.k or self.budget
-
-
-@dataclasses.dataclass(frozen=True)
-class StepChoice:
-    """What :meth:`SpeculationPolicy.choose_shapes` decided for one step."""
-
-    shapes: list[Shape]                 # per job, in the order of the jobs
-    decision: Decision
-    # the expectations the choice valued its arms with (adaptive jobs; None: none made), which
-    # the drafters' deadline of the same step reuses (:meth:`SpeculationPolicy.draft_budget`)
-    expectations: _Expectations | None = None
-
-    @property
-    def ks(self) -> list[int]:
-        return [sh.k for sh in self.shapes]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepFeedback:
-    """What one decode step teaches the policy; fed once, to :meth:`SpeculationPolicy.observe`."""
-
-    batch: int                      # sessions in the step
-    k: int                          # drafts of the step's largest block
-    verify_seconds: float           # the target's forward over every block
-    draft_seconds: float = 0.0      # the drafter calls (0 when the step called no drafter)
-    record_cost: bool = True        # False: a ramp or joining step, not what a steady step costs
-    # drafter label -> (drafts, accepted drafts) per verified block with drafts
-    blocks: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    committed: list[int]            # tokens each job emitted (bonus included), in job order
-    cycle_overhead: float | None = None   # cycle seconds outside verify + draft; None: not a
-                                          # per-step cost (a prefill chunk ran, the loop idled)
-    # drafter label -> (node budget, committed tokens) per verified tree (kept out of ``blocks``:
-    # a tree's depth acceptance is not a chain's position acceptance)
-    trees: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    # jobs (indices) whose wanted block is missing (the drafter failed, or its circuit is open):
-    # they say nothing about how well the expectations predict acceptance
-    fell_back: frozenset[int] = frozenset()
-
-
-class _Card(Protocol):
-    @property
-    def label(self) -> str: ...     # drafter version, the key of its acceptance rates
-
-
-class _Proposer(Protocol):
-    @property
-    def card(self) -> _Card: ...
-
-
-class _Request(Protocol):
-    max_tokens: int
-
-    @property
-    def proposer(self) -> _Proposer | None: ...     # None: no drafter, the job never speculates
-
-
-class PolicyJob(Protocol):
-    """What :meth:`SpeculationPolicy.choose` reads of a job (``verifier_svc.scheduler.Job``)."""
-
-    mode: str                       # one of MODES
-    block_limit: int                # the request's block size (drafts + 1)
-    emitted: int                    # tokens emitted so far
-    @property
-    def req(self) -> _Request: ...                  # read-only: a Job's is a full Request
-
-    @property
-    def stats(self) -> PositionCounts | None: ...   # the request's acceptance counts (session_table)
-
-    tree_budget: int                # largest tree it may verify (0: chains only)
-    suffix_limit: int               # deepest suffix candidate it may verify (0: none)
 
 
 class SpeculationPolicy:
@@ -339,7 +213,7 @@ class SpeculationPolicy:
         prefill behind this step; ``offers``: each job's suffix candidates this step (None:
         none)."""
         self.acceptance.clear_expectation()
-        batch = _Batch.of(jobs, offers)
+        batch = Batch.of(jobs, offers)
         shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
         if not batch.adaptive:
             modes = set(batch.modes)
@@ -348,8 +222,8 @@ class SpeculationPolicy:
         if waiting:
             return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
                                                waiting=waiting))
-        ex = _Expectations(self, jobs, batch.limits)
-        arms = _Arms(self, batch, shapes, ex)
+        ex = Expectations(self, jobs, batch.limits)
+        arms = Arms(self, batch, shapes, ex)
         best, explored = self._pick(arms)
         for i in batch.adaptive:
             shapes[i] = batch.adaptive_shape(i, best)
@@ -357,20 +231,20 @@ class SpeculationPolicy:
             self.acceptance.expect(batch.adaptive, [ex.raw(i, shapes[i].k) - 1.0 for i in batch.adaptive])
         return StepChoice(shapes, arms.decision(best, explored), ex)
 
-    def _pinned_shape(self, batch: _Batch, i: int) -> Shape:
+    def _pinned_shape(self, batch: Batch, i: int) -> Shape:
         """Job ``i``'s shape when its mode fixes it (an adaptive job's placeholder: no drafts)."""
         m, lim, budget, offer = batch.modes[i], batch.limits[i], batch.budgets[i], batch.offers[i]
         if m == MODE_FIXED:
             return Shape(lim)
         if m == MODE_TREE:
-            return _tree_shape(lim, budget)
+            return tree_shape(lim, budget)
         if m == MODE_HYBRID:
-            return _hybrid_shape(lim, budget, offer is not None)
+            return hybrid_shape(lim, budget, offer is not None)
         if m == MODE_SUFFIX:
             return self.suffix_shape(offer, batch.bucket, budget, batch.suffix_limits[i])
         return Shape(0)
 
-    def _pick(self, arms: _Arms) -> tuple[Arm, bool]:
+    def _pick(self, arms: Arms) -> tuple[Arm, bool]:
         """The arm this step runs and whether it was chosen to measure it: every chain length
         first (until the cost model has a fit), then the bucket's baseline, then the best rate,
         each tree budget once, and every ``explore_every`` steps a neighbour of the best."""
@@ -392,7 +266,7 @@ class SpeculationPolicy:
             return nb, nb != best
         return best, explored
 
-    def _neighbour(self, arms: _Arms, best: Arm) -> Arm:
+    def _neighbour(self, arms: Arms, best: Arm) -> Arm:
         """Alternately the next larger and the next smaller arm by rows verified, a tree of n
         nodes just after the chain of n drafts (its neighbours are the chains of about its
         cost: listed after every chain, a small tree's neighbours were the longest chain and
@@ -463,7 +337,7 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ the drafters' deadline
     def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape],
-                     expectations: _Expectations | None = None) -> float | None:
+                     expectations: Expectations | None = None) -> float | None:
         """Seconds this step's drafter calls may take before speculating costs more than not
         speculating: :meth:`StepCostModel.draft_budget` at the step's batch and largest block,
         with each job's expected committed tokens for its shape (1 for a job not speculating),
@@ -476,189 +350,6 @@ class SpeculationPolicy:
         # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
         # tables alone: a per-request table for every session of a large batch costs too much
         # for a deadline estimate
-        ex = expectations or _Expectations(self, jobs, _limits(jobs), per_request=False)
+        ex = expectations or Expectations(self, jobs, limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
         return self.costs.draft_budget(len(jobs), k, tokens)
-
-
-def _tree_shape(limit: int, budget: int) -> Shape:
-    """A tree of ``budget`` nodes for a job whose block allows ``limit`` drafts: no deeper than
-    ``budget`` (each node's parent is in the tree), so the drafter is asked for
-    ``min(limit, budget)`` positions, not the whole block (a smaller, cheaper drafter block)."""
-    return Shape(min(limit, budget), budget) if limit and budget else Shape(limit)
-
-
-def _offered(offer: SuffixOffer | None, n: int) -> float:
-    """Expected tokens of a tree of ``offer``'s ``n`` best candidates (1: none)."""
-    return offer.expected(n) if offer is not None else 1.0
-
-
-def _hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
-    """Mode ``hybrid``'s shape: the drafter's tree (as in ``tree`` mode), with the suffix
-    candidates when the job has some this step."""
-    sh = _tree_shape(limit, budget)
-    return Shape(sh.k, sh.budget, True) if sh.budget and suffix else sh
-
-
-def _job_mode(j: PolicyJob, suffix_limit: int) -> str:
-    """The mode a job speculates in this step: a job without a drafter speculates from suffix
-    candidates in the modes that may (``SUFFIX_MODES``), else not at all."""
-    if j.req.proposer is not None:
-        return j.mode
-    return MODE_SUFFIX if j.mode in SUFFIX_MODES and suffix_limit else MODE_OFF
-
-
-def _suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
-    """Deepest suffix candidate each job may verify this step (its tokens left)."""
-    return [max(0, min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)) for j in jobs]
-
-
-def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
-    """Most drafts each job may verify this step (its block size, and its tokens left)."""
-    return [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """One step's jobs as the choice reads them, per job: its block limit, tree budget, suffix
-    depth, candidates and mode this step; the adaptive ones (indices); the batch bucket."""
-
-    limits: list[int]
-    budgets: list[int]
-    suffix_limits: list[int]
-    offers: list[SuffixOffer | None]
-    modes: list[str]
-    adaptive: list[int]
-    bucket: int
-
-    @classmethod
-    def of(cls, jobs: Sequence[PolicyJob], offers: Sequence[SuffixOffer | None] | None) -> _Batch:
-        slimits = _suffix_limits(jobs)
-        modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
-        return cls(_limits(jobs), [j.tree_budget for j in jobs], slimits,
-                   list(offers) if offers is not None else [None] * len(jobs), modes,
-                   [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE], bucket(len(jobs)))
-
-    def adaptive_shape(self, i: int, arm: Arm) -> Shape:
-        """Adaptive job ``i``'s shape under ``arm`` (within its own limits)."""
-        if arm.suffix_only:
-            return Shape(0, arm.budget, True) if self.offers[i] is not None and self.suffix_limits[i] \
-                else Shape(0)
-        if arm.budget and self.limits[i]:
-            return _hybrid_shape(self.limits[i], arm.budget, self.offers[i] is not None)
-        return Shape(0 if arm.budget else min(arm.k, self.limits[i]))
-
-
-class _Arms:
-    """The arms open to one step's adaptive jobs, each valued (expected committed tokens of the
-    whole batch) and priced (seconds of the step) at the batch's bucket. Every adaptive job
-    runs the same arm (one shape per step); the fixed jobs' blocks set its ``floor``."""
-
-    def __init__(self, policy: SpeculationPolicy, batch: _Batch, shapes: list[Shape],
-                 ex: _Expectations):
-        self.policy, self.batch, self.ex, self.costs = policy, batch, ex, policy.costs
-        self.bucket, adaptive = batch.bucket, batch.adaptive
-        self.floor = max(sh.verified for sh in shapes)
-        self.top = max(batch.limits[i] for i in adaptive)
-        self.fixed_tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)
-                                if batch.modes[i] != MODE_ADAPTIVE)
-        self.model = self.costs.fit()
-        cands = [k for k in CANDIDATES if k <= self.top] + ([self.top] if self.top not in CANDIDATES else [])
-        self.chains = [Arm(k) for k in cands]
-        self.unmeasured = [k for k in cands if not self.costs.measured(self.bucket, max(k, self.floor))]
-        # trees only when every adaptive job may verify that budget; a tree arm is priced by the
-        # fit, or by its own measured cell until there is a fit
-        cap = min(batch.budgets[i] for i in adaptive)
-        trees_ok = self.top and (not policy.tree_max_batch or len(shapes) <= policy.tree_max_batch)
-        budgets = [n for n in policy.tree_budgets if n <= cap and self._priced(n)] if trees_ok else []
-        self.trees = [Arm(budget=n) for n in budgets]
-        # suffix-only arms: valued from this step's candidates, never explored
-        offered = any(batch.offers[i] is not None and batch.suffix_limits[i] for i in adaptive)
-        self.suffix = [Arm(budget=n, suffix_only=True) for n in budgets] if offered else []
-
-    def _priced(self, rows: int) -> bool:
-        return self.model is not None or self.costs.measured(self.bucket, max(rows, self.floor))
-
-    def size(self, arm: Arm) -> int:
-        """Tokens after the anchor of the step's largest block under ``arm``."""
-        return max(arm.rows, self.floor)
-
-    def gain(self, arm: Arm) -> float:
-        """Expected committed tokens of the whole batch under ``arm``."""
-        b, ex, n = self.batch, self.ex, arm.budget
-        if arm.suffix_only:
-            return self.fixed_tokens + sum(_offered(b.offers[i], n) for i in b.adaptive)
-        if n:
-            return self.fixed_tokens + sum(ex.tree(i, n) + self.policy._hybrid_gain(
-                b.offers[i], ex.label(i), n, b.suffix_limits[i]) for i in b.adaptive)
-        return self.fixed_tokens + sum(ex.chain(i, min(arm.k, b.limits[i])) for i in b.adaptive)
-
-    def price(self, arm: Arm) -> float:
-        """Estimated seconds of the step under ``arm`` (a suffix-only tree: no drafter time)."""
-        if arm.suffix_only:
-            return self.policy.suffix_cost(self.bucket, self.size(arm), self.model)
-        return self.costs.estimate(self.bucket, self.size(arm), self.model)
-
-    def rate(self, arm: Arm) -> float:
-        return self.gain(arm) / max(self.price(arm), 1e-9)
-
-    def untried(self, arm: Arm) -> bool:
-        """Whether some adaptive job's drafter has no measured value for tree ``arm``."""
-        return any(self.policy.acceptance.tree_expected(self.ex.label(i), arm.budget) is None
-                   for i in self.batch.adaptive)
-
-    def decision(self, best: Arm, explored: bool) -> Decision:
-        cost = self.price(best) if self._priced(best.rows) else 0.0
-        return Decision(mode=MODE_ADAPTIVE, k=best.k if not best.budget else self.top,
-                        batch=len(self.batch.limits), expected_tokens=self.gain(best),
-                        cost_seconds=cost, explored=explored, budget=best.budget,
-                        suffix=best.suffix_only)
-
-
-class _Expectations:
-    """Expected committed tokens (bonus included) of one step's jobs, per block shape:
-
-    ``raw(i, k)``: the request's table (the drafter's, moved towards the request's own counts,
-    :func:`session_table`) at ``k`` drafts; ``chain(i, k)``: that scaled by the policy's
-    calibration, ``1 + accuracy * (raw - 1)``; ``tree(i, n)``: a tree of ``n`` nodes, measured
-    per drafter and budget, else the chain of ``min(n, limit)`` drafts. Tables are built once
-    per drafter and job (``per_request`` False: the drafter's table for every job). The
-    policy's choice of blocks and the drafters' deadline (:meth:`SpeculationPolicy.
-    draft_budget`) both read them."""
-
-    def __init__(self, policy: SpeculationPolicy, jobs: Sequence[PolicyJob], limits: list[int],
-                 per_request: bool = True):
-        self.acceptance, self.accuracy = policy.acceptance, policy.accuracy
-        self.jobs, self.limits, self.per_request = jobs, limits, per_request
-        self.top = max(limits, default=0)
-        self._priors: dict[str, list[float]] = {}   # drafter label -> its E table
-        self._tables: dict[int, list[float]] = {}   # job index -> the request's E table
-
-    def label(self, i: int) -> str:
-        proposer = self.jobs[i].req.proposer
-        assert proposer is not None       # a speculating job has a drafter
-        return proposer.card.label
-
-    def raw(self, i: int, k: int) -> float:
-        if i not in self._tables:
-            lb = self.label(i)
-            if lb not in self._priors:
-                self._priors[lb] = self.acceptance.expected_table(lb, self.top)
-            stats = self.jobs[i].stats if self.per_request else None
-            self._tables[i] = session_table(self._priors[lb], stats)
-        return self._tables[i][k]
-
-    def chain(self, i: int, k: int) -> float:
-        return 1.0 + self.accuracy * (self.raw(i, k) - 1.0)
-
-    def tree(self, i: int, n: int) -> float:
-        if not self.limits[i]:
-            return 1.0
-        measured = self.acceptance.tree_expected(self.label(i), n)
-        return measured if measured is not None else self.chain(i, min(n, self.limits[i]))
-
-    def shape(self, i: int, sh: Shape) -> float:
-        """Job ``i``'s expected tokens with block ``sh`` (1 without drafts)."""
-        if not sh.k:
-            return 1.0
-        return self.tree(i, sh.budget) if sh.budget else self.chain(i, sh.k)
