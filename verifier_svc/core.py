@@ -124,7 +124,7 @@ class EngineCore:
                     fut.set_result(fn())
                 except Exception as e:
                     fut.set_exception(e)
-            if calls and not sched.has_work():
+            if calls and not sched.active():
                 continue
             try:
                 self._iteration()

@@ -209,6 +209,10 @@ class Scheduler:
         """Whether anything waits or runs (``cv`` held)."""
         return bool(self._incoming or self._waiting or self._running)
 
+    def active(self) -> bool:
+        """Whether a job is prefilling or in the batch (an iteration has something to run)."""
+        return bool(self._waiting or self._running)
+
     def rest(self) -> None:
         """The loop waits for work now (``cv`` held): its next cycle is not a step's cost."""
         self._idle = True
