@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
+from dflash.core.cards import check_drafter_card
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
@@ -37,7 +38,6 @@ from dflash.core.speculation import (
     MODE_FIXED,
 )
 from dflash.core.stats import AcceptanceCounter
-from verifier_svc.cards import check_drafter_card
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome

@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 
+from dflash.core.cards import check_drafter_card
 from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
 from dflash.core.proposer import FallbackReason
 from dflash.core.sampling import InvalidParam
@@ -15,7 +16,6 @@ from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
 from dflash.serving.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.cards import check_drafter_card
 from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer, StepEvent

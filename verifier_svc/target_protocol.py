@@ -9,14 +9,14 @@ from typing import Protocol
 
 import torch
 
-from verifier_svc.cards import TargetCard
+from dflash.core.cards import TargetCard
 from verifier_svc.sessions import CacheHandle
 
 
 class Target(TargetCard, Protocol):
     """What the engine needs of a target (``verifier_svc.target.TargetModel``, the expert-
     parallel ``verifier_svc.ep.DistributedTarget``, test doubles); its card fields are checked
-    against each drafter's (``verifier_svc.cards``)."""
+    against each drafter's (``dflash.core.cards``)."""
 
     vocab_size: int
     max_positions: int

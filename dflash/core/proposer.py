@@ -21,6 +21,8 @@ from dflash.core.sampling import Sampling
 #: DDTree needs K = min(node budget, vocabulary) per depth (Ringel & Romano, arXiv 2604.12989,
 #: section 3); 64 bounds the wire and the drafter's top-k work per block.
 MAX_TOP_K = 64
+#: Largest block (anchor + drafts) a drafter may declare or a request may ask for.
+MAX_BLOCK_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
