@@ -26,7 +26,7 @@ from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashDrafter, TargetHead
-from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest, check_top_k
 from dflash.serving.threads import claim
 from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
 from drafter_svc.forward import append_context, draft_blocks
@@ -268,7 +268,7 @@ class DrafterEngine:
                 if r.block_size <= 1:
                     out[i] = Proposal(tokens=torch.empty(0, dtype=torch.int64, device="cpu"))
                 elif not sess.length:
-                    out[i] = DraftError("no_context", "the drafter has no context for this session")
+                    out[i] = DraftError(FallbackReason.NO_CONTEXT, "the drafter has no context for this session")
                 else:
                     drafting.append((i, r, sess))
             if drafting:
@@ -327,16 +327,16 @@ class DrafterEngine:
         ctx = r.context
         check_top_k(r.top_k)
         if ctx.dim() != 2 or ctx.shape[1] != cfg.context_size:
-            raise DraftError("bad_request", f"context: expected [n, {cfg.context_size}], "
+            raise DraftError(FallbackReason.BAD_REQUEST, f"context: expected [n, {cfg.context_size}], "
                              f"got {list(ctx.shape)}")
         if not 0 <= r.anchor_token < cfg.vocab_size:
-            raise DraftError("bad_request", f"anchor_token: {r.anchor_token} outside vocabulary")
+            raise DraftError(FallbackReason.BAD_REQUEST, f"anchor_token: {r.anchor_token} outside vocabulary")
         if r.block_size > cfg.max_position_embeddings:
-            raise DraftError("bad_request", "block_size too large")
+            raise DraftError(FallbackReason.BAD_REQUEST, "block_size too large")
         sess = self._sessions.get(r.session_id)
         have = sess.length if sess else 0
         if r.context_start > have:
-            raise DraftError("context_gap", f"have {have} positions, got context_start {r.context_start}")
+            raise DraftError(FallbackReason.CONTEXT_GAP, f"have {have} positions, got context_start {r.context_start}")
         if sess is None or r.context_start == 0:
             sess = _SessionCtx(seq=self.pool.new_seq())
             self._sessions[r.session_id] = sess

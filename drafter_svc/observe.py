@@ -12,6 +12,7 @@ import time
 
 from opentelemetry.trace import SpanKind
 
+from dflash.serving import semconv as sc
 from dflash.serving.metrics import DrafterMetrics, SessionGauges
 from dflash.serving.telemetry import Telemetry
 from dflash.serving.tracing import extract_context, set_error
@@ -65,14 +66,14 @@ class ObservedDrafterServicer(DrafterServicer):
             if not (self.tracing and item.trace_context):
                 continue
             span = self.tracer.start_span(
-                "drafter.draft", context=extract_context(item.trace_context), kind=SpanKind.SERVER,
+                sc.SPAN_DRAFTER_DRAFT, context=extract_context(item.trace_context), kind=SpanKind.SERVER,
                 start_time=start_ns, attributes={
-                    "dflash.drafter_version": label, "dflash.session_id": item.session_id,
-                    "dflash.block_size": item.block_size, "dflash.context_start": item.context_start,
-                    "dflash.context_rows": int(item.context.shape[0]) if item.context.shape else 0,
-                    "dflash.context_bytes": len(item.context.data),
-                    "dflash.batch_items": len(batch.items),
-                    "dflash.draft_seconds": result.draft_seconds, "dflash.drafted": len(res.tokens)})
+                    sc.DRAFTER_VERSION: label, sc.SESSION_ID: item.session_id,
+                    sc.BLOCK_SIZE: item.block_size, sc.CONTEXT_START: item.context_start,
+                    sc.CONTEXT_ROWS: int(item.context.shape[0]) if item.context.shape else 0,
+                    sc.CONTEXT_BYTES: len(item.context.data),
+                    sc.BATCH_ITEMS: len(batch.items),
+                    sc.DRAFT_SECONDS: result.draft_seconds, sc.DRAFTED: len(res.tokens)})
             if res.error:
                 set_error(span, res.error)
             span.end(end_time=end_ns)

@@ -10,7 +10,7 @@ import grpc
 from dflash.core import wire
 from dflash.core.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
 from dflash.core.errors import PreconditionError
-from dflash.core.proposer import DraftError, Proposal, ProposalRequest
+from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
@@ -60,7 +60,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         seen.add(item.session_id)
                     except (wire.WireError, InvalidParam, PreconditionError) as e:
                         results[i] = draft_error_to_proto(item.session_id,
-                                                          DraftError("bad_request", str(e)))
+                                                          DraftError(FallbackReason.BAD_REQUEST, str(e)))
                 if reqs:
                     outs = self.engine.propose([r for _, r in reqs])
                     for (i, r), out in zip(reqs, outs):

@@ -92,7 +92,7 @@ class ObservedGatewayServicer(GatewayServicer):
                 yield r
         except GeneratorExit:
             self._count(NO_DRAFTER, FINISH_CANCELLED)
-            span.set_attribute("dflash.cancelled", True)
+            span.set_attribute(sc.CANCELLED, True)
             raise
         except BaseException as e:
             self._count(NO_DRAFTER, "error")
@@ -153,9 +153,9 @@ def _request_attrs(r) -> dict:
     attrs = {"rpc.system": "grpc", "rpc.service": "dflash.v1.Gateway", "rpc.method": "Generate",
              sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
              sc.TOP_P: s.top_p, sc.TOP_K: s.top_k, sc.CHOICE_COUNT: max(1, r.n),
-             "dflash.session_id": r.session_id, "dflash.block_size": r.block_size,
-             "dflash.core.speculation": r.speculation if r.HasField("speculation") else True,
-             "dflash.drafter_requested": r.drafter}
+             sc.SESSION_ID: r.session_id, sc.BLOCK_SIZE: r.block_size,
+             sc.SPECULATION: r.speculation if r.HasField("speculation") else True,
+             sc.DRAFTER_REQUESTED: r.drafter}
     if s.HasField("seed"):
         attrs[sc.SEED] = s.seed
     return attrs

@@ -7,13 +7,17 @@ Both know the target's greedy continuation of each session (computed by the test
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
 from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest, check_top_k
+from dflash.core.stats import AcceptanceCounter
 from gateway.inputs import OWNER_PREFIX_CHARS
 
 
@@ -110,6 +114,106 @@ def client_session_id(session_id: str) -> str:
 def chains(choose):
     """A policy ``choose_shapes`` stand-in from a ``choose``-style function (jobs, waiting) ->
     drafts per job: chains of those lengths, no trees."""
-    from verifier_svc.policy import Shape
+    from dflash.core.speculation import MODE_FIXED
+    from verifier_svc.policy import Decision, Shape, StepChoice
 
-    return lambda jobs, waiting=0, offers=None: [Shape(k) for k in choose(jobs, waiting)]
+    return lambda jobs, waiting=0, offers=None: StepChoice(
+        [Shape(k) for k in choose(jobs, waiting)], Decision(mode=MODE_FIXED, k=-1, batch=len(jobs)))
+
+
+@dataclasses.dataclass(eq=False)
+class TableCache:
+    """A table target's cache: the tokens it holds (``CacheHandle``)."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class TargetDouble:
+    """The engine's ``Target`` protocol (``verifier_svc.target_protocol.Target``) for targets whose
+    logits come from a table: one CPU process that never fails, a cache that is its token
+    list, no shared prefill. Subclasses give ``forward``."""
+
+    vocab_size: int = 0
+    hidden_size: int = 8
+    num_layers: int = 2
+    max_positions: int = 1 << 20
+    eos_token_ids: frozenset[int] = frozenset()
+    fingerprint: str = ""
+    rope_theta: float = 0.0
+    failure: str | None = None
+    path: Path = Path("table-target")
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    supports_trees: bool = True
+    supports_fork: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def new_cache(self) -> TableCache:
+        return TableCache()
+
+    def forward(self, tokens: list[int], cache: TableCache, layer_ids: tuple[int, ...] | None,
+                logits_to_keep: int = 0, parents: list[list[int] | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def forward_batch(self, blocks: list[list[int]], caches: list[TableCache],
+                      layer_ids: list[tuple[int, ...]], parents: list[list[int] | None] | None = None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        rows = parents or [None] * len(blocks)
+        return [self.forward(b, c, ids, parents=[pa])
+                for b, c, ids, pa in zip(blocks, caches, layer_ids, rows, strict=True)]
+
+    def keep(self, cache: TableCache, start: int, offsets: list[int]) -> None:
+        cache.tokens[start:] = [cache.tokens[start + o] for o in offsets]
+
+    def crop(self, cache: TableCache, length: int) -> None:
+        del cache.tokens[length:]
+
+    def own(self, cache: TableCache) -> None:
+        pass
+
+    def fork(self, src: TableCache, dst: TableCache, length: int) -> None:
+        raise NotImplementedError("a table target does not fork (supports_fork is False)")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CardDouble:
+    label: str                          # a drafter's ``name@version``
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposerDouble:
+    card: CardDouble
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestDouble:
+    max_tokens: int = 1000
+    proposer: ProposerDouble | None = None
+
+
+@dataclasses.dataclass
+class PolicyJobDouble:
+    """What the policy reads of a job (``verifier_svc.policy.PolicyJob``)."""
+
+    req: RequestDouble
+    mode: str = "adaptive"
+    block_limit: int = 16
+    emitted: int = 1
+    tree_budget: int = 0
+    suffix_limit: int = 0
+    stats: AcceptanceCounter | None = None
+
+
+def policy_job(label: str = "d@1", *, mode: str = "adaptive", block: int = 16,
+               max_tokens: int = 1000, emitted: int = 1, tree_budget: int = 0,
+               stats: AcceptanceCounter | None = None, proposer: bool = True) -> PolicyJobDouble:
+    """A job of drafter ``label`` (no drafter: ``proposer=False``) as the policy sees it."""
+    drafter = ProposerDouble(CardDouble(label)) if proposer else None
+    return PolicyJobDouble(RequestDouble(max_tokens, drafter), mode=mode, block_limit=block,
+                           emitted=emitted, tree_budget=tree_budget, stats=stats)

@@ -11,45 +11,33 @@ builds trees.
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import threading
 
 import torch
 
 from dflash.core.proposer import DrafterCard, Proposal
 from dflash.core.sampling import coupled_choice, position_noise
 
+from doubles import TargetDouble
+
 HIDDEN = 8
 
 
-class _Cache:
-    def __init__(self):
-        self.tokens: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
-
-
-class TableTarget:
+@dataclasses.dataclass(eq=False)
+class TableTarget(TargetDouble):
     """Stands in for ``TargetModel`` (the engine's ``Target`` protocol).
 
     Args:
         table: float ``[2, V, V]`` next-token logits by (position parity, token).
     """
 
-    hidden_size = HIDDEN
-    num_layers = 2
-    max_positions = 1 << 20
-    eos_token_ids: frozenset[int] = frozenset()
-    supports_trees = True
+    table: torch.Tensor
 
-    def __init__(self, table: torch.Tensor):
-        self.table = table.float()
-        self.vocab_size = table.shape[-1]
-        self.lock = threading.Lock()
-
-    def new_cache(self) -> _Cache:
-        return _Cache()
+    def __post_init__(self):
+        self.table = self.table.float()
+        self.vocab_size = self.table.shape[-1]
+        self.hidden_size = HIDDEN
 
     def forward(self, tokens, cache, layer_ids, logits_to_keep=0, parents=None):
         start = len(cache.tokens)
@@ -63,23 +51,6 @@ class TableTarget:
         logits = self.table[parity, torch.tensor(tokens)]
         taps = torch.zeros(len(tokens), len(layer_ids) * HIDDEN) if layer_ids else None
         return logits[-logits_to_keep:], taps
-
-    def forward_batch(self, blocks, caches, layer_ids, parents=None):
-        parents = parents or [None] * len(blocks)
-        return [self.forward(b, c, ids, parents=[pa])
-                for b, c, ids, pa in zip(blocks, caches, layer_ids, parents, strict=True)]
-
-    @staticmethod
-    def keep(cache, start: int, offsets: list[int]) -> None:
-        cache.tokens[start:] = [cache.tokens[start + o] for o in offsets]
-
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        del cache.tokens[length:]
-
-    @staticmethod
-    def own(cache) -> None:
-        pass
 
 
 class TableDrafter:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dflash.core.proposer import DraftError
+from dflash.core.proposer import DraftError, FallbackReason
 from dflash.serving.metrics import BreakerGauges
 from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2
@@ -249,9 +249,9 @@ def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, t
         assert registry.get_sample_value("dflash_spec_decode_drafter_latency_seconds",
                                          labels) >= 0.8 * CAP_S
         reasons = [r for _, r in steps.rows]
-        assert reasons[0] is None and reasons[1:4] == ["slow"] * 3, reasons[:6]
+        assert reasons[0] is None and reasons[1:4] == [FallbackReason.LATE] * 3, reasons[:6]
         # the last step has room for no draft (max_tokens): it asks the drafter nothing
-        assert set(reasons[4:-1]) == {"circuit_open"} and reasons[-1] is None
+        assert set(reasons[4:-1]) == {FallbackReason.CIRCUIT_OPEN} and reasons[-1] is None
         assert last.stats.fallback_steps == len(reasons) - 2   # all but the first and last
         assert last.stats.drafts == 1
         trip_s = b.opened_at - t0
@@ -291,8 +291,8 @@ def test_paused_drafter_trips_within_three_deadlines_output_unchanged(stack, tar
         b = proposer.breaker
         assert b.is_open and b.reason == SLOW
         reasons = [r for _, r in steps.rows]
-        assert reasons[:4] == [None] * 4 and reasons[4:7] == ["slow"] * 3, reasons[:8]
-        assert set(reasons[7:-1]) == {"circuit_open"}
+        assert reasons[:4] == [None] * 4 and reasons[4:7] == [FallbackReason.LATE] * 3, reasons[:8]
+        assert set(reasons[7:-1]) == {FallbackReason.CIRCUIT_OPEN}
         assert last.stats.drafts == 4 and last.stats.accepted_tokens == 4 * (B - 1)
         paused_at = steps.rows[3][0]
         stalls = gaps([t for t, _ in steps.rows[3:8]])
@@ -418,7 +418,7 @@ def test_uploads_and_calls_queued_behind_them_wait_up_to_the_timeout(stack, targ
         assert waited >= 0.35 and p.breaker.consecutive == 0
         assert not p.behind_upload()
         res = p.propose_within([req("b", 1, 1)], 0.001, lambda ids: None)
-        assert isinstance(res[0], DraftError) and res[0].reason == "slow"
+        assert isinstance(res[0], DraftError) and res[0].reason == FallbackReason.LATE
         assert p.last_deadline_s == FLOOR_S and p.breaker.consecutive == 1
     finally:
         p.close()

@@ -56,7 +56,7 @@ def test_the_decode_creates_no_tensor_on_an_implicit_device(target_model, make_d
     try:
         want = _decode(engine, drafter, sampling, mode, prompt)
         assert want[1] > 0 and (want[2] > 0) == (mode == "tree")   # it did speculate (trees)
-        threads = [lambda f: engine.scheduler.run_on_loop(f),
+        threads = [lambda f: engine.run_on_loop(f),
                    lambda f: drafter._compute.submit(f).result()]
         for run in threads:
             _on_thread(run, "meta")
@@ -85,7 +85,7 @@ def test_the_meta_default_does_catch_an_implicit_device():
 
 # --- 2. host round trips, site by site --------------------------------------------------------
 
-STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
+STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/prefill.py", "verifier_svc/core.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
              "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py",
              "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "drafter_svc/forward.py",
              "drafter_svc/drafts.py", "dflash/core/kv_pool.py",
@@ -101,7 +101,8 @@ SITES = {
     ("verifier_svc/tree.py", "build_tree"):
         "host tensors: the drafter's top-k reply, from the wire",
     ("verifier_svc/target.py", "__init__"): "load time: the embedding's fingerprint",
-    ("verifier_svc/drafter_sync.py", "draft"): "host tensors: the drafter's reply",
+    ("verifier_svc/engine.py", "decode_step"):
+        "host tensors: the drafter's reply, made the block the target forwards (a list)",
     ("drafter_svc/engine.py", "_to_host"): "the drafter's one synchronisation per call",
     ("dflash/core/wire.py", "to_proto"): "the wire: bytes are host memory",
     ("dflash/core/wire.py", "from_proto"): "a dtype's numpy spelling (no tensor data)",

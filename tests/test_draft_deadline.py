@@ -4,18 +4,18 @@ reasons."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from dflash.core.proposer import DrafterCard, DraftError, Proposal
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal
 from dflash.core.sampling import Sampling
 from verifier_svc.acceptance import AcceptanceEstimator
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker, RemoteProposer
-from verifier_svc.drafter_sync import DrafterState, DrafterSync, DraftItem
+from verifier_svc.drafter_sync import DrafterState, DrafterSync, DraftItem, DraftRound
 from verifier_svc.policy import Shape, SpeculationPolicy
+
+from doubles import policy_job
 
 WIDTH = 4
 CARD = DrafterCard(name="d", version="1", block_size=4, mask_token_id=0, target_layer_ids=(0,),
@@ -41,11 +41,7 @@ def test_draft_budget_is_the_no_speculation_cost_of_the_expected_tokens_minus_th
 
 
 def fixed_job(label, block=4, proposer=True):
-    card = types.SimpleNamespace(label=label)
-    return types.SimpleNamespace(mode="fixed", block_limit=block, emitted=1, tree_budget=0,
-                                 req=types.SimpleNamespace(
-                                     max_tokens=100,
-                                     proposer=types.SimpleNamespace(card=card) if proposer else None))
+    return policy_job(label, mode="fixed", block=block, max_tokens=100, proposer=proposer)
 
 
 def test_policy_budget_values_each_job_as_the_choice_of_blocks_does():
@@ -54,7 +50,7 @@ def test_policy_budget_values_each_job_as_the_choice_of_blocks_does():
     p.observe_verify(2, 3, 0.013)
     p.observe_overhead(0.001)
     jobs = [fixed_job("d@1"), fixed_job("d@1", proposer=False)]
-    shapes = p.choose_shapes(jobs)
+    shapes = p.choose_shapes(jobs).shapes
     assert shapes == [Shape(3), Shape(0)]
     e3 = p.expected_tokens("d@1", 3)                 # the prior before any acceptance: 3.439
     tokens = (e3 + 1.0) / 2                          # the session without a drafter emits 1
@@ -64,7 +60,8 @@ def test_policy_budget_values_each_job_as_the_choice_of_blocks_does():
     # acceptance learnt: a drafter that is never right is worth no wait at all
     for _ in range(50):
         p.observe_acceptance("d@1", [(3, 0)])
-    assert p.draft_budget(jobs, p.choose_shapes(jobs)) < 0.001
+    c = p.choose_shapes(jobs)
+    assert p.draft_budget(jobs, c.shapes, c.expectations) < 0.001
 
 
 def test_calibration_leaves_out_jobs_whose_drafts_never_arrived():
@@ -104,7 +101,7 @@ def test_deadline_is_the_budget_between_the_floor_and_the_cap():
 
 class DeadlineDouble:
     """A ``DeadlineProposer`` that records each call and answers as told: "ok" (k zeros), or
-    "late" (every result ``DraftError("slow")``, the late-failure callback kept)."""
+    "late" (every result ``DraftError(FallbackReason.LATE)``, the late-failure callback kept)."""
 
     def __init__(self):
         self.card = CARD
@@ -117,7 +114,7 @@ class DeadlineDouble:
                                       for r in requests]))
         if self.answer == "late":
             self.on_late = on_late_failure
-            return [DraftError("slow")] * len(requests)
+            return [DraftError(FallbackReason.LATE)] * len(requests)
         return [Proposal(tokens=torch.zeros(r.block_size - 1, dtype=torch.int64)) for r in requests]
 
     def propose(self, requests):
@@ -128,28 +125,30 @@ class DeadlineDouble:
 
 
 def step(sync, state, proposer, budget, grow=1):
-    """One step of session "s": ``grow`` new committed rows, then a call for 3 drafts."""
+    """One step of session "s": ``grow`` new committed rows, then a call for 3 drafts (its
+    DraftRound)."""
     state.taps.append(torch.ones(grow, WIDTH))
     item = DraftItem(session_id="s", state=state, proposer=proposer, cached=len(state.taps),
                      anchor=1, k=3, room=True, sampling=Sampling(), trace_context={})
-    return sync.draft([item], budget)[0]
+    return sync.draft([item], budget)
 
 
 def test_a_late_draft_keeps_the_context_on_the_drafter_and_a_late_failure_resends_it():
     sync, d, state = DrafterSync(vocab_size=32), DeadlineDouble(), DrafterState()
     sync.bind("s", state, d)
     state.proposer = d
-    out = step(sync, state, d, 0.02, grow=5)
-    assert d.calls[-1][1] == [("s", 0, 5)] and out.tokens == [0, 0, 0]
-    out = step(sync, state, d, 0.02)
+    out = step(sync, state, d, 0.02, grow=5).outcomes[0]
+    assert d.calls[-1][1] == [("s", 0, 5)] and out.tokens.tolist() == [0, 0, 0]
+    out = step(sync, state, d, 0.02).outcomes[0]
     # what is left of the step's budget when the call starts
     assert 0.01 < d.calls[-1][0] <= 0.02 and d.calls[-1][1] == [("s", 5, 1)]
-    assert sync.draft([], None) == [] and sync.wasted_seconds == 0.0
+    assert sync.draft([], None) == DraftRound([], 0.0)
     d.answer = "late"
-    out = step(sync, state, d, 0.02)
-    assert out.fallback == "slow" and out.tokens == [] and out.called
+    rnd = step(sync, state, d, 0.02)
+    out = rnd.outcomes[0]
+    assert out.fallback == FallbackReason.LATE and out.tokens.tolist() == [] and out.called
     assert state.length == 7                          # the late batch still carries its rows
-    assert sync.wasted_seconds > 0
+    assert rnd.wasted_seconds > 0
     d.answer = "ok"
     step(sync, state, d, 0.02)
     assert d.calls[-1][1] == [("s", 7, 1)]            # only the new row: nothing resent
@@ -157,6 +156,6 @@ def test_a_late_draft_keeps_the_context_on_the_drafter_and_a_late_failure_resend
     step(sync, state, d, 0.02)
     d.on_late(["s"])                                  # ... that late batch failed after all
     d.answer = "ok"
-    step(sync, state, d, 0.02)
+    rnd = step(sync, state, d, 0.02)
     assert d.calls[-1][1] == [("s", 0, 10)]           # resent whole
-    assert sync.wasted_seconds == 0.0
+    assert rnd.wasted_seconds == 0.0

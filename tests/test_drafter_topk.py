@@ -322,17 +322,17 @@ def test_draft_outcomes_carry_the_top_k_or_fall_back():
     ref = list(range(10, 60))
     sync = DrafterSync(vocab_size=V)
     oracle = ReferenceDrafter(_Target(), {"t": ref, "c": ref}, block_size=8, ranks={6: 2})
-    out = sync.draft([_item("t", oracle, 4, k=5, top_k=3), _item("c", oracle, 4, k=5, top_k=0)])
+    out = sync.draft([_item("t", oracle, 4, k=5, top_k=3), _item("c", oracle, 4, k=5, top_k=0)]).outcomes
     tree, chain = out
     assert tree.fallback is None and tree.top_ids.shape == (5, 3)
-    assert tree.top_ids[:, 0].tolist() == tree.tokens
+    assert tree.top_ids[:, 0].tolist() == tree.tokens.tolist()
     assert tree.top_ids[1].tolist() == [ref[6] + 1, ref[6] + 2, ref[6]]     # position 6: rank 2
     assert chain.fallback is None and chain.top_ids is None and chain.top_logprobs is None
-    assert chain.tokens == tree.tokens
-    old = sync.draft([_item("t", _ChainOnly(_Target(), {"t": ref}, block_size=8), 4, k=5, top_k=3)])[0]
+    assert chain.tokens.tolist() == tree.tokens.tolist()
+    old = sync.draft([_item("t", _ChainOnly(_Target(), {"t": ref}, block_size=8), 4, k=5, top_k=3)]).outcomes[0]
     assert old.fallback is None and old.top_ids is None and len(old.tokens) == 5
-    bad = sync.draft([_item("t", _Unsorted(_Target(), {"t": ref}, block_size=8), 4, k=5, top_k=3)])[0]
-    assert bad.fallback == "malformed_topk" and bad.tokens == [] and bad.top_ids is None
+    bad = sync.draft([_item("t", _Unsorted(_Target(), {"t": ref}, block_size=8), 4, k=5, top_k=3)]).outcomes[0]
+    assert bad.fallback == "malformed_topk" and bad.tokens.tolist() == [] and bad.top_ids is None
     assert NONE.top_ids is None and NONE.top_logprobs is None
 
 

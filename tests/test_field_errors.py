@@ -4,8 +4,6 @@ modes and finish reasons as named constants with their wire values. Unit tests, 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import grpc
 import pytest
 
@@ -16,7 +14,10 @@ from dflash.v1 import common_pb2, verifier_pb2
 from gateway.inputs import NotOwner
 from gateway.status import error_body, grpc_code
 from verifier_svc import request
+from verifier_svc.engine import VerifierEngine
 from verifier_svc.servicer import VerifierServicer
+
+from doubles import TargetDouble
 
 
 class _Aborted(Exception):
@@ -42,9 +43,8 @@ class _Context:
 
 
 def _servicer() -> VerifierServicer:
-    engine = SimpleNamespace(target=SimpleNamespace(failure=None),
-                             scheduler=SimpleNamespace(check_admission=lambda n: None))
-    return VerifierServicer(engine, None, require_registered=True)  # type: ignore[arg-type]
+    # every request here is refused before the engine runs anything: a table target never forwards
+    return VerifierServicer(VerifierEngine(TargetDouble(vocab_size=64)), None, require_registered=True)
 
 
 def _aborted(m: verifier_pb2.VerifierGenerateRequest) -> _Aborted:

@@ -17,9 +17,9 @@ returns exactly 0 once in 2^24 draws) with ``p(d) = 0``. Covered here, layer by 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +33,8 @@ from verifier_svc import verification
 from verifier_svc.drafter_sync import DrafterSync
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.verification import RowParams, verify_batch
+
+from doubles import TargetDouble
 
 _KERNEL_MODULES = ("kernels.triton_common", "kernels.triton_greedy", "kernels.triton_rejection",
                    "kernels.triton_pack")
@@ -243,50 +245,18 @@ TABLE = torch.tensor([[2.0, 1.0, 0.5, -1.0, -2.0, 0.0],
                       [1.1, 0.2, -0.8, 1.6, 0.0, 2.1]])
 
 
-class _Cache:
-    def __init__(self):
-        self.tokens: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
-
-
-class TableTarget:
+@dataclasses.dataclass(eq=False)
+class TableTarget(TargetDouble):
     """Stands in for ``TargetModel``: the logits after token t are ``TABLE[t]``."""
 
-    hidden_size = 8
-    num_layers = 2
-    vocab_size = V
-    max_positions = 1 << 20
-    eos_token_ids: frozenset[int] = frozenset()
-    supports_trees = False
-
-    def __init__(self):
-        self.lock = threading.Lock()
-
-    def new_cache(self) -> _Cache:
-        return _Cache()
+    vocab_size: int = V
+    supports_trees: bool = False
 
     def forward(self, tokens, cache, layer_ids, logits_to_keep=0, parents=None):
         cache.tokens.extend(tokens)
         logits = TABLE[torch.tensor(tokens)]
         taps = torch.zeros(len(tokens), len(layer_ids) * self.hidden_size) if layer_ids else None
         return logits[-logits_to_keep:], taps
-
-    def forward_batch(self, blocks, caches, layer_ids, parents=None):
-        return [self.forward(b, c, ids) for b, c, ids in zip(blocks, caches, layer_ids)]
-
-    @staticmethod
-    def keep(cache, start: int, offsets: list[int]) -> None:
-        cache.tokens[start:] = [cache.tokens[start + o] for o in offsets]
-
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        del cache.tokens[length:]
-
-    @staticmethod
-    def own(cache) -> None:
-        pass
 
 
 class ZeroOnDraftDrafter:

@@ -164,7 +164,7 @@ def test_target_auto_tunes_packed_on_the_scheduler_thread(tiny_target, monkeypat
     t = TargetModel(tiny_target, skinny_max_rows=8, packed_linear="auto")
     engine = VerifierEngine(t)
     try:
-        assert engine.scheduler.run_on_loop(t.tune_skinny) == 8      # the row limit was set
+        assert engine.run_on_loop(t.tune_skinny) == 8      # the row limit was set
         assert seen == ["verifier-scheduler"]
         assert t.packed_linear in ("on", "off", "from 2 rows")
         want = {"on": 1, "off": 0, "from 2 rows": 2}[t.packed_linear]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import grpc
 import pytest
 
@@ -12,17 +10,14 @@ from dflash.v1 import verifier_pb2
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy, bucket
 
-from doubles import ReferenceDrafter, chains
+from doubles import ReferenceDrafter, chains, policy_job
 from helpers import PROMPTS, Stack, generate_ids, reference, wait_until
 
 LABEL = "d@1"
 
 
 def job(mode="adaptive", block=16, max_tokens=1000, emitted=1):
-    card = types.SimpleNamespace(label=LABEL)
-    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                                 req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                           proposer=types.SimpleNamespace(card=card)))
+    return policy_job(LABEL, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted)
 
 
 def trained(rate_fn, cost_fn, batch=1, steps=400):
@@ -59,9 +54,10 @@ def test_fixed_and_off_choices():
 
 def test_adaptive_speculates_when_drafts_are_good_and_verify_is_flat():
     p = trained(lambda pos: 0.95, lambda k: 0.010 + 0.0002 * k)
-    k = p.choose([job()])[0]
+    c = p.choose_shapes([job()])
+    k = c.ks[0]
     assert k >= 11
-    assert p.last_decision.k == k and p.last_decision.expected_tokens > 5
+    assert c.decision.k == k and c.decision.expected_tokens > 5
 
 
 def test_adaptive_stops_speculating_when_drafts_fail_and_verify_grows():
@@ -74,21 +70,24 @@ def test_adaptive_shortens_blocks_as_the_batch_grows():
     k1 = p.choose([job()])[0]
     assert 2 <= k1 <= 9
     # bucket 8 was never measured: its cost comes from the line fitted to the measured cells
-    k8 = p.choose([job() for _ in range(5)])[0]
+    c = p.choose_shapes([job() for _ in range(5)])
+    k8 = c.ks[0]
     assert bucket(5) == 8 and k8 < k1
-    assert p.last_decision.explored and p.last_decision.cost_seconds > 0
+    assert c.decision.explored and c.decision.cost_seconds > 0
 
 
 def test_candidates_tried_in_order_until_a_cost_line_exists():
     p = SpeculationPolicy("adaptive", explore_every=0)
     tried = []
     for _ in range(2):
-        tried.append(p.choose([job()])[0])
-        assert p.last_decision.explored
+        c = p.choose_shapes([job()])
+        tried.append(c.ks[0])
+        assert c.decision.explored
         p.observe_step(1, tried[-1], 0.01 * (1 + tried[-1]), 0.0)
     assert tried == list(CANDIDATES[:2])
     # cost grows as fast as tokens: with the optimistic prior, no speculation is still best
-    assert p.choose([job()]) == [0] and not p.last_decision.explored
+    c = p.choose_shapes([job()])
+    assert c.ks == [0] and not c.decision.explored
 
 
 def test_expected_tokens_from_rates():
@@ -243,7 +242,7 @@ def test_cost_cells_skip_ramp_and_joining_steps(target_model, hf_target):
     real_decode, real_observe = engine.decode_step, engine.policy.observe_step
 
     def decode(plan):
-        steps.append([plan.waiting, any(j.session.drafter.length == 0 for j in plan.jobs), False])
+        steps.append([plan.waiting, any(j.decode.session.drafter.length == 0 for j in plan.jobs), False])
         return real_decode(plan)
 
     def observe(*a):
@@ -411,12 +410,14 @@ def test_no_adaptive_speculation_while_prompts_wait_for_prefill():
     same policy speculates again."""
     p = trained(lambda pos: 0.95, lambda k: 0.010 + 0.0002 * k)
     jobs = [job(), job(), job("fixed", 8)]
-    assert p.choose(jobs, waiting=3) == [0, 0, 7]
-    d = p.last_decision
+    c = p.choose_shapes(jobs, waiting=3)
+    assert c.ks == [0, 0, 7]
+    d = c.decision
     assert (d.k, d.waiting, d.batch) == (0, 3, 3)
     p.observe_step(3, 7, 0.011, 0.0)
-    ks = p.choose(jobs)
-    assert ks[0] == ks[1] > 0 and ks[2] == 7 and p.last_decision.waiting == 0
+    c = p.choose_shapes(jobs)
+    ks = c.ks
+    assert ks[0] == ks[1] > 0 and ks[2] == 7 and c.decision.waiting == 0
 
 
 def test_per_step_overhead_makes_speculation_pay():
@@ -429,8 +430,9 @@ def test_per_step_overhead_makes_speculation_pay():
     for _ in range(50):
         p.observe_overhead(0.020)
     assert abs(p.overhead_seconds - 0.020) < 1e-9
-    assert p.choose([job()])[0] > 0
-    assert p.last_decision.cost_seconds > 0.020
+    c = p.choose_shapes([job()])
+    assert c.ks[0] > 0
+    assert c.decision.cost_seconds > 0.020
 
 
 def test_a_slow_reader_is_not_cycle_overhead(target_model):
@@ -469,13 +471,15 @@ def test_unmeasured_large_batch_priced_per_session_and_per_token():
     assert p._cost_model() == pytest.approx((0.05, 0.03, 0.01), abs=1e-6)
     jobs = [job() for _ in range(20)]
     assert bucket(20) == 32
-    assert p.choose(jobs)[0] == 0 and p.last_decision.explored   # the bucket's baseline first
+    c = p.choose_shapes(jobs)
+    assert c.ks[0] == 0 and c.decision.explored   # the bucket's baseline first
     p.observe_step(20, 0, _true_cost(32, 0), 0.0)
-    k = p.choose(jobs)[0]
+    c = p.choose_shapes(jobs)
+    k = c.ks[0]
     e = p.expected_table(LABEL, 15)
     best = max((c for c in CANDIDATES if c <= 15), key=lambda c: 20 * e[c] / _true_cost(32, c))
     assert k == best and best <= 2
-    assert p.last_decision.cost_seconds == pytest.approx(_true_cost(32, k))
+    assert c.decision.cost_seconds == pytest.approx(_true_cost(32, k))
 
 
 
@@ -496,8 +500,9 @@ def test_unmeasured_cell_never_cheaper_than_a_measured_smaller_one():
     assert p._estimate(8, 7, model) >= 1.5 and p._estimate(8, 15, model) >= 1.5
     assert p._estimate(8, 5, model) < 1.0                            # k=7 does not bound k=5
     p.observe_step(6, 0, flat(8, 0), 0.0)                            # bucket 8: only k=0
-    k = p.choose([job() for _ in range(6)])[0]
-    assert k < 7 or p.last_decision.cost_seconds >= 1.5
+    c = p.choose_shapes([job() for _ in range(6)])
+    k = c.ks[0]
+    assert k < 7 or c.decision.cost_seconds >= 1.5
 
 
 def test_a_slow_first_measurement_does_not_price_a_block_out():

@@ -4,7 +4,6 @@ the step cost model on their own."""
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
 
@@ -13,17 +12,14 @@ from verifier_svc.acceptance import AcceptanceEstimator, session_table
 from verifier_svc.cost_model import StepCostModel, bucket
 from verifier_svc.policy import SpeculationPolicy, StepFeedback
 
+from doubles import policy_job
+
 LABELS = ("d@1", "e@2")
 
 
 def job(label, mode="adaptive", block=16, max_tokens=1000, emitted=1, stats=None):
-    card = types.SimpleNamespace(label=label)
-    j = types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                              req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                        proposer=types.SimpleNamespace(card=card)))
-    if stats is not None:
-        j.stats = stats
-    return j
+    return policy_job(label, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted,
+                      stats=stats)
 
 
 def random_step(rng: random.Random, jobs, ks) -> StepFeedback:
@@ -70,9 +66,10 @@ def test_feedback_equals_the_individual_observe_calls():
     for _ in range(60):
         jobs = rng.sample(pool, rng.randint(1, len(pool)))
         waiting = 2 if rng.random() < 0.1 else 0
-        ks = a.choose(jobs, waiting)
-        assert b.choose(jobs, waiting) == ks and b.last_decision == a.last_decision
-        speculative += a.last_decision.k > 0
+        ca, cb = a.choose_shapes(jobs, waiting), b.choose_shapes(jobs, waiting)
+        ks = ca.ks
+        assert cb.ks == ks and cb.decision == ca.decision
+        speculative += ca.decision.k > 0
         fb = random_step(rng, jobs, ks)
         a.observe(fb)
         feed_by_hand(b, fb)
@@ -80,7 +77,8 @@ def test_feedback_equals_the_individual_observe_calls():
         assert a.acceptance_table() == b.acceptance_table()
         assert a.accuracy == b.accuracy and a.overhead_seconds == b.overhead_seconds
     jobs = pool[:4]
-    assert a.choose(jobs) == b.choose(jobs) and a.last_decision == b.last_decision
+    ca, cb = a.choose_shapes(jobs), b.choose_shapes(jobs)
+    assert ca.ks == cb.ks and ca.decision == cb.decision
     # the run exercised every part: several cells, both drafters, calibration, overhead
     assert len(a.cost_table()) >= 4 and set(a.acceptance_table()) == set(LABELS)
     assert speculative >= 5 and a.accuracy != 1.0 and a.overhead_seconds > 0

@@ -3,22 +3,19 @@ tree budgets (``verifier_svc/policy.py``), on job doubles."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.policy import CANDIDATES, Shape, SpeculationPolicy, StepFeedback
 
+from doubles import policy_job
+
 LABEL = "d@1"
 
 
 def job(mode="adaptive", block=16, tree_budget=16, max_tokens=1000, emitted=1):
-    card = types.SimpleNamespace(label=LABEL)
-    return types.SimpleNamespace(mode=mode, block_limit=block, emitted=emitted,
-                                 tree_budget=tree_budget,
-                                 req=types.SimpleNamespace(max_tokens=max_tokens,
-                                                           proposer=types.SimpleNamespace(card=card)))
+    return policy_job(LABEL, mode=mode, block=block, max_tokens=max_tokens, emitted=emitted,
+                      tree_budget=tree_budget)
 
 
 def policy(chain_rate: float, tree_tokens: dict[int, float], cost_fn, budgets=(4, 8, 16),
@@ -52,9 +49,9 @@ def test_mode_tree_gives_every_job_its_budget_and_depth():
     p = SpeculationPolicy("tree")
     jobs = [job("tree", 8, tree_budget=16), job("tree", 8, tree_budget=0),
             job("tree", 8, tree_budget=16, max_tokens=3), job("off", 8)]
-    assert p.choose_shapes(jobs) == [Shape(7, 16), Shape(7, 0), Shape(1, 16), Shape(0)]
+    assert p.choose_shapes(jobs).shapes == [Shape(7, 16), Shape(7, 0), Shape(1, 16), Shape(0)]
     # a tree is no deeper than its node count: a 3-node tree asks the drafter for 3 positions
-    assert p.choose_shapes([job("tree", 16, tree_budget=3)]) == [Shape(3, 3)]
+    assert p.choose_shapes([job("tree", 16, tree_budget=3)]).shapes == [Shape(3, 3)]
     assert Shape(7, 16).verified == 16 and Shape(7, 0).verified == 7 and Shape(0, 16).verified == 0
     assert p.choose(jobs) == [7, 7, 1, 0]
 
@@ -62,17 +59,17 @@ def test_mode_tree_gives_every_job_its_budget_and_depth():
 def test_adaptive_takes_the_tree_when_it_commits_more_for_the_same_cost():
     # chain: rate 0.45 per position (E[15] ~ 1.8); trees commit 2.0 / 2.1 / 2.6 tokens
     p = policy(0.45, {4: 2.0, 8: 2.1, 16: 2.6}, flat)
-    shapes = p.choose_shapes([job(), job()])
-    assert shapes == [Shape(15, 16), Shape(15, 16)]
-    d = p.last_decision
+    c = p.choose_shapes([job(), job()])
+    assert c.shapes == [Shape(15, 16), Shape(15, 16)]
+    d = c.decision
     assert d.budget == 16 and d.expected_tokens == pytest.approx(2 * 2.6)
 
 
 def test_adaptive_keeps_chains_when_trees_commit_less():
     p = policy(0.9, {4: 1.5, 8: 1.6, 16: 1.7}, flat)
-    shapes = p.choose_shapes([job()])
-    assert shapes[0].budget == 0 and shapes[0].k > 4
-    assert p.last_decision.budget == 0
+    c = p.choose_shapes([job()])
+    assert c.shapes[0].budget == 0 and c.shapes[0].k > 4
+    assert c.decision.budget == 0
 
 
 def test_cost_decides_between_budgets():
@@ -81,28 +78,29 @@ def test_cost_decides_between_budgets():
     growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
     p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
     # a tree of 4 nodes is at most 4 deep: the drafter is asked for 4 positions, not 15
-    assert p.choose_shapes([job()]) == [Shape(4, 4)]
+    assert p.choose_shapes([job()]).shapes == [Shape(4, 4)]
 
 
 def test_each_budget_is_tried_until_measured():
     p = policy(0.45, {}, flat)             # no tree step observed yet
     tried = []
     for _ in range(3 * TREE_MEASURED_STEPS):
-        sh = p.choose_shapes([job()])[0]
+        c = p.choose_shapes([job()])
+        sh = c.shapes[0]
         tried.append(sh.budget)
         p.observe(StepFeedback(batch=1, k=sh.verified, verify_seconds=flat(sh.verified),
                                trees={LABEL: [(sh.budget, 2)]}, committed=[2]))
     assert tried == [4] * TREE_MEASURED_STEPS + [8] * TREE_MEASURED_STEPS + [16] * TREE_MEASURED_STEPS
-    assert p.last_decision.explored
+    assert c.decision.explored
 
 
 def test_no_trees_for_jobs_that_may_not_verify_them():
     p = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat)
     # one adaptive job without trees (target or request): the batch stays on chains
-    shapes = p.choose_shapes([job(), job(tree_budget=0)])
+    shapes = p.choose_shapes([job(), job(tree_budget=0)]).shapes
     assert all(sh.budget == 0 for sh in shapes)
     # a request capping its tree at 8 nodes: the 16-node arm is not offered
-    assert p.choose_shapes([job(tree_budget=8)]) == [Shape(8, 8)]
+    assert p.choose_shapes([job(tree_budget=8)]).shapes == [Shape(8, 8)]
     # no budgets configured: chains only
     q = SpeculationPolicy("adaptive", tree_budgets=())
     assert q.tree_budgets == ()
@@ -127,10 +125,10 @@ def test_trees_only_up_to_the_largest_tree_batch():
     default is 1; a negative limit is refused."""
     jobs = [job(), job()]
     capped = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat, tree_max_batch=1)
-    assert capped.choose_shapes([job()])[0].budget > 0
-    assert all(sh.budget == 0 and sh.k > 0 for sh in capped.choose_shapes(jobs))
+    assert capped.choose_shapes([job()]).shapes[0].budget > 0
+    assert all(sh.budget == 0 and sh.k > 0 for sh in capped.choose_shapes(jobs).shapes)
     free = policy(0.45, {4: 3.0, 8: 3.5, 16: 4.0}, flat, tree_max_batch=0)
-    assert all(sh.budget > 0 for sh in free.choose_shapes(jobs))
+    assert all(sh.budget > 0 for sh in free.choose_shapes(jobs).shapes)
     assert SpeculationPolicy("adaptive").tree_max_batch == 1
     with pytest.raises(ValueError, match="tree_max_batch"):
         SpeculationPolicy("adaptive", tree_max_batch=-1)
@@ -142,12 +140,13 @@ def test_exploration_from_a_tree_tries_the_chains_of_about_its_size():
     and the next tree: under load the chains it had displaced were never measured again."""
     growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
     p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
-    assert p.choose_shapes([job()]) == [Shape(4, 4)]                  # the best arm: 4 nodes
+    assert p.choose_shapes([job()]).shapes == [Shape(4, 4)]                  # the best arm: 4 nodes
     p.explore_every = 3
     picks = []
     for _ in range(12):
-        sh = p.choose_shapes([job()])[0]
-        picks.append((sh.k, sh.budget, p.last_decision.explored))
+        c = p.choose_shapes([job()])
+        sh = c.shapes[0]
+        picks.append((sh.k, sh.budget, c.decision.explored))
     explored = {(k, n) for k, n, e in picks if e}
     above = min(c for c in CANDIDATES if c > 4)
     assert explored == {(4, 0), (above, 0)}                 # chain of 4 drafts, the next chain up

@@ -46,9 +46,9 @@ drafts must not reuse the verifier's random draws (they did, and copied the prev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-import threading
 from unittest import mock
 
 import numpy as np
@@ -61,6 +61,7 @@ from dflash.core.sampling import Sampling, probs_from_logits
 from dflash.v1 import common_pb2, gateway_pb2
 from verifier_svc.engine import Request, VerifierEngine
 
+from doubles import TargetDouble
 from markov import TableDrafter
 
 V = 4
@@ -92,31 +93,12 @@ SETTINGS = [Sampling(temperature=0.7), Sampling(temperature=1.0),
 
 
 # ---------------------------------------------------------------------------- doubles
-class _Cache:
-    def __init__(self):
-        self.tokens: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
-
-
-class MarkovTarget:
+@dataclasses.dataclass(eq=False)
+class MarkovTarget(TargetDouble):
     """Stands in for ``TargetModel``: the logits after position i are
     ``TARGET_LOGITS[i % 2, token_i]``, with i taken from the cache length (so crops matter)."""
 
-    hidden_size = 8
-    num_layers = 2
-    vocab_size = V
-    max_positions = 1 << 20
-    eos_token_ids: frozenset[int] = frozenset()
-
-    supports_trees = True
-
-    def __init__(self):
-        self.lock = threading.Lock()
-
-    def new_cache(self) -> _Cache:
-        return _Cache()
+    vocab_size: int = V
 
     def forward(self, tokens, cache, layer_ids, logits_to_keep=0, parents=None):
         """A tree block (``parents = [tree]``, as ``TargetModel.forward``) puts node j at
@@ -132,23 +114,6 @@ class MarkovTarget:
         logits = TARGET_LOGITS[parity, torch.tensor(tokens)]
         taps = torch.zeros(len(tokens), len(layer_ids) * self.hidden_size) if layer_ids else None
         return logits[-logits_to_keep:], taps
-
-    def forward_batch(self, blocks, caches, layer_ids, parents=None):
-        parents = parents or [None] * len(blocks)
-        return [self.forward(b, c, ids, parents=[pa])
-                for b, c, ids, pa in zip(blocks, caches, layer_ids, parents)]
-
-    @staticmethod
-    def keep(cache, start: int, offsets: list[int]) -> None:
-        cache.tokens[start:] = [cache.tokens[start + o] for o in offsets]
-
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        del cache.tokens[length:]
-
-    @staticmethod
-    def own(cache) -> None:
-        pass
 
 
 def draft_probs(sampling: Sampling) -> torch.Tensor:

@@ -176,15 +176,15 @@ def test_target_tunes_on_the_scheduler_thread(tiny_target, monkeypatch):
     engine = VerifierEngine(t)
     seen = _tuning_threads(monkeypatch, "verifier_svc.target")
     try:
-        chosen = engine.scheduler.run_on_loop(t.tune_skinny)
+        chosen = engine.run_on_loop(t.tune_skinny)
         assert seen == ["verifier-scheduler"]
         assert chosen == t.skinny_max_rows and chosen in (0, 2, 4, 8, 16)
         assert all(m.skinny_max_rows == chosen for m in t.model.modules()
                    if isinstance(m, sk.SkinnyLinear))
         fixed = TargetModel(tiny_target, skinny_max_rows=8)
-        assert engine.scheduler.run_on_loop(fixed.tune_skinny) == 8 and len(seen) == 1
+        assert engine.run_on_loop(fixed.tune_skinny) == 8 and len(seen) == 1
         with pytest.raises(ZeroDivisionError):
-            engine.scheduler.run_on_loop(lambda: 1 / 0)
+            engine.run_on_loop(lambda: 1 / 0)
     finally:
         engine.close()
 

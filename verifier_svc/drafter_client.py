@@ -20,7 +20,7 @@ the drafter (its context lands; a late error is reported to the caller), and the
 A :class:`CircuitBreaker` per drafter takes one that is too slow or keeps failing out of the
 step path: after ``failures`` consecutive misses or failed calls it opens, with the reason of
 the last one ("slow": a budget-derived deadline missed; "failing": ``timeout_s`` missed, an
-error, the stream down). Every call then fails at once with ``DraftError("circuit_open")`` (its
+error, the stream down). Every call then fails at once with ``DraftError(FallbackReason.CIRCUIT_OPEN)`` (its
 sessions run without speculation, no step waits for it), and a background prober sends one
 tiny draft every ``probe_interval_s`` until one is answered within the deadline it tripped on
 (``timeout_s`` for "failing"); then it closes and the sessions' context is resent.
@@ -37,13 +37,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 import grpc
 
 from dflash.core import wire
 from dflash.core.convert import card_from_proto, draft_error_from_proto, sampling_to_proto
-from dflash.core.proposer import DrafterCard, DraftError, Proposal, ProposalRequest
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.serving.server import channel_options
 from dflash.serving.tls import ClientTLS, channel as tls_channel
 from dflash.serving.tracing import inject_context
@@ -59,7 +60,15 @@ PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter
 UPLOAD_ROWS = 128
 
 
-SLOW, FAILING = "slow", "failing"      # why a breaker opened (metric label)
+class TripReason(StrEnum):
+    """Why a breaker opened (the ``reason`` label of its trips; a fallback's reason is a
+    :class:`~dflash.core.proposer.FallbackReason`)."""
+
+    SLOW = "slow"          # budget-derived deadlines missed (each such step fell back LATE)
+    FAILING = "failing"    # --draft-timeout missed, an error, the stream down
+
+
+SLOW, FAILING = TripReason.SLOW, TripReason.FAILING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +108,8 @@ class CircuitBreaker:
         self.consecutive = 0
         self.is_open = False
         self.trips = 0
-        self.trips_by_reason: dict[str, int] = {SLOW: 0, FAILING: 0}
-        self.reason = ""
+        self.trips_by_reason: dict[TripReason, int] = {SLOW: 0, FAILING: 0}
+        self.reason: TripReason | str = ""   # "": never opened
         self.readmit_s = 0.0
         self.opened_at = 0.0
 
@@ -108,7 +117,7 @@ class CircuitBreaker:
         with self._lock:
             self.consecutive = 0
 
-    def failure(self, reason: str = FAILING, readmit_s: float = 0.0) -> bool:
+    def failure(self, reason: TripReason = FAILING, readmit_s: float = 0.0) -> bool:
         with self._lock:
             self.consecutive += 1
             if self.is_open or not self.limit or self.consecutive < self.limit:
@@ -241,7 +250,7 @@ class RemoteProposer:
                 pending, self._pending = self._pending, {}
             q.put(None)
             for fut in pending.values():
-                fut.set_exception(DraftError("unavailable", "drafter stream closed"))
+                fut.set_exception(DraftError(FallbackReason.UNAVAILABLE, "drafter stream closed"))
 
     def _reachable(self) -> bool:
         """Describe answers (outside the lock: reopening the stream describes it again under
@@ -310,14 +319,14 @@ class RemoteProposer:
         step's drafts are worth; None = not known: ``timeout_s``).
 
         Past a budget-derived deadline (shorter than ``timeout_s``) every result is
-        ``DraftError(LATE)`` ("slow") and the batch stays on the stream: the drafter still takes in
+        ``DraftError(LATE)`` and the batch stays on the stream: the drafter still takes in
         its context, and the sessions whose late reply is an error (or never comes: the stream
         broke) are passed to ``on_late_failure`` from the reader thread, so the caller resends
-        their context. Past ``timeout_s`` they are ``DraftError("timeout")``, the reply is
+        their context. Past ``timeout_s`` they are ``DraftError(FallbackReason.TIMEOUT)``, the reply is
         dropped and the caller must resend. Each miss counts against the breaker (SLOW,
         FAILING); a reply in time with a budget resets its count."""
         if self.breaker.is_open:
-            return [DraftError("circuit_open", f"drafter {self.address} out of the step path")] \
+            return [DraftError(FallbackReason.CIRCUIT_OPEN, f"drafter {self.address} out of the step path")] \
                 * len(requests)
         if budget_s is not None and (self.behind_upload() or any(
                 r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests)):
@@ -328,7 +337,7 @@ class RemoteProposer:
         t_send = time.perf_counter()
         sent = self._send(items, requests)
         if sent is None:
-            return self._failed(DraftError("unavailable", "drafter stream reconnect back-off"),
+            return self._failed(DraftError(FallbackReason.UNAVAILABLE, "drafter stream reconnect back-off"),
                                 len(requests))
         bid, fut = sent
         try:
@@ -341,12 +350,12 @@ class RemoteProposer:
                                     len(requests), SLOW, deadline)
             with self._lock:
                 self._pending.pop(bid, None)
-            return self._failed(DraftError("timeout", f"no draft within {self.timeout_s}s"),
+            return self._failed(DraftError(FallbackReason.TIMEOUT, f"no draft within {self.timeout_s}s"),
                                 len(requests))
         except DraftError as e:
             return self._failed(e, len(requests))
         if len(resp.results) != len(requests):
-            return self._failed(DraftError("malformed_block", "result count mismatch"),
+            return self._failed(DraftError(FallbackReason.MALFORMED_BLOCK, "result count mismatch"),
                                 len(requests))
         seconds = time.perf_counter() - t_send
         with self._lock:
@@ -381,7 +390,7 @@ class RemoteProposer:
         fut.add_done_callback(done)
 
     # ------------------------------------------------------------------ circuit breaker
-    def _failed(self, e: DraftError, n: int, reason: str = FAILING,
+    def _failed(self, e: DraftError, n: int, reason: TripReason = FAILING,
                 readmit_s: float | None = None) -> list[Proposal | DraftError]:
         """Count a miss (a deadline missed: ``reason`` SLOW when the budget set it) or a failed
         call (stream down, bad reply); open the breaker and start the prober when that makes
@@ -462,7 +471,7 @@ class RemoteProposer:
         t_send = time.perf_counter()
         sent = self._send(items, requests)
         if sent is None:
-            self._failed(DraftError("unavailable", "drafter stream reconnect back-off"), 0)
+            self._failed(DraftError(FallbackReason.UNAVAILABLE, "drafter stream reconnect back-off"), 0)
             on_failed(ids)
             return
 
@@ -508,13 +517,13 @@ class RemoteProposer:
         try:
             probs = wire.from_proto(r.probs, "probs") if r.HasField("probs") else None
         except wire.WireError as e:
-            return DraftError("malformed_probs", str(e))
+            return DraftError(FallbackReason.MALFORMED_PROBS, str(e))
         try:   # absent from a chain drafter; their shapes and values: DrafterSync.malformed
             top_ids = wire.from_proto(r.top_ids, "top_ids") if r.HasField("top_ids") else None
             top_lp = (wire.from_proto(r.top_logprobs, "top_logprobs")
                       if r.HasField("top_logprobs") else None)
         except wire.WireError as e:
-            return DraftError("malformed_topk", str(e))
+            return DraftError(FallbackReason.MALFORMED_TOPK, str(e))
         return Proposal(tokens=torch.tensor(list(r.tokens), dtype=torch.int64), probs=probs,
                         top_ids=top_ids, top_logprobs=top_lp)
 

@@ -14,7 +14,7 @@ A draft request that overtakes the news fails with ``context_gap`` on the drafte
 
 A step waits for its drafts no longer than what speculating is worth (``budget_s`` of
 :meth:`DrafterSync.draft`, from ``SpeculationPolicy.draft_budget``), handed to a
-:class:`DeadlineProposer`. A draft the step stopped waiting for (``DraftError("slow")``) is
+:class:`DeadlineProposer`. A draft the step stopped waiting for (``DraftError(FallbackReason.LATE)``) is
 still queued on the drafter, which takes in its context: the held length advances as for a
 context-only update, and a late failure is news in the same way.
 """
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dflash.core.proposer import DraftError, Proposal, ProposalRequest, Proposer
+from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest, Proposer
 from dflash.core.sampling import Sampling
 from verifier_svc.tap_buffer import TapRows
 
@@ -56,7 +56,7 @@ class DeadlineProposer(Protocol):
 
 
 #: The reason of a draft the step stopped waiting for while the drafter still takes it in.
-LATE = "slow"
+LATE = FallbackReason.LATE
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class DraftItem:
 class DraftOutcome:
     """One session's drafts this step."""
 
-    tokens: list[int]                  # k drafts (empty: none)
+    tokens: torch.Tensor               # [k] int64 drafts, the proposal's own (k = 0: none)
     probs: torch.Tensor | None         # [k, V] float, sampled drafts' q; None = greedy/one-hot
     fallback: str | None               # why a wanted block is missing
     called: bool                       # the drafter was called for it (its time counts)
@@ -107,7 +107,19 @@ class DraftOutcome:
     top_logprobs: torch.Tensor | None = None   # [k, c] float32 <= 0, descending per row
 
 
-NONE = DraftOutcome([], None, None, False)
+#: No drafts (never written to: every outcome without drafts shares it).
+EMPTY = torch.empty(0, dtype=torch.int64)
+NONE = DraftOutcome(EMPTY, None, None, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRound:
+    """One step's draft calls: per item its outcome (in item order), and the seconds spent in
+    calls that returned no usable draft (the drafter's failure, not the price of the step's
+    block: the policy leaves them out of the step's cost)."""
+
+    outcomes: list[DraftOutcome]
+    wasted_seconds: float = 0.0
 
 
 class DrafterSync:
@@ -127,7 +139,6 @@ class DrafterSync:
         self.context_flush = context_flush
         self._lock = threading.Lock()
         self._failed: set[tuple[str, int]] = set()   # (session, epoch) of failed async updates
-        self.wasted_seconds = 0.0    # of the last draft(): calls that returned no usable draft
 
     # ------------------------------------------------------------------ per session
     def bind(self, session_id: str, state: DrafterState, proposer: Proposer | None) -> bool:
@@ -159,16 +170,15 @@ class DrafterSync:
         state.reset()
 
     # ------------------------------------------------------------------ one step
-    def draft(self, items: list[DraftItem], budget_s: float | None = None) -> list[DraftOutcome]:
+    def draft(self, items: list[DraftItem], budget_s: float | None = None) -> DraftRound:
         """Per item its drafts; one call per drafter, with every session that has unsent rows.
 
         A call without any draft goes to a :class:`ContextSender` without waiting. ``budget_s``:
         seconds the step's draft calls may take in all (``SpeculationPolicy.draft_budget``;
         None = unknown): a :class:`DeadlineProposer` gets what is left of it when its call
-        starts. :attr:`wasted_seconds` is then the time spent in calls that returned no usable
-        draft."""
+        starts."""
         out = [NONE] * len(items)
-        self.wasted_seconds = 0.0
+        wasted = 0.0
         t0 = time.perf_counter()
         with self._lock:
             failed, self._failed = self._failed, set()
@@ -192,7 +202,7 @@ class DrafterSync:
             if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
                 self._send_context(proposer, [items[i] for i in idx])
                 for i in idx:
-                    out[i] = DraftOutcome([], None, None, True)
+                    out[i] = DraftOutcome(EMPTY, None, None, True)
                 continue
             reqs = [self._request(items[i], items[i].k + 1) for i in idx]
             t_call = time.perf_counter()
@@ -204,26 +214,27 @@ class DrafterSync:
                 else:
                     res = proposer.propose(reqs)
             except Exception as e:  # the drafter must never fail the request
-                res = [DraftError("exception", repr(e))] * len(reqs)
+                res = [DraftError(FallbackReason.EXCEPTION, repr(e))] * len(reqs)
             if all(isinstance(r, DraftError) for r in res):
-                self.wasted_seconds += time.perf_counter() - t_call
+                wasted += time.perf_counter() - t_call
             for i, r in zip(idx, res):
-                it = items[i]
-                reason = self.malformed(r, it.k, it.top_k if it.k else 0)
-                if reason == LATE:   # still queued on the drafter: its context lands there
-                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
-                    it.state.length = it.cached
-                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
-                elif reason:
-                    it.state.reset()  # resend the whole context once the drafter is healthy
-                    log.info("session %s: drafter fallback (%s)", it.session_id, reason)
-                    out[i] = DraftOutcome([], None, reason if it.k else None, True)
-                else:
-                    assert isinstance(r, Proposal)     # malformed() found nothing wrong
-                    it.state.length = it.cached
-                    out[i] = DraftOutcome(r.tokens.tolist(), r.probs, None, True,
-                                          top_ids=r.top_ids, top_logprobs=r.top_logprobs)
-        return out
+                out[i] = self._outcome(items[i], r)
+        return DraftRound(out, wasted)
+
+    def _outcome(self, it: DraftItem, r: Proposal | DraftError) -> DraftOutcome:
+        """One item's drafts from its call's result, and what its drafter now holds."""
+        reason = self.malformed(r, it.k, it.top_k if it.k else 0)
+        if reason:
+            log.info("session %s: drafter fallback (%s)", it.session_id, reason)
+            if reason == LATE:   # still queued on the drafter: its context lands there
+                it.state.length = it.cached
+            else:
+                it.state.reset()  # resend the whole context once the drafter is healthy
+            return DraftOutcome(EMPTY, None, reason if it.k else None, True)
+        assert isinstance(r, Proposal)     # malformed() found nothing wrong
+        it.state.length = it.cached
+        return DraftOutcome(r.tokens, r.probs, None, True, top_ids=r.top_ids,
+                            top_logprobs=r.top_logprobs)
 
     def _resend_on_failure(self, items: list[DraftItem], what: str) -> Callable[[list[str]], None]:
         """The callback for sessions whose unawaited call (``what``) failed on the drafter (any
@@ -278,14 +289,14 @@ class DrafterSync:
             return res.reason
         toks = res.tokens
         if toks.dim() != 1 or toks.numel() != k:
-            return "malformed_block"
+            return FallbackReason.MALFORMED_BLOCK
         if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
-            return "out_of_vocab"
+            return FallbackReason.OUT_OF_VOCAB
         if res.probs is not None and not self._probs_ok(res.probs, toks):
-            return "malformed_probs"
+            return FallbackReason.MALFORMED_PROBS
         if res.top_ids is not None or res.top_logprobs is not None:
             if not self._top_k_ok(res.top_ids, res.top_logprobs, k, top_k):
-                return "malformed_topk"
+                return FallbackReason.MALFORMED_TOPK
         return None
 
     def _probs_ok(self, q: torch.Tensor, toks: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""The verifier engine: sessions, prefill, the speculative decode step, commit.
+"""The verifier engine: sessions, the speculative decode step, commit (prefill: ``prefill.py``).
 
 Pure torch/Python (no protobuf). The step follows z-lab/dflash ``dflash_generate`` (Sec. 1.7 of
 shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
@@ -6,7 +6,8 @@ shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
     choose k (policy) -> propose (drafter_sync) -> forward (target) -> verify (verification)
     -> commit (crop the KV cache, keep the taps, stop/length) -> feed the policy
 
-for every running session at once (continuous batching, ``verifier_svc/scheduler.py``): one
+for every running session at once (continuous batching: ``verifier_svc/scheduler.py`` says
+which, the loop of ``verifier_svc/core.py`` runs it), one ``StepRow`` per session: one
 drafter call per drafter, one target forward over every session's block on the persistent
 batch KV pool (``dflash/core/kv_pool.py``). With speculation off, or when the drafter fails, the
 same step runs with ``k = 0`` (plain autoregressive decoding): the baseline every benchmark
@@ -24,43 +25,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from dflash.core.cards import check_drafter_card
+from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import LogitsProcessor, token_logprobs
 from dflash.core.proposer import MAX_TOP_K
-from dflash.core.sampling import InvalidParam, Sampling, coupled_choice, position_noise, probs_from_logits, sample_from
+from dflash.core.sampling import InvalidParam
 from dflash.core.speculation import (
-    DEFAULT_SUFFIX_DEPTH,
     MAX_TREE_BUDGET,
     MODE_FIXED,
-    MODE_HYBRID,
-    MODE_OFF,
-    MODE_SUFFIX,
-    MODE_TREE,
-    SUFFIX_MODES,
-    TREE_MODES,
 )
 from dflash.core.stats import AcceptanceCounter
-from verifier_svc.cards import TargetCard, check_drafter_card
+from verifier_svc.core import EngineCore
+from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
     DEFAULT_TREE_MAX_BATCH,
-    Decision,
     Shape,
     SpeculationPolicy,
     StepFeedback,
     bucket,
 )
+from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
-from verifier_svc.sessions import CacheHandle, Session, SessionStore
+from verifier_svc.sessions import Session, SessionStore
 from verifier_svc.suffix_drafts import (
     DRAFTER,
     AnswerStore,
@@ -72,6 +65,7 @@ from verifier_svc.suffix_drafts import (
     offer_for,
     suffix_tree,
 )
+from verifier_svc.target_protocol import Target
 from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
 from verifier_svc.verification import RowParams, Verified, verify_batch
 
@@ -79,36 +73,6 @@ __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowC
            "check_drafter_card", "MAX_BLOCK_SIZE", "InvalidParam", "Target"]
 
 log = logging.getLogger("dflash.verifier")
-
-
-class Target(TargetCard, Protocol):
-    """What the engine needs of a target (``verifier_svc.target.TargetModel``, the expert-
-    parallel ``verifier_svc.ep.DistributedTarget``, test doubles); its card fields are checked
-    against each drafter's (``verifier_svc.cards``)."""
-
-    vocab_size: int
-    max_positions: int
-    eos_token_ids: frozenset[int]
-    failure: str | None                 # why the target can no longer run (expert parallel)
-    path: Path                          # the checkpoint directory (Describe)
-    dtype: torch.dtype
-    lock: AbstractContextManager        # serialises forwards and cache changes
-    supports_trees: bool                # forward_batch takes ``parents``; ``keep`` compacts
-
-    def new_cache(self) -> CacheHandle: ...
-
-    def forward(self, tokens: list[int], cache: CacheHandle, layer_ids: tuple[int, ...] | None,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def forward_batch(self, blocks: list[list[int]], caches: list[CacheHandle],
-                      layer_ids: list[tuple[int, ...]], parents: list[list[int] | None] | None = None
-                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]: ...
-
-    def keep(self, cache: CacheHandle, start: int, offsets: list[int]) -> None: ...
-
-    def crop(self, cache: CacheHandle, length: int) -> None: ...
-
-    def own(self, cache: CacheHandle) -> None: ...
 
 
 class VerifierEngine:
@@ -158,8 +122,9 @@ class VerifierEngine:
         self.trees = target.supports_trees
         self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else (),
                                         tree_max_batch=tree_max_batch)
-        self.scheduler = Scheduler(self, prefill_chunk=prefill_chunk, max_batch=max_batch,
+        self.scheduler = Scheduler(prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    max_unread=max_unread, admission=admission)
+        self.core = EngineCore(self.scheduler, self)
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,
                                       ttl_s=session_ttl_s)
         self.totals = AcceptanceCounter()
@@ -228,10 +193,10 @@ class VerifierEngine:
         session = self._sessions.get(sid)
         if not session.busy.acquire(blocking=False):
             raise PreconditionError("session_id", f"session {sid!r} is already generating")
-        job = Job(req=req, session=session, cancelled=cancelled)
+        job = Job(req=req, decode=DecodeState(req=req, session=session), cancelled=cancelled)
         finished = False
         try:
-            self.scheduler.submit(job)
+            self.core.submit(job)
             while True:
                 item = job.events.get()
                 if isinstance(item, BaseException):
@@ -243,7 +208,7 @@ class VerifierEngine:
                     return
         finally:
             job.closed = True
-            self.scheduler.wait_gone(job)
+            self.core.wait_gone(job)
             if req.session_id and finished:
                 with self.target.lock:
                     self.target.own(session.cache)   # kept for the next turn, out of the batch
@@ -252,191 +217,113 @@ class VerifierEngine:
             if not req.session_id or not finished:
                 self.close_session(sid)
 
-    def notify(self, job: Job, ev: StepEvent) -> None:
-        """An event leaves the scheduler (its thread): step listeners, then the request's trace."""
+    def notify(self, req: Request, ev: StepEvent) -> None:
+        """An event leaves the loop (its thread): step listeners, then the request's trace."""
         if ev.step >= 0:
             for listener in self.step_listeners:
-                listener(job.req, ev)
-        if job.req.trace is not None:
-            job.req.trace.event(job.req, ev)
+                listener(req, ev)
+        if req.trace is not None:
+            req.trace.event(req, ev)
+
+    def run_on_loop(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the loop's thread, which runs every forward (``EngineCore.run_on_loop``)."""
+        return self.core.run_on_loop(fn)
 
     # ------------------------------------------------------------------ prefill
-    def start_job(self, job: Job) -> None:
-        """Set up a job's decode state before its first prefill chunk (scheduler thread)."""
-        s, req, t = job.session, job.req, self.target
+    def start(self, st: DecodeState) -> int:
+        """Set up a request's decode state before its first prefill chunk (the loop's thread);
+        returns the prompt positions its session's cache already holds."""
+        s, req, t = st.session, st.req, self.target
         taps_usable = self.sync.bind(s.id, s.drafter, req.proposer)
-        reuse = _common_prefix(s.tokens, req.prompt) if taps_usable else 0
-        job.reuse = job.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
+        reuse = common_prefix(s.tokens, req.prompt) if taps_usable else 0
+        st.reuse = st.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
         # on the target's device: its noise is drawn where the logits are (a CPU generator
         # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
-        job.gen = req.sampling.generator(getattr(t, "device", "cpu"))
-        job.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
-                         if req.sampling.penalised else None)
-        job.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
-        job.mode = req.spec_mode or self.spec_mode
-        job.block_limit = 1
-        job.tree_budget = 0
-        job.suffix_limit = 0
-        if req.proposer is not None and job.mode != MODE_OFF:
-            card = req.proposer.card
-            job.block_limit = min(req.block_size or card.block_size, card.block_size)
-            if self.trees and job.mode in TREE_MODES:
-                job.tree_budget = req.tree_budget or (
-                    self.tree_budget if job.mode in (MODE_TREE, MODE_HYBRID, MODE_SUFFIX)
-                    else max(self.policy.tree_budgets, default=0))
-        if self.suffix and job.mode != MODE_OFF and (req.proposer is not None or job.mode in SUFFIX_MODES):
-            # with a drafter, suffix candidates are its fallback in every mode (a failed call
-            # still speculates); without one, the modes that may speculate from them alone
-            job.suffix_limit = job.block_limit - 1 if req.proposer is not None else \
-                (req.block_size - 1 if req.block_size else DEFAULT_SUFFIX_DEPTH)
-            if not job.tree_budget:
-                job.tree_budget = req.tree_budget or (
-                    self.tree_budget if job.mode in (MODE_SUFFIX, MODE_HYBRID)
-                    else max(self.policy.tree_budgets, default=self.tree_budget))
+        st.gen = req.sampling.generator(t.device)
+        st.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
+                        if req.sampling.penalised else None)
+        st.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
+        st.mode, st.block_limit, st.tree_budget, st.suffix_limit = speculation_limits(
+            req, self.spec_mode, trees=self.trees, suffix=self.suffix, tree_budget=self.tree_budget,
+            tree_budgets=self.policy.tree_budgets)
         s.prefix_group = ""                  # this turn changes the cache: lends nothing now
         with t.lock:
-            t.crop(s.cache, job.reuse)
-        self.sync.truncate(s.drafter, job.reuse)
-        self._share_prefix(job)
+            t.crop(s.cache, st.reuse)
+        self.sync.truncate(s.drafter, st.reuse)
+        share_prefix(st, t, self._sessions.values())
         if req.trace is not None:
             req.trace.prefill_started()
+        return st.prefilled
 
-    def _share_prefix(self, job: Job) -> None:
-        """Shared prompt prefill: copy the longest prompt prefix that another session of the
-        request's prefix group holds (the n samples of one request: the first prefills, the
-        others copy its KV entries and taps, then run the last prompt token), when it is longer
-        than what this session reuses of its own. Only sessions whose prompt is fully in their
-        cache lend (``Session.prefix_group``); a target without ``fork`` (expert parallel)
-        prefills every sample."""
-        s, req, t = job.session, job.req, self.target
-        fork = getattr(t, "fork", None)
-        want = len(req.prompt) - 1               # the last prompt token runs: its logits are read
-        if not req.prefix_group or fork is None or job.reuse >= want:
-            return
-        best, best_len = None, job.reuse
-        for other in self._sessions.values():
-            if other is s or other.prefix_group != req.prefix_group:
-                continue
-            n = min(_common_prefix(other.tokens, req.prompt), other.cached, want)
-            if s.drafter.tap_ids:   # the drafter needs this prefix's taps: the same layers'
-                if other.drafter.tap_ids != s.drafter.tap_ids:
-                    continue
-                n = min(n, len(other.drafter.taps))
-            if n > best_len:
-                best, best_len = other, n
-        if best is None:
-            return
-        with t.lock:
-            fork(best.cache, s.cache, best_len)
-        if s.drafter.tap_ids:
-            s.drafter.taps.truncate(job.reuse)
-            s.drafter.taps.append(best.drafter.taps.rows(job.reuse)[:best_len - job.reuse])
-        job.shared = best_len - job.reuse
-        job.prefilled = best_len
-
-    def prefill_chunk(self, job: Job, budget: int) -> StepEvent | None:
-        """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in."""
-        s, req, t = job.session, job.req, self.target
-        d = s.drafter
-        t0 = time.perf_counter()
-        end = min(len(req.prompt), job.prefilled + max(budget, 1))
-        with t.lock:
-            logits, taps = t.forward(req.prompt[job.prefilled:end], s.cache, d.tap_ids,
-                                     logits_to_keep=1)         # only the last row is read
-        job.prefill_seconds += time.perf_counter() - t0
-        if d.tap_ids:
-            assert taps is not None                 # the target taps the layers it is asked for
-            d.taps.append(taps)
-        job.prefilled = end
-        if end < len(req.prompt):
-            return None
-        s.tokens = list(req.prompt)
-        s.prefix_group = req.prefix_group        # cache, taps and tokens agree on the prompt
-        raw = logits[-1:]                                       # [1, V]
-        first = self._sample(job.processor.apply(raw) if job.processor else raw,
-                             req.sampling, job.gen, len(req.prompt))
-        s.tokens.append(first)
-        if self.suffix:
-            s.suffix.sync(s.tokens)              # O(new tokens) after a turn that kept its prefix
-        if job.processor:
-            job.processor.commit([first])
-        job.emitted = 1
-        finish = FINISH_STOP if first in job.stops else (FINISH_LENGTH if req.max_tokens == 1 else None)
-        if req.proposer is not None and job.block_limit > 1:
-            d.proposer = req.proposer
-        return StepEvent(tokens=[first], finish=finish, verify_seconds=job.prefill_seconds,
-                         stats=job.stats, prompt_tokens=len(req.prompt),
-                         cached_prompt_tokens=job.reuse + job.shared,
-                         logprobs=token_logprobs(raw, [0], [first], req.sampling.top_logprobs)
-                         if req.sampling.logprobs else None)
+    def prefill_chunk(self, st: DecodeState, budget: int) -> StepEvent | None:
+        """Prefill up to ``budget`` prompt tokens; the first token's event once the prompt is in
+        (``verifier_svc.prefill.prefill_chunk``)."""
+        return prefill_chunk(st, self.target, budget, suffix=self.suffix)
 
     # ------------------------------------------------------------------ one decode step
     def decode_step(self, plan: StepPlan) -> list[StepEvent]:
         """One speculative step for every job of ``plan``: one drafter call per drafter, one
         target forward, one batched verification; returns one event per job, in order."""
-        jobs, t = plan.jobs, self.target
-        offers = self._offers(jobs)
-        shapes = self.policy.choose_shapes(jobs, plan.waiting, offers)
-        lens = [j.session.cached for j in jobs]
-        items = [self._draft_item(j, sh, n) for j, sh, n in zip(jobs, shapes, lens)]
+        t = self.target
+        states = [j.decode for j in plan.jobs]
+        offers = self._offers(states)
+        choice = self.policy.choose_shapes(states, plan.waiting, offers)
+        rows = [StepRow(st, st.session.cached, sh, o) for st, sh, o in zip(states, choice.shapes, offers)]
+        items = [self._draft_item(r) for r in rows]
         # a session whose drafter holds none of its context yet sends its whole prompt this step
         joining = any(it.proposer is not None and it.state.proposer is it.proposer
                       and it.state.length == 0 for it in items)
 
         td = time.perf_counter()
         # the drafter calls wait no longer than speculating is worth this step
-        drafts = self.sync.draft(items, self.policy.draft_budget(jobs, shapes))
+        drafts = self.sync.draft(items, self.policy.draft_budget(states, choice.shapes, choice.expectations))
         draft_s = time.perf_counter() - td
-        sourced = [self._sourced(j, sh, d, o, len(jobs))
-                   for j, sh, d, o in zip(jobs, shapes, drafts, offers)]
-        trees = [s.tree if s else None for s in sourced]
-        blocks = [[it.anchor] + (tr.tokens if tr else d.tokens)
-                  for it, d, tr in zip(items, drafts, trees)]
+        for r, d in zip(rows, drafts.outcomes):
+            r.draft, r.sourced = d, self._sourced(r, d, len(rows))
+            r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())
 
         tv = time.perf_counter()
         with t.lock:
-            outs = t.forward_batch(blocks, [j.session.cache for j in jobs],
-                                   [j.session.drafter.tap_ids for j in jobs],
-                                   [tr.parents if tr else None for tr in trees]
-                                   if any(trees) else None)
+            outs = t.forward_batch([r.block for r in rows], [st.session.cache for st in states],
+                                   [st.session.drafter.tap_ids for st in states],
+                                   [r.tree.parents if r.tree else None for r in rows]
+                                   if any(r.tree is not None for r in rows) else None)
         verify_s = time.perf_counter() - tv
+        for r, (logits, taps) in zip(rows, outs):
+            r.logits, r.taps = logits, taps
 
-        verified = self._verify(jobs, drafts, trees, [
-            _processed(j, lg, d, tr) for j, (lg, _), d, tr in zip(jobs, outs, drafts, trees)])
-        decision = self.policy.last_decision
+        self._verify(rows)
+        timing = StepTiming(draft_s, verify_s, len(rows), choice.decision)
         with t.lock:
-            events = [self._commit(j, n, v, lg, taps, d, draft_s, verify_s, len(jobs), decision, src, o)
-                      for j, n, v, (lg, taps), d, src, o in zip(jobs, lens, verified, outs, drafts,
-                                                                sourced, offers)]
-        self._feed_policy(plan, joining, blocks, drafts, events, verify_s, draft_s, shapes, verified,
-                          sourced)
+            events = [self._commit(r, timing) for r in rows]
+        self._feed_policy(plan, joining, rows, events, timing, drafts.wasted_seconds)
         return events
 
-    def _offers(self, jobs: list[Job]) -> list[SuffixOffer | None]:
+    def _offers(self, states: list[DecodeState]) -> list[SuffixOffer | None]:
         """Each job's suffix candidates this step (None: it may verify none, or none matched)."""
-        if not self.suffix or not any(j.suffix_limit for j in jobs):
-            return [None] * len(jobs)
+        if not self.suffix or not any(st.suffix_limit for st in states):
+            return [None] * len(states)
         t0 = time.perf_counter()
         out = []
-        for j in jobs:
-            depth = min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)
-            s = j.session
-            out.append(offer_for(s.suffix, self.answers.indexes(j.req.tenant), depth,
+        for st in states:
+            depth = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
+            s = st.session
+            out.append(offer_for(s.suffix, self.answers.indexes(st.req.tenant), depth,
                                  self.suffix_calibration, s.suffix_rates) if depth > 0 else None)
         self.suffix_lookup_seconds += time.perf_counter() - t0
         self.suffix_lookups += 1
         return out
 
-    def _sourced(self, j: Job, sh: Shape, d: DraftOutcome, offer: SuffixOffer | None, batch: int
-                 ) -> Sourced | None:
-        """The tree job ``j`` verifies this step with its nodes' sources, or None for a chain:
+    def _sourced(self, r: StepRow, d: DraftOutcome, batch: int) -> Sourced | None:
+        """The tree row ``r`` verifies this step with its nodes' sources, or None for a chain:
         the drafter's DDTree (hybrid: with suffix candidates merged in), suffix candidates alone
         (asked for, or the drafter's block is missing: the fallback still speculates), or none."""
-        limit = min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)
+        st, sh, offer = r.state, r.shape, r.offer
+        limit = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
         tree = _tree(sh, d)
         if tree is not None:
             if sh.suffix and offer is not None and limit > 0:
-                label = j.req.proposer.card.label if j.req.proposer is not None else ""
+                label = st.req.proposer.card.label if st.req.proposer is not None else ""
                 theta = self.policy.drafter_node_value(label, sh.budget, limit)
                 return hybrid_tree(tree, offer, sh.budget, theta, limit)
             return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
@@ -444,49 +331,47 @@ class VerifierEngine:
             return None
         if sh.suffix and not sh.k:
             return suffix_tree(offer, sh.budget, limit)
-        if d.fallback and not d.tokens and sh.k:
-            n = self.policy.suffix_size(offer, bucket(batch), j.tree_budget, limit)
+        if d.fallback and not len(d.tokens) and sh.k:
+            n = self.policy.suffix_size(offer, bucket(batch), st.tree_budget, limit)
             return suffix_tree(offer, n, limit) if n else None
         return None
 
-    def _draft_item(self, j: Job, sh: Shape, cached: int) -> DraftItem:
-        s, req = j.session, j.req
-        ctx = req.trace.step_started(j.steps) if req.trace is not None else {}
-        return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=cached,
+    @staticmethod
+    def _draft_item(r: StepRow) -> DraftItem:
+        st, sh = r.state, r.shape
+        s, req = st.session, st.req
+        ctx = req.trace.step_started(st.steps) if req.trace is not None else {}
+        return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=r.cached,
                          anchor=s.tokens[-1], k=sh.k,
-                         room=j.block_limit > 1 and req.max_tokens - j.emitted > 1,
+                         room=st.block_limit > 1 and req.max_tokens - st.emitted > 1,
                          sampling=req.sampling.for_drafter(), trace_context=ctx,
                          top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
                          no_learn=req.no_learn)
 
     @staticmethod
-    def _verify(jobs: list[Job], drafts: list[DraftOutcome], trees: list[DraftTree | None],
-                logits: list[torch.Tensor]) -> list[Verified]:
-        """Chains through ``verify_batch``, trees through ``verify_trees``, results in job order."""
-        params = [RowParams(j.req.sampling, j.gen, j.stops, j.req.max_tokens - j.emitted,
-                            position=len(j.session.tokens)) for j in jobs]
-        chain = [i for i, tr in enumerate(trees) if tr is None]
-        tree = [(i, tr) for i, tr in enumerate(trees) if tr is not None]
-        out: list[Verified | None] = [None] * len(jobs)
-        for i, v in zip(chain, verify_batch(
-                [torch.tensor(drafts[i].tokens, dtype=torch.int64, device="cpu") for i in chain],
-                [logits[i] for i in chain], [drafts[i].probs for i in chain],
-                [params[i] for i in chain])):
-            out[i] = v
-        if tree:
-            for (i, _), v in zip(tree, verify_trees([tr for _, tr in tree], [logits[i] for i, _ in tree],
-                                                    [params[i] for i, _ in tree])):
-                out[i] = v
-        return out  # type: ignore[return-value]  # every index is filled above
+    def _verify(rows: list[StepRow]) -> None:
+        """Chains through ``verify_batch``, trees through ``verify_trees``: each row's
+        ``verified``, from its logits with its penalties and bias applied (``_processed``)."""
+        chains = [r for r in rows if r.tree is None]
+        trees = [(r, r.tree) for r in rows if r.tree is not None]
+        for r, v in zip(chains, verify_batch([r.draft.tokens for r in chains],
+                                             [_processed(r) for r in chains],
+                                             [r.draft.probs for r in chains],
+                                             [_params(r.state) for r in chains])):
+            r.verified = v
+        if trees:
+            for (r, _), v in zip(trees, verify_trees([tr for _, tr in trees],
+                                                     [_processed(r) for r, _ in trees],
+                                                     [_params(r.state) for r, _ in trees])):
+                r.verified = v
 
-    def _commit(self, j: Job, n: int, v: Verified, logits: torch.Tensor, taps: torch.Tensor | None,
-                d: DraftOutcome, draft_s: float, verify_s: float, batch: int,
-                decision: Decision | None, src: Sourced | None = None,
-                offer: SuffixOffer | None = None) -> StepEvent:
-        """Keep what row ``j`` committed: crop its KV cache to it (a tree keeps its accepted
+    def _commit(self, r: StepRow, timing: StepTiming) -> StepEvent:
+        """Keep what row ``r`` committed: crop its KV cache to it (a tree keeps its accepted
         path's entries first), keep its taps, advance its penalty state, count it, and take the
-        committed tokens' log-probabilities from the raw ``logits`` [block, V] if asked."""
-        s = j.session
+        committed tokens' log-probabilities from its raw logits [block, V] if asked."""
+        st, v, d, src, n = r.state, r.verified, r.draft, r.sourced, r.cached
+        assert v is not None and r.logits is not None      # verified before its commit
+        s, taps = st.session, r.taps
         new = v.tokens
         nodes = suffix_nodes = suffix_accepted = 0
         kept = list(range(len(new)))               # the block rows that emitted the tokens
@@ -498,8 +383,8 @@ class VerifierEngine:
             nodes = v.nodes
             if src is not None and src.trie_nodes:
                 suffix_nodes, suffix_accepted = src.suffix_nodes, src.suffix_only(v.path)
-                if offer is not None:
-                    observe_walk(self.suffix_calibration, offer, src, v.path)
+                if r.offer is not None:
+                    observe_walk(self.suffix_calibration, r.offer, src, v.path)
         self.target.crop(s.cache, n + len(new))
         if s.drafter.tap_ids:
             assert taps is not None                 # the target taps the layers it is asked for
@@ -508,52 +393,55 @@ class VerifierEngine:
         if self.suffix:
             s.suffix.extend(new)
         if v.finish and v.finish != FINISH_CANCELLED and self.suffix:
-            self.answers.add(j.req.tenant, s.tokens[len(j.req.prompt):])
-        if j.processor:
-            j.processor.commit(new)
-        sampling = j.req.sampling
-        logprobs = (token_logprobs(logits, kept[:len(new)], new, sampling.top_logprobs)
+            self.answers.add(st.req.tenant, s.tokens[len(st.req.prompt):])
+        if st.processor:
+            st.processor.commit(new)
+        sampling = st.req.sampling
+        logprobs = (token_logprobs(r.logits, kept[:len(new)], new, sampling.top_logprobs)
                     if sampling.logprobs else None)
-        j.emitted += len(new)
-        j.stats.record(v.drafted, v.accepted)
-        self.totals.record(v.drafted, v.accepted)
-        if nodes:
-            j.stats.record_tree(nodes)
-            self.totals.record_tree(nodes)
-        if suffix_nodes:
-            j.stats.record_suffix(suffix_nodes, suffix_accepted)
-            self.totals.record_suffix(suffix_nodes, suffix_accepted)
-        j.stats.verify_seconds += verify_s
-        j.stats.draft_seconds += draft_s if d.called else 0.0
+        st.emitted += len(new)
+        self._count(st, v, nodes, suffix_nodes, suffix_accepted)
+        draft_s = timing.draft_seconds if d.called else 0.0
+        st.stats.verify_seconds += timing.verify_seconds
+        st.stats.draft_seconds += draft_s
         if d.fallback:
-            j.stats.fallback_steps += 1
+            st.stats.fallback_steps += 1
         ev = StepEvent(tokens=new, accepted=v.accepted, drafted=v.drafted, finish=v.finish,
-                       draft_seconds=draft_s if d.called else 0.0, verify_seconds=verify_s,
-                       fallback=d.fallback, stats=j.stats, batch_size=batch, policy=decision,
-                       step=j.steps, tree_nodes=nodes, logprobs=logprobs,
+                       draft_seconds=draft_s, verify_seconds=timing.verify_seconds,
+                       fallback=d.fallback, stats=st.stats, batch_size=timing.batch,
+                       policy=timing.decision, step=st.steps, tree_nodes=nodes, logprobs=logprobs,
                        suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted)
-        j.steps += 1
+        st.steps += 1
         return ev
 
-    def _feed_policy(self, plan: StepPlan, joining: bool, blocks: list[list[int]],
-                     drafts: list[DraftOutcome], events: list[StepEvent], verify_s: float,
-                     draft_s: float, shapes: list[Shape], verified: list[Verified],
-                     sourced: list[Sourced | None]) -> None:
+    def _count(self, st: DecodeState, v: Verified, nodes: int, suffix_nodes: int,
+               suffix_accepted: int) -> None:
+        """A row's drafts, acceptance and tree nodes, in its request's counts and the totals."""
+        for c in (st.stats, self.totals):
+            c.record(v.drafted, v.accepted)
+            if nodes:
+                c.record_tree(nodes)
+            if suffix_nodes:
+                c.record_suffix(suffix_nodes, suffix_accepted)
+
+    def _feed_policy(self, plan: StepPlan, joining: bool, rows: list[StepRow],
+                     events: list[StepEvent], timing: StepTiming, wasted_s: float) -> None:
         """One observation of this step for the policy (``StepFeedback``)."""
-        jobs = plan.jobs
         by_label: dict[str, list[tuple[int, int]]] = {}
         trees: dict[str, list[tuple[int, int]]] = {}
-        for j, ev, sh, v, src in zip(jobs, events, shapes, verified, sourced):
-            if not ev.drafted or j.req.proposer is None or _no_drafter_node(sh, src):
+        for r, ev in zip(rows, events):
+            proposer, src, v = r.state.req.proposer, r.sourced, r.verified
+            if not ev.drafted or proposer is None or _no_drafter_node(src):
                 continue
-            label = j.req.proposer.card.label
+            label = proposer.card.label
             if isinstance(v, TreeVerified):
                 # the drafter's tree's value: what it would have committed of this path alone
                 drafter = src.drafter_prefix(v.path) + 1 if src is not None and src.trie_nodes \
                     else len(ev.tokens)
-                trees.setdefault(label, []).append((sh.budget, min(drafter, len(ev.tokens))))
+                trees.setdefault(label, []).append((r.shape.budget, min(drafter, len(ev.tokens))))
             else:
                 by_label.setdefault(label, []).append((ev.drafted, ev.accepted))
+        verify_s, draft_s = timing.verify_seconds, timing.draft_seconds
         now = time.monotonic()
         last, self._last_cycle_end = self._last_cycle_end, now
         overhead = None if plan.fresh_cycle or not last else now - last - verify_s - draft_s
@@ -562,54 +450,45 @@ class VerifierEngine:
         # Waiting on calls that brought no draft is the drafter's failure (the circuit
         # breaker's business), not the price of the block the step ended up verifying.
         self.policy.observe(StepFeedback(
-            batch=len(jobs), k=max(len(b) for b in blocks) - 1, verify_seconds=verify_s,
-            draft_seconds=max(0.0, draft_s - self.sync.wasted_seconds)
-            if any(d.called for d in drafts) else 0.0,
+            batch=len(rows), k=max(len(r.block) for r in rows) - 1, verify_seconds=verify_s,
+            draft_seconds=max(0.0, draft_s - wasted_s) if any(r.draft.called for r in rows) else 0.0,
             record_cost=not (plan.waiting or joining), blocks=by_label, trees=trees,
             committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead,
-            fell_back=frozenset(i for i, d in enumerate(drafts) if d.fallback)))
+            fell_back=frozenset(i for i, r in enumerate(rows) if r.draft.fallback)))
         if log.isEnabledFor(logging.DEBUG):
-            d = self.policy.last_decision or Decision(mode="", k=-1, batch=len(jobs))
+            d = timing.decision
             log.debug("step batch=%d waiting=%d joining=%s k=%d budget=%d explored=%s "
                       "expected=%.2f committed=%d estimated=%.1fms measured verify=%.1fms "
                       "draft=%.1fms mode=%s",
-                      len(jobs), plan.waiting, joining, d.k, d.budget, d.explored, d.expected_tokens,
+                      len(rows), plan.waiting, joining, d.k, d.budget, d.explored, d.expected_tokens,
                       sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
                       1e3 * verify_s, 1e3 * draft_s, d.mode or "-")
 
     def close(self) -> None:
-        """Stop the scheduler thread (requests still running fail)."""
-        self.scheduler.stop()
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None,
-                position: int) -> int:
-        """The token at sequence index ``position`` from the last row of ``logits`` [n, V]:
-        argmax, the seeded race against ``position_noise`` (as verification does), or a draw
-        from ``gen``."""
-        if sampling.greedy:
-            return int(logits[-1].argmax())
-        probs = probs_from_logits(logits[-1], sampling)
-        if sampling.seed is not None:
-            return int(coupled_choice(probs, position_noise(sampling.seed, [position],
-                                                            logits.shape[-1], logits.device)[0]))
-        assert gen is not None                      # a sampled request's job has its generator
-        return int(sample_from(probs, gen))
+        """Stop the loop's thread (requests still running fail)."""
+        self.core.stop()
 
 
-def _processed(j: Job, logits: torch.Tensor, d: DraftOutcome, tree: DraftTree | None
-               ) -> torch.Tensor:
-    """The logits ``[block, V]`` the job verifies: its penalties and bias applied to each row
-    with that row's own state (``dflash.core.logits_processors``), or the raw logits when it has
-    none."""
-    if j.processor is None:
-        return logits
+
+def _processed(r: StepRow) -> torch.Tensor:
+    """The logits ``[block, V]`` row ``r`` verifies: its penalties and bias applied to each row
+    with that row's own state (``dflash.core.logits_processors``), or the raw logits when it
+    has none."""
+    assert r.logits is not None                      # the target's forward ran
+    processor, tree = r.state.processor, r.tree
+    if processor is None:
+        return r.logits
     if tree is not None:
-        return j.processor.apply(logits, tree.tokens, tree.parents)
-    return j.processor.apply(logits, d.tokens)
+        return processor.apply(r.logits, tree.tokens, tree.parents)
+    return processor.apply(r.logits, r.block[1:])
 
 
-def _no_drafter_node(sh: Shape, src: Sourced | None) -> bool:
+def _params(st: DecodeState) -> RowParams:
+    return RowParams(st.req.sampling, st.gen, st.stops, st.req.max_tokens - st.emitted,
+                     position=len(st.session.tokens))
+
+
+def _no_drafter_node(src: Sourced | None) -> bool:
     """Whether a step's tree holds no drafter node (suffix candidates alone): it says nothing
     of the drafter's acceptance."""
     return src is not None and not any(s & DRAFTER for s in src.sources[1:])
@@ -618,15 +497,7 @@ def _no_drafter_node(sh: Shape, src: Sourced | None) -> bool:
 def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:
     """The tree a job verifies this step, or None for a chain (no tree asked, no drafts, or a
     drafter that sent no top-k: a chain drafter keeps working)."""
-    if not sh.budget or not d.tokens or d.top_ids is None or d.top_logprobs is None:
+    if not sh.budget or not len(d.tokens) or d.top_ids is None or d.top_logprobs is None:
         return None
     depth = len(d.tokens)
     return build_tree(d.top_ids[:depth], d.top_logprobs[:depth], sh.budget)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

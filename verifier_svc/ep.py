@@ -147,7 +147,7 @@ class DistributedTarget:
         skinny_max_rows: every rank's ``TargetModel`` option (``kernels.skinny_linear``).
         timeout_s: collective timeout (gloo/NCCL); bounds a hung (not dead) rank.
         heartbeat_s: idle rank 0 pings the workers this often (< timeout_s).
-    Attributes: the card fields of TargetModel (delegated to this rank's shard), ``failure``
+    Attributes: the card fields of TargetModel (rank 0's shard's), ``failure``
     (None while healthy, else the reason), ``on_failure`` (callables taking the reason).
     """
 
@@ -184,6 +184,14 @@ class DistributedTarget:
         except BaseException:
             self._stop_workers()
             raise
+        # The card and what the engine reads of a target: rank 0's shard's (every rank loads the
+        # same checkpoint). Copied, not delegated: a TargetModel method not mirrored below would
+        # run on rank 0 alone.
+        sh = self.shard
+        self.path, self.device, self.dtype, self.config = sh.path, sh.device, sh.dtype, sh.config
+        self.hidden_size, self.num_layers, self.vocab_size = sh.hidden_size, sh.num_layers, sh.vocab_size
+        self.max_positions, self.rope_theta = sh.max_positions, sh.rope_theta
+        self.eos_token_ids, self.fingerprint = sh.eos_token_ids, sh.fingerprint
         # Every op is one broadcast plus collectives: ops must never interleave. Re-entrant, so
         # the engine may hold it around a forward (as with TargetModel) or not.
         self.lock = threading.RLock()
@@ -194,19 +202,18 @@ class DistributedTarget:
         log.info("expert parallel target up: %d ranks, worker pids %s", ep_size,
                  [p.pid for p in self.workers])
 
-    def __getattr__(self, name):  # card fields, config, model: this rank's shard
-        if name == "shard" or callable(getattr(TargetModel, name, None)):
-            # a TargetModel method not mirrored here would run on rank 0 alone
-            raise AttributeError(f"DistributedTarget has no {name!r}: every target call must be an "
-                                 "op all ranks run (verifier_svc/ep.py)")
-        return getattr(self.shard, name)
-
     # ------------------------------------------------------------------ TargetModel interface
     # Trees pass through: the mask and position ids act only in attention, which every rank
     # runs whole on its own cache mirror (only the experts are sharded), so a tree forward and
     # a keep are ops like any other. Arguments are validated here, before the broadcast: an
     # error raised inside an op would leave the ranks out of step and fail the group.
     supports_trees = True
+    # Shared prompt prefill would copy one session's cache into another on every rank: not an
+    # op yet, so every sample of a prefix group prefills (``Target.fork``).
+    supports_fork = False
+
+    def fork(self, src: RankCache, dst: RankCache, length: int) -> None:
+        raise NotImplementedError("expert parallel targets do not fork caches (supports_fork)")
 
     def new_cache(self) -> RankCache:
         c = RankCache(next(self._ids), self.shard.new_cache())

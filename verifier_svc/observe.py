@@ -127,7 +127,7 @@ class VerifierObserver:
                 last = chunk
                 yield chunk
         except GeneratorExit:
-            span.set_attribute("dflash.cancelled", True)
+            span.set_attribute(sc.CANCELLED, True)
             raise
         except BaseException as e:
             abort_status(span, context, e)
@@ -143,7 +143,7 @@ class VerifierObserver:
                     sc.CACHE_READ_INPUT_TOKENS: last.cached_prompt_tokens}))
                 self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
             if spans.view is not None:
-                span.set_attribute("dflash.drafter_version", spans.view.label)
+                span.set_attribute(sc.DRAFTER_VERSION, spans.view.label)
 
 
 class RequestSpans:
@@ -165,7 +165,7 @@ class RequestSpans:
         with self._lock:
             self._prefill_t0 = time.perf_counter()
             self._prefill = self.o.tracer.start_span(
-                "verifier.prefill", context=self.server_ctx,
+                sc.SPAN_VERIFIER_PREFILL, context=self.server_ctx,
                 attributes=sc.with_aliases({sc.INPUT_TOKENS: self.prompt_tokens}))
 
     def step_started(self, step: int) -> dict[str, str]:
@@ -174,7 +174,7 @@ class RequestSpans:
             if self._decode_ctx is None or not self.o.steps.span_for(step):
                 self._step = None
                 return {}   # untraced step: the drafter gets no parent either
-            self._step = self.o.tracer.start_span("verifier.step", context=self._decode_ctx)
+            self._step = self.o.tracer.start_span(sc.SPAN_VERIFIER_STEP, context=self._decode_ctx)
             carrier: dict[str, str] = {}
             propagate.inject(carrier, context=trace.set_span_in_context(self._step))
             return carrier
@@ -187,7 +187,7 @@ class RequestSpans:
                                            seconds=time.perf_counter() - self._prefill_t0)
                 self._prefill.end()
                 self._prefill = None
-                self._decode = self.o.tracer.start_span("verifier.decode", context=self.server_ctx)
+                self._decode = self.o.tracer.start_span(sc.SPAN_VERIFIER_DECODE, context=self.server_ctx)
                 self._decode_ctx = trace.set_span_in_context(self._decode, self.server_ctx)
             elif ev.step >= 0:
                 self._end_step(ev)
@@ -196,40 +196,40 @@ class RequestSpans:
 
     def _end_step(self, ev) -> None:
         view, cur, self._step = self.view, self._step, None
-        attrs = {"dflash.step": ev.step, "dflash.drafted": ev.drafted,
-                 "dflash.block_size": ev.drafted + 1, "dflash.accepted": ev.accepted,
-                 "dflash.emitted": len(ev.tokens)}
+        attrs = {sc.STEP: ev.step, sc.DRAFTED: ev.drafted,
+                 sc.BLOCK_SIZE: ev.drafted + 1, sc.ACCEPTED: ev.accepted,
+                 sc.EMITTED: len(ev.tokens)}
         if ev.tree_nodes:   # a tree: drafted = its depth, accepted = the accepted path's length
-            attrs.update({"dflash.tree.nodes": ev.tree_nodes, "dflash.tree.path_length": ev.accepted})
-            attrs["dflash.block_size"] = ev.tree_nodes + 1
+            attrs.update({sc.STEP_TREE_NODES: ev.tree_nodes, sc.STEP_TREE_PATH_LENGTH: ev.accepted})
+            attrs[sc.BLOCK_SIZE] = ev.tree_nodes + 1
         if ev.suffix_nodes:   # accepted by source: suffix alone, the rest the drafter's
-            attrs.update({"dflash.suffix.nodes": ev.suffix_nodes,
-                          "dflash.accepted.suffix": ev.suffix_accepted,
-                          "dflash.accepted.drafter": ev.accepted - ev.suffix_accepted})
+            attrs.update({sc.STEP_SUFFIX_NODES: ev.suffix_nodes,
+                          sc.ACCEPTED_SUFFIX: ev.suffix_accepted,
+                          sc.ACCEPTED_DRAFTER: ev.accepted - ev.suffix_accepted})
         if view is not None:
-            attrs["dflash.drafter_version"] = view.label
-            attrs["dflash.verify_seconds"] = view.verify_s
-            for key, v in (("dflash.draft_seconds", view.draft_s), ("dflash.wire_seconds", view.wire_s),
-                           ("dflash.context_bytes", view.context_bytes)):
+            attrs[sc.DRAFTER_VERSION] = view.label
+            attrs[sc.VERIFY_SECONDS] = view.verify_s
+            for key, v in ((sc.DRAFT_SECONDS, view.draft_s), (sc.WIRE_SECONDS, view.wire_s),
+                           (sc.CONTEXT_BYTES, view.context_bytes)):
                 if v is not None:
                     attrs[key] = v
             if view.fallback:
-                attrs["dflash.fallback"] = view.fallback
-            attrs["dflash.batch_size"] = view.batch_size
-            attrs["dflash.spec_mode"] = view.mode
+                attrs[sc.FALLBACK] = view.fallback
+            attrs[sc.BATCH_SIZE] = view.batch_size
+            attrs[sc.SPEC_MODE] = view.mode
             d = view.policy
             if d is not None and d.k >= 0:   # an adaptive choice: what it was made from
-                attrs.update({"dflash.policy.drafts": d.k, "dflash.policy.batch": d.batch,
-                              "dflash.policy.expected_tokens": d.expected_tokens,
-                              "dflash.policy.cost_seconds": d.cost_seconds,
-                              "dflash.policy.explored": d.explored,
-                              "dflash.policy.waiting": d.waiting,
-                              "dflash.policy.tree_budget": d.budget})
+                attrs.update({sc.POLICY_DRAFTS: d.k, sc.POLICY_BATCH: d.batch,
+                              sc.POLICY_EXPECTED_TOKENS: d.expected_tokens,
+                              sc.POLICY_COST_SECONDS: d.cost_seconds,
+                              sc.POLICY_EXPLORED: d.explored,
+                              sc.POLICY_WAITING: d.waiting,
+                              sc.POLICY_TREE_BUDGET: d.budget})
         if ev.finish:
-            attrs["dflash.finish_reason"] = ev.finish
+            attrs[sc.FINISH_REASON] = ev.finish
         if cur is None and ev.fallback:
             # Steps that fell back are always traced, even when their step was not sampled.
-            cur = self.o.tracer.start_span("verifier.step", context=self._decode_ctx,
+            cur = self.o.tracer.start_span(sc.SPAN_VERIFIER_STEP, context=self._decode_ctx,
                                            start_time=self._step_t0_ns)
         if cur is not None:
             cur.set_attributes(attrs)
@@ -242,15 +242,15 @@ class RequestSpans:
     def _end_decode(self, st) -> None:
         if st is not None:
             self._decode.set_attributes({
-                "dflash.mean_acceptance_length": st.mean_acceptance_length or 1.0,
-                "dflash.drafts": st.drafts, "dflash.draft_tokens": st.draft_tokens,
-                "dflash.accepted_tokens": st.accepted_tokens,
-                "dflash.accepted_per_position": list(st.accepted_per_position),
-                "dflash.fallback_steps": st.fallback_steps,
-                "dflash.tree_drafts": st.tree_drafts, "dflash.tree_nodes": st.tree_nodes,
-                "dflash.suffix_drafts": st.suffix_drafts, "dflash.suffix_nodes": st.suffix_nodes,
-                "dflash.accepted_tokens.suffix": st.suffix_accepted_tokens,
-                "dflash.accepted_tokens.drafter": st.drafter_accepted_tokens})
+                sc.TAU: st.mean_acceptance_length or 1.0,
+                sc.DRAFTS: st.drafts, sc.DRAFT_TOKENS: st.draft_tokens,
+                sc.ACCEPTED_TOKENS: st.accepted_tokens,
+                sc.ACCEPTED_PER_POSITION: list(st.accepted_per_position),
+                sc.FALLBACK_STEPS: st.fallback_steps,
+                sc.TREE_DRAFTS: st.tree_drafts, sc.TREE_NODES: st.tree_nodes,
+                sc.SUFFIX_DRAFTS: st.suffix_drafts, sc.SUFFIX_NODES: st.suffix_nodes,
+                sc.ACCEPTED_TOKENS_SUFFIX: st.suffix_accepted_tokens,
+                sc.ACCEPTED_TOKENS_DRAFTER: st.drafter_accepted_tokens})
         self._decode.end()
         self._decode = None
 
@@ -272,13 +272,13 @@ class RequestSpans:
 
 def _request_attrs(r) -> dict:
     s = r.sampling
-    return {"dflash.request_id": r.request_id, "dflash.session_id": r.session_id,
+    return {sc.REQUEST_ID: r.request_id, sc.SESSION_ID: r.session_id,
             sc.MAX_TOKENS: r.max_tokens, sc.TEMPERATURE: s.temperature,
             sc.TOP_P: s.top_p, sc.TOP_K: s.top_k,
             sc.INPUT_TOKENS: len(r.prompt_token_ids),
             sc.ALIASES[sc.INPUT_TOKENS]: len(r.prompt_token_ids),
-            "dflash.core.speculation": r.speculation.enabled,
-            "dflash.drafter_address": r.speculation.drafter_address}
+            sc.SPECULATION: r.speculation.enabled,
+            sc.DRAFTER_ADDRESS: r.speculation.drafter_address}
 
 
 class ObservedVerifierServicer(VerifierServicer):

@@ -55,25 +55,24 @@ metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Collection, Protocol, Sequence
+from typing import Collection, Sequence
 
 from dflash.core.speculation import (
     MODE_ADAPTIVE,
     MODE_FIXED,
     MODE_HYBRID,
-    MODE_OFF,
     MODE_SUFFIX,
     MODE_TREE,
     MODES,
-    SUFFIX_MODES,
 )
-from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, PositionCounts, session_table
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, session_table
+from verifier_svc.arms import Arms, Batch, Expectations, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
+from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer
 
-__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Decision", "PolicyJob", "Shape",
-           "SpeculationPolicy", "StepFeedback", "bucket", "session_table"]
+__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Arm", "Decision", "PolicyJob",
+           "Shape", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
 #: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
@@ -84,102 +83,9 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-# Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
-CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
-#: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
-MIXED = "mixed"
 #: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
 #: below it never displaces a drafter node.
 MIN_NODE_VALUE = 0.02
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One job's block this step: ``k`` drafts asked of the drafter (0: no speculation);
-    ``budget`` > 0: verify a DDTree of at most ``budget`` nodes built from the drafter's top-k
-    over those ``k`` positions instead of the chain."""
-
-    k: int
-    budget: int = 0
-    #: suffix candidates join the tree (``k`` > 0: merged into the drafter's, a hybrid tree;
-    #: ``k`` = 0: a tree of ``budget`` suffix nodes alone)
-    suffix: bool = False
-
-    @property
-    def verified(self) -> int:
-        """Tokens after the anchor the target verifies (the cost model's ``k``)."""
-        return self.budget if self.budget and (self.k or self.suffix) else self.k
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """One step's choice and the figures it was made from (for metrics and spans)."""
-
-    mode: str                       # MODE_ADAPTIVE if any session is adaptive, else the batch's
-                                    # mode (MIXED: several)
-    k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
-    batch: int
-    expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]
-    cost_seconds: float = 0.0       # estimated step seconds at k
-    explored: bool = False
-    waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
-    budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
-    suffix: bool = False            # the chosen tree is of suffix candidates alone
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepFeedback:
-    """What one decode step teaches the policy; fed once, to :meth:`SpeculationPolicy.observe`."""
-
-    batch: int                      # sessions in the step
-    k: int                          # drafts of the step's largest block
-    verify_seconds: float           # the target's forward over every block
-    draft_seconds: float = 0.0      # the drafter calls (0 when the step called no drafter)
-    record_cost: bool = True        # False: a ramp or joining step, not what a steady step costs
-    # drafter label -> (drafts, accepted drafts) per verified block with drafts
-    blocks: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    committed: list[int]            # tokens each job emitted (bonus included), in job order
-    cycle_overhead: float | None = None   # cycle seconds outside verify + draft; None: not a
-                                          # per-step cost (a prefill chunk ran, the loop idled)
-    # drafter label -> (node budget, committed tokens) per verified tree (kept out of ``blocks``:
-    # a tree's depth acceptance is not a chain's position acceptance)
-    trees: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    # jobs (indices) whose wanted block is missing (the drafter failed, or its circuit is open):
-    # they say nothing about how well the expectations predict acceptance
-    fell_back: frozenset[int] = frozenset()
-
-
-class _Card(Protocol):
-    @property
-    def label(self) -> str: ...     # drafter version, the key of its acceptance rates
-
-
-class _Proposer(Protocol):
-    @property
-    def card(self) -> _Card: ...
-
-
-class _Request(Protocol):
-    max_tokens: int
-
-    @property
-    def proposer(self) -> _Proposer | None: ...     # None: no drafter, the job never speculates
-
-
-class PolicyJob(Protocol):
-    """What :meth:`SpeculationPolicy.choose` reads of a job (``verifier_svc.scheduler.Job``)."""
-
-    mode: str                       # one of MODES
-    block_limit: int                # the request's block size (drafts + 1)
-    emitted: int                    # tokens emitted so far
-    @property
-    def req(self) -> _Request: ...                  # read-only: a Job's is a full Request
-
-    @property
-    def stats(self) -> PositionCounts | None: ...   # the request's acceptance counts (session_table)
-
-    tree_budget: int                # largest tree it may verify (0: chains only)
-    suffix_limit: int               # deepest suffix candidate it may verify (0: none)
 
 
 class SpeculationPolicy:
@@ -213,8 +119,6 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(alpha)
         self.costs = StepCostModel(alpha)
         self._steps = 0
-        self.last_decision: Decision | None = None
-        self._last_expectations: tuple[Sequence[PolicyJob], _Expectations] | None = None
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
@@ -301,124 +205,80 @@ class SpeculationPolicy:
     def choose(self, jobs: Sequence[PolicyJob], waiting: int = 0) -> list[int]:
         """Drafts per job this step (same order as ``jobs``); :meth:`choose_shapes` without the
         tree budgets."""
-        return [sh.k for sh in self.choose_shapes(jobs, waiting)]
+        return self.choose_shapes(jobs, waiting).ks
 
     def choose_shapes(self, jobs: Sequence[PolicyJob], waiting: int = 0,
-                      offers: Sequence[SuffixOffer | None] | None = None) -> list[Shape]:
-        """Each job's block this step (same order as ``jobs``). ``waiting``: requests whose
-        prompts wait for prefill behind this step; ``offers``: each job's suffix candidates
-        this step (None: none)."""
+                      offers: Sequence[SuffixOffer | None] | None = None) -> StepChoice:
+        """Each job's block this step and why. ``waiting``: requests whose prompts wait for
+        prefill behind this step; ``offers``: each job's suffix candidates this step (None:
+        none)."""
         self.acceptance.clear_expectation()
-        self._last_expectations = None
-        limits = _limits(jobs)
-        offers = list(offers) if offers is not None else [None] * len(jobs)
-        # tolerant: test doubles of a job (SimpleNamespace) may carry no tree budget
-        budgets = [getattr(j, "tree_budget", 0) for j in jobs]
-        slimits = _suffix_limits(jobs)
-        modes = [_job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
-        b = bucket(len(jobs))
-        shapes = [Shape(lim) if m == MODE_FIXED else
-                  _tree_shape(lim, budgets[i]) if m == MODE_TREE else
-                  _hybrid_shape(lim, budgets[i], offers[i] is not None) if m == MODE_HYBRID else
-                  self.suffix_shape(offers[i], b, budgets[i], slimits[i]) if m == MODE_SUFFIX
-                  else Shape(0) for i, (m, lim) in enumerate(zip(modes, limits))]
-        adaptive = [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE]
-        if not adaptive:
-            self.last_decision = Decision(mode=modes[0] if len(set(modes)) == 1 else MIXED,
-                                          k=-1, batch=len(jobs))
-            return shapes
+        batch = Batch.of(jobs, offers)
+        shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
+        if not batch.adaptive:
+            modes = set(batch.modes)
+            return StepChoice(shapes, Decision(mode=batch.modes[0] if len(modes) == 1 else MIXED,
+                                               k=-1, batch=len(jobs)))
         if waiting:
-            self.last_decision = Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs), waiting=waiting)
-            return shapes
-        floor = max(sh.verified for sh in shapes)   # fixed sessions' blocks set the batch's shape
-        top = max(limits[i] for i in adaptive)
-        cands = [k for k in CANDIDATES if k <= top] + ([top] if top not in CANDIDATES else [])
-        # tree arms: only when every adaptive job may verify that budget (one shape per step)
-        tree_cap = min(budgets[i] for i in adaptive)
-        trees_ok = top and (not self.tree_max_batch or len(jobs) <= self.tree_max_batch)
-        arms = [n for n in self.tree_budgets if n <= tree_cap] if trees_ok else []
-        ex = self._expectations(jobs, limits)
-        e, e_tree, raw, label = ex.chain, ex.tree, ex.raw, ex.label
-        costs = self.costs
+            return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
+                                               waiting=waiting))
+        ex = Expectations(self, jobs, batch.limits)
+        arms = Arms(self, batch, shapes, ex)
+        best, explored = self._pick(arms)
+        for i in batch.adaptive:
+            shapes[i] = batch.adaptive_shape(i, best)
+        if best.k > 0 and not best.budget:
+            self.acceptance.expect(batch.adaptive, [ex.raw(i, shapes[i].k) - 1.0 for i in batch.adaptive])
+        return StepChoice(shapes, arms.decision(best, explored), ex)
 
-        fixed_tokens = sum(ex.shape(i, shapes[i]) for i in range(len(jobs)) if modes[i] != MODE_ADAPTIVE)
+    def _pinned_shape(self, batch: Batch, i: int) -> Shape:
+        """Job ``i``'s shape when its mode fixes it (an adaptive job's placeholder: no drafts)."""
+        m, lim, budget, offer = batch.modes[i], batch.limits[i], batch.budgets[i], batch.offers[i]
+        if m == MODE_FIXED:
+            return Shape(lim)
+        if m == MODE_TREE:
+            return tree_shape(lim, budget)
+        if m == MODE_HYBRID:
+            return hybrid_shape(lim, budget, offer is not None)
+        if m == MODE_SUFFIX:
+            return self.suffix_shape(offer, batch.bucket, budget, batch.suffix_limits[i])
+        return Shape(0)
 
-        # an arm: (k, 0) = a chain of k drafts; (0, n) = a (hybrid) tree of n nodes; (-1, n) =
-        # a tree of n suffix candidates alone
-        def gain(arm: tuple[int, int]) -> float:
-            k, n = arm
-            if k < 0:
-                return fixed_tokens + sum(_offered(offers[i], n) for i in adaptive)
-            if n:
-                return fixed_tokens + sum(e_tree(i, n) + self._hybrid_gain(
-                    offers[i], label(i), n, slimits[i]) for i in adaptive)
-            return fixed_tokens + sum(e(i, min(k, limits[i])) for i in adaptive)
-
-        def size(arm: tuple[int, int]) -> int:
-            return max(arm[1] if arm[0] < 0 else arm[0] or arm[1], floor)
-
-        def price(arm: tuple[int, int]) -> float:
-            if arm[0] < 0:
-                return self.suffix_cost(b, size(arm), model)
-            return costs.estimate(b, size(arm), model)
-
-        model = costs.fit()
-        chain_arms = [(k, 0) for k in cands]
-        # a tree arm is priced by the fit, or by its own measured cell until there is a fit
-        all_arms = chain_arms + [(0, n) for n in arms
-                                 if model is not None or costs.measured(b, max(n, floor))]
-        # suffix-only arms: valued from this step's candidates, never explored
-        suffix_arms = [(-1, n) for n in arms if any(
-            offers[i] is not None and slimits[i] for i in adaptive)
-            if model is not None or costs.measured(b, max(n, floor))]
-        unmeasured = [k for k in cands if not costs.measured(b, max(k, floor))]
-        explored = False
-        if unmeasured and model is None:
-            best, explored = (unmeasured[0], 0), True
-        elif not costs.measured(b, floor):
+    def _pick(self, arms: Arms) -> tuple[Arm, bool]:
+        """The arm this step runs and whether it was chosen to measure it: every chain length
+        first (until the cost model has a fit), then the bucket's baseline, then the best rate,
+        each tree budget once, and every ``explore_every`` steps a neighbour of the best."""
+        if arms.unmeasured and arms.model is None:
+            return Arm(arms.unmeasured[0]), True
+        if not self.costs.measured(arms.bucket, arms.floor):
             # The step without (further) speculation is the baseline every other k must beat
             # and the cheapest step to try: measure it in every batch bucket rather than
             # extrapolate it (otherwise a large bucket can run k > 0 without ever trying k = 0).
-            best, explored = (0, 0), True
-        else:
-            best = max(all_arms + suffix_arms, key=lambda a: gain(a) / max(price(a), 1e-9))
-            explored = best[0] in unmeasured if not best[1] else False
-            untried = [n for _, n in all_arms[len(chain_arms):]
-                       if any(self.acceptance.tree_expected(label(i), n) is None for i in adaptive)]
-            self._steps += 1
-            if untried:
-                best, explored = (0, untried[0]), True   # each budget is measured once, early
-            elif self.explore_every and self._steps % self.explore_every == 0:
-                # alternately the next larger and the next smaller arm by rows verified, a tree
-                # of n nodes just after the chain of n drafts (its neighbours are the chains of
-                # about its cost: listed after every chain, a small tree's neighbours were the
-                # longest chain and the next tree, and the chains it beat were never measured
-                # again, docs/trees.md "Under load"); at either end the one neighbour every time
-                # (from k = 0 the alternation would make every other exploration a k = 0 step)
-                by_size = sorted(all_arms, key=lambda a: (a[0] or a[1], a[1] > 0))
-                i = by_size.index(best if best[0] >= 0 else (0, best[1]))
-                up = (self._steps // self.explore_every) % 2 == 1 or i == 0
-                nb = by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
-                    else by_size[max(i - 1, 0)]
-                best, explored = nb, nb != best
-        priced = model is not None or costs.measured(b, size(best))
-        cost = price(best) if priced else 0.0
-        k_best, n_best = best
-        alone = k_best < 0
-        self.last_decision = Decision(mode=MODE_ADAPTIVE, k=k_best if not n_best else top,
-                                      batch=len(jobs), expected_tokens=gain(best),
-                                      cost_seconds=cost, explored=explored, budget=n_best,
-                                      suffix=alone)
-        for i in adaptive:
-            if alone:
-                shapes[i] = Shape(0, n_best, True) if offers[i] is not None and slimits[i] else Shape(0)
-            elif n_best and limits[i]:
-                shapes[i] = _hybrid_shape(limits[i], n_best, offers[i] is not None)
-            else:
-                shapes[i] = Shape(0 if n_best else min(k_best, limits[i]))
-        if k_best > 0 and not n_best:
-            self.acceptance.expect(adaptive, [raw(i, shapes[i].k) - 1.0 for i in adaptive])
-        return shapes
+            return Arm(0), True
+        best = max(arms.chains + arms.trees + arms.suffix, key=arms.rate)
+        explored = best.k in arms.unmeasured if not best.budget else False
+        untried = [a for a in arms.trees if arms.untried(a)]
+        self._steps += 1
+        if untried:
+            return untried[0], True               # each budget is measured once, early
+        if self.explore_every and self._steps % self.explore_every == 0:
+            nb = self._neighbour(arms, best)
+            return nb, nb != best
+        return best, explored
+
+    def _neighbour(self, arms: Arms, best: Arm) -> Arm:
+        """Alternately the next larger and the next smaller arm by rows verified, a tree of n
+        nodes just after the chain of n drafts (its neighbours are the chains of about its
+        cost: listed after every chain, a small tree's neighbours were the longest chain and
+        the next tree, and the chains it beat were never measured again, docs/trees.md "Under
+        load"); at either end the one neighbour every time (from k = 0 the alternation would
+        make every other exploration a k = 0 step). A suffix-only tree's neighbours are its
+        drafter tree's."""
+        by_size = sorted(arms.chains + arms.trees, key=lambda a: (a.rows, a.budget > 0))
+        i = by_size.index(Arm(budget=best.budget) if best.suffix_only else best)
+        up = (self._steps // self.explore_every) % 2 == 1 or i == 0
+        return by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
+            else by_size[max(i - 1, 0)]
 
     # ------------------------------------------------------------------ suffix candidates
     def suffix_shape(self, offer: SuffixOffer | None, b: int, budget: int, limit: int) -> Shape:
@@ -475,116 +335,21 @@ class SpeculationPolicy:
         theta = self.drafter_node_value(label, budget, limit)
         return sum(offer.probs[j] - theta for j in offer.above(theta, limit)[:budget])
 
-    def _expectations(self, jobs: Sequence[PolicyJob], limits: list[int]) -> _Expectations:
-        """The step's :class:`_Expectations`, kept for :meth:`draft_budget` of the same jobs."""
-        ex = _Expectations(self, jobs, limits)
-        self._last_expectations = (jobs, ex)
-        return ex
-
     # ------------------------------------------------------------------ the drafters' deadline
-    def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape]) -> float | None:
+    def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape],
+                     expectations: Expectations | None = None) -> float | None:
         """Seconds this step's drafter calls may take before speculating costs more than not
         speculating: :meth:`StepCostModel.draft_budget` at the step's batch and largest block,
         with each job's expected committed tokens for its shape (1 for a job not speculating),
-        as the choice of blocks values them. None when the step drafts nothing or the cost
+        as the choice of blocks values them (``expectations``, a :class:`StepChoice`'s). None when the step drafts nothing or the cost
         model has no verify cell for the batch's bucket yet (the caller then waits up to its
         own cap)."""
         k = max((sh.verified for sh in shapes), default=0)
         if not jobs or not k:
             return None
-        last = self._last_expectations
         # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
         # tables alone: a per-request table for every session of a large batch costs too much
         # for a deadline estimate
-        ex = last[1] if last is not None and last[0] is jobs else \
-            _Expectations(self, jobs, _limits(jobs), per_request=False)
+        ex = expectations or Expectations(self, jobs, limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
         return self.costs.draft_budget(len(jobs), k, tokens)
-
-
-def _tree_shape(limit: int, budget: int) -> Shape:
-    """A tree of ``budget`` nodes for a job whose block allows ``limit`` drafts: no deeper than
-    ``budget`` (each node's parent is in the tree), so the drafter is asked for
-    ``min(limit, budget)`` positions, not the whole block (a smaller, cheaper drafter block)."""
-    return Shape(min(limit, budget), budget) if limit and budget else Shape(limit)
-
-
-def _offered(offer: SuffixOffer | None, n: int) -> float:
-    """Expected tokens of a tree of ``offer``'s ``n`` best candidates (1: none)."""
-    return offer.expected(n) if offer is not None else 1.0
-
-
-def _hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
-    """Mode ``hybrid``'s shape: the drafter's tree (as in ``tree`` mode), with the suffix
-    candidates when the job has some this step."""
-    sh = _tree_shape(limit, budget)
-    return Shape(sh.k, sh.budget, True) if sh.budget and suffix else sh
-
-
-def _job_mode(j: PolicyJob, suffix_limit: int) -> str:
-    """The mode a job speculates in this step: a job without a drafter speculates from suffix
-    candidates in the modes that may (``SUFFIX_MODES``), else not at all."""
-    if j.req.proposer is not None:
-        return j.mode
-    return MODE_SUFFIX if j.mode in SUFFIX_MODES and suffix_limit else MODE_OFF
-
-
-def _suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
-    """Deepest suffix candidate each job may verify this step (its tokens left)."""
-    # tolerant: test doubles of a job (SimpleNamespace) may carry no suffix limit
-    return [max(0, min(getattr(j, "suffix_limit", 0), j.req.max_tokens - j.emitted - 1)) for j in jobs]
-
-
-def _limits(jobs: Sequence[PolicyJob]) -> list[int]:
-    """Most drafts each job may verify this step (its block size, and its tokens left)."""
-    return [max(0, min(j.block_limit - 1, j.req.max_tokens - j.emitted - 1)) for j in jobs]
-
-
-class _Expectations:
-    """Expected committed tokens (bonus included) of one step's jobs, per block shape:
-
-    ``raw(i, k)``: the request's table (the drafter's, moved towards the request's own counts,
-    :func:`session_table`) at ``k`` drafts; ``chain(i, k)``: that scaled by the policy's
-    calibration, ``1 + accuracy * (raw - 1)``; ``tree(i, n)``: a tree of ``n`` nodes, measured
-    per drafter and budget, else the chain of ``min(n, limit)`` drafts. Tables are built once
-    per drafter and job (``per_request`` False: the drafter's table for every job). The
-    policy's choice of blocks and the drafters' deadline (:meth:`SpeculationPolicy.
-    draft_budget`) both read them."""
-
-    def __init__(self, policy: SpeculationPolicy, jobs: Sequence[PolicyJob], limits: list[int],
-                 per_request: bool = True):
-        self.acceptance, self.accuracy = policy.acceptance, policy.accuracy
-        self.jobs, self.limits, self.per_request = jobs, limits, per_request
-        self.top = max(limits, default=0)
-        self._priors: dict[str, list[float]] = {}   # drafter label -> its E table
-        self._tables: dict[int, list[float]] = {}   # job index -> the request's E table
-
-    def label(self, i: int) -> str:
-        proposer = self.jobs[i].req.proposer
-        assert proposer is not None       # a speculating job has a drafter
-        return proposer.card.label
-
-    def raw(self, i: int, k: int) -> float:
-        if i not in self._tables:
-            lb = self.label(i)
-            if lb not in self._priors:
-                self._priors[lb] = self.acceptance.expected_table(lb, self.top)
-            # tolerant: test doubles of a job (SimpleNamespace) may carry no stats
-            stats = getattr(self.jobs[i], "stats", None) if self.per_request else None
-            self._tables[i] = session_table(self._priors[lb], stats)
-        return self._tables[i][k]
-
-    def chain(self, i: int, k: int) -> float:
-        return 1.0 + self.accuracy * (self.raw(i, k) - 1.0)
-
-    def tree(self, i: int, n: int) -> float:
-        if not self.limits[i]:
-            return 1.0
-        measured = self.acceptance.tree_expected(self.label(i), n)
-        return measured if measured is not None else self.chain(i, min(n, self.limits[i]))
-
-    def shape(self, i: int, sh: Shape) -> float:
-        """Job ``i``'s expected tokens with block ``sh`` (1 without drafts)."""
-        if not sh.k:
-            return 1.0
-        return self.tree(i, sh.budget) if sh.budget else self.chain(i, sh.k)

@@ -11,22 +11,17 @@ from typing import Protocol
 
 from dflash.core.errors import PreconditionError  # re-exported: the stages import it from here
 from dflash.core.logits_processors import TokenLogprob
-from dflash.core.proposer import Proposer
+from dflash.core.proposer import MAX_BLOCK_SIZE, Proposer
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.speculation import MAX_TREE_BUDGET, MODES
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.policy import Decision
+from verifier_svc.scheduler import SlowConsumer  # re-exported: defined where it is raised
 
-MAX_BLOCK_SIZE = 64
 MAX_SESSION_ID_CHARS = 1024     # the gateway's own bound (--max-session-id-chars) is tighter
 
 __all__ = ["MAX_BLOCK_SIZE", "MAX_SESSION_ID_CHARS", "PreconditionError", "Request", "RequestTrace",
            "SlowConsumer", "StepEvent", "validate"]
-
-
-class SlowConsumer(RuntimeError):
-    """The request's reader left more than the allowed number of events unread; the request
-    was cancelled so a stalled client holds no batch slot (maps to RESOURCE_EXHAUSTED)."""
 
 
 class RequestTrace(Protocol):

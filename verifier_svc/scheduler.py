@@ -1,5 +1,7 @@
-"""Continuous batching: one scheduler thread owns the decode loop of every running request.
+"""Continuous batching: which requests run, wait, or leave, between the decode steps.
 
+The scheduler decides; it runs nothing and calls nobody. The engine core's loop
+(``verifier_svc.core``) asks it, runs what it says on the engine, and tells it the outcome.
 Each iteration, between steps:
 
 1. requests that were cancelled (the client went away) or closed (the reader stopped) leave
@@ -7,7 +9,10 @@ Each iteration, between steps:
 2. waiting requests are prefilled, at most ``prefill_chunk`` prompt tokens per iteration in
    all (long prompts take several iterations), so a new prompt never stalls the running
    sessions for more than one chunk; a request joins the batch once its prompt is in;
-3. one decode step for the whole batch (``StepRunner.decode_step`` with a :class:`StepPlan`).
+3. one decode step for the whole batch (a :class:`StepPlan`).
+
+It imports no torch (tests/test_scheduler.py): the engine's per-request state
+(``verifier_svc.decode_state.DecodeState``) rides on each :class:`Job` unread.
 
 The loop never waits for readers: events go to each request's queue and a slow client only
 slows itself. A reader that leaves more than ``max_unread`` events unread is cancelled with
@@ -28,23 +33,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import torch
-
-from dflash.core.finish import FINISH_CANCELLED
-from dflash.core.logits_processors import LogitsProcessor
-from dflash.core.speculation import MODE_OFF
-from dflash.core.stats import AcceptanceCounter
-from dflash.serving.threads import claim
-from verifier_svc.request import Request, SlowConsumer, StepEvent
-from verifier_svc.sessions import Session
+if TYPE_CHECKING:   # types only: the engine's modules import torch
+    from verifier_svc.decode_state import DecodeState
+    from verifier_svc.request import Request, StepEvent
 
 log = logging.getLogger("dflash.verifier.scheduler")
 
 MIN_RETRY_MS = 100        # retry hints are never shorter: a refused client should back off
 MAX_RETRY_MS = 30_000
+
+
+class SlowConsumer(RuntimeError):
+    """The request's reader left more than the allowed number of events unread; the request
+    was cancelled so a stalled client holds no batch slot (maps to RESOURCE_EXHAUSTED)."""
 
 
 class Overloaded(RuntimeError):
@@ -80,29 +83,16 @@ class Admission:
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One request inside the scheduler (decode state filled in by ``StepRunner.start_job``)."""
+    """One request inside the scheduler: where it stands and where its events go."""
 
     req: Request
-    session: Session
+    decode: DecodeState                      # the engine's; the scheduler never reads it
     cancelled: Callable[[], bool]
     events: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     closed: bool = False                     # the reader is gone: drop without an event
     gone: threading.Event = dataclasses.field(default_factory=threading.Event)
-    started: bool = False
-    reuse: int = 0                           # prompt positions reused from the session's cache
-    shared: int = 0                          # prompt positions copied from a group's session
-    prefilled: int = 0
-    prefill_seconds: float = 0.0
-    gen: torch.Generator | None = None
-    processor: LogitsProcessor | None = None  # the request's penalties; None: none asked
-    stops: frozenset[int] = frozenset()
-    stats: AcceptanceCounter = dataclasses.field(default_factory=AcceptanceCounter)
-    mode: str = MODE_OFF                     # speculation mode of this request
-    block_limit: int = 1                     # largest block (anchor + drafts) it may verify
-    tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
-    suffix_limit: int = 0                    # deepest suffix candidate it may verify; 0: none
-    emitted: int = 0
-    steps: int = 0                           # decode steps so far
+    started: bool = False                    # its first prefill chunk was scheduled
+    prefilled: int = 0                       # prompt positions in the cache (the engine's count)
     submitted: float = 0.0                   # time.monotonic() at admission
 
 
@@ -120,39 +110,25 @@ class StepPlan:
                                              # the last step: this cycle is not a step's cost
 
 
-class StepRunner(Protocol):
-    """What the scheduler drives (``verifier_svc.engine.VerifierEngine``)."""
-
-    threads: int
-
-    def start_job(self, job: Job) -> None: ...
-
-    def prefill_chunk(self, job: Job, budget: int) -> StepEvent | None: ...
-
-    def decode_step(self, plan: StepPlan) -> list[StepEvent]: ...
-
-    def notify(self, job: Job, ev: StepEvent) -> None: ...
-
-
 class Scheduler:
-    """The decode-loop thread of a step runner.
+    """The requests' queues and the batch, with admission (thread-safe: requests arrive on the
+    servicer's threads; the engine core's loop is the one caller of the rest).
 
     Args:
-        runner: provides ``start_job``, ``prefill_chunk``, ``decode_step`` and ``notify``.
         prefill_chunk: prompt tokens prefilled per iteration, over all waiting requests.
         max_batch: sessions per decode step (the rest wait their turn, oldest first).
         max_unread: events a reader may leave unread before its request is cancelled.
         admission: bounds on waiting requests (may be replaced before requests arrive).
 
     ``queue_wait_listeners`` are called with each request's queue wait in seconds (admission
-    to its first prefill chunk; on the scheduler thread); ``refused`` counts refusals by reason.
+    to its first prefill chunk; on the loop's thread); ``refused`` counts refusals by reason.
+    ``cv`` guards the queues; the loop waits on it for work.
     """
 
     QUEUE_WAIT_EMA = 0.2      # weight of the newest queue wait in the retry hint
 
-    def __init__(self, runner: StepRunner, *, prefill_chunk: int = 256, max_batch: int = 64,
-                 max_unread: int = 4096, admission: Admission | None = None):
-        self.runner = runner
+    def __init__(self, *, prefill_chunk: int = 256, max_batch: int = 64, max_unread: int = 4096,
+                 admission: Admission | None = None):
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch
         self.max_unread = max_unread
@@ -160,14 +136,11 @@ class Scheduler:
         self.queue_wait_listeners: list[Callable[[float], None]] = []
         self.refused: dict[str, int] = {"max_waiting": 0, "max_waiting_tokens": 0}
         self._queue_wait_ema = 0.0
-        self._cv = threading.Condition()
+        self.cv = threading.Condition()
         self._incoming: list[Job] = []
         self._waiting: list[Job] = []        # prefilling, oldest first
         self._running: list[Job] = []
-        self._thread: threading.Thread | None = None
-        self._stop = False
         self._idle = True                    # nothing ran since the loop last waited
-        self._calls: list[tuple[Callable[[], object], Future]] = []   # run_on_loop
 
     @property
     def batch_size(self) -> int:
@@ -176,27 +149,29 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests admitted and not in the batch yet (vLLM's ``num_requests_waiting``)."""
-        with self._cv:
+        with self.cv:
             return len(self._incoming) + len(self._waiting)
 
     @property
     def waiting_tokens(self) -> int:
         """Prompt tokens of the waiting requests not prefilled yet."""
-        with self._cv:
+        with self.cv:
             return sum(map(_unprefilled, self._incoming + list(self._waiting)))
 
+    # ------------------------------------------------------------------ admission
     def check_admission(self, prompt_tokens: int) -> None:
         """Raise :class:`Overloaded` if a request of ``prompt_tokens`` would be refused now
-        (``submit`` decides; this lets a caller refuse before touching a session)."""
-        with self._cv:
-            refusal = self._admit_locked(prompt_tokens)
+        (``admit`` decides; this lets a caller refuse before touching a session)."""
+        with self.cv:
+            refusal = self._refusal(prompt_tokens)
         if refusal is not None:
             raise refusal
 
-    def _admit_locked(self, prompt_tokens: int) -> Overloaded | None:
-        """Why a request of ``prompt_tokens`` cannot wait now (None: admitted). The loop thread
-        shrinks ``_waiting`` and grows ``_running`` outside the lock, so a count read here is at
-        worst one iteration old: a refusal near the bound is conservative, never an excess."""
+    def _refusal(self, prompt_tokens: int) -> Overloaded | None:
+        """Why a request of ``prompt_tokens`` cannot wait now (None: admitted; ``cv`` held).
+        The loop shrinks ``_waiting`` and grows ``_running`` outside the lock, so a count read
+        here is at worst one iteration old: a refusal near the bound is conservative, never an
+        excess."""
         a = self.admission
         waiting = list(self._incoming) + list(self._waiting)
         free = max(0, self.max_batch - len(self._running))
@@ -217,117 +192,126 @@ class Scheduler:
         ms = int(min(MAX_RETRY_MS, max(MIN_RETRY_MS, 1e3 * self._queue_wait_ema)))
         return Overloaded(f"verifier overloaded: {detail}", ms)
 
-    def _start_locked(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop = False
-            self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name="verifier-scheduler")
-            self._thread.start()
+    def admit(self, job: Job) -> bool:
+        """Queue ``job`` for its prefill (``cv`` held); False when refused (:class:`Overloaded`
+        is then its only event)."""
+        refusal = self._refusal(len(job.req.prompt))
+        if refusal is not None:
+            self.fail(job, refusal)
+            return False
+        job.submitted = time.monotonic()
+        self._incoming.append(job)
+        self.cv.notify()
+        return True
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` for its prefill; a refusal (:class:`Overloaded`, or the loop stopped)
-        is the job's only event."""
-        with self._cv:
-            if self._stop:
-                self._fail(job, RuntimeError("verifier engine stopped"))
-                return
-            refusal = self._admit_locked(len(job.req.prompt))
-            if refusal is not None:
-                self._fail(job, refusal)
-                return
-            job.submitted = time.monotonic()
-            self._start_locked()
-            self._incoming.append(job)
-            self._cv.notify()
+    # ------------------------------------------------------------------ the loop's questions
+    def has_work(self) -> bool:
+        """Whether anything waits or runs (``cv`` held)."""
+        return bool(self._incoming or self._waiting or self._running)
 
-    def run_on_loop(self, fn: Callable[[], object]) -> object:
-        """Run ``fn`` on the scheduler thread (the one that owns the torch threads and runs
-        every forward) between iterations; returns its result or raises its exception."""
-        fut: Future = Future()
-        with self._cv:
-            if self._stop:
-                raise RuntimeError("verifier engine stopped")
-            self._start_locked()
-            self._calls.append((fn, fut))
-            self._cv.notify()
-        return fut.result()
+    def active(self) -> bool:
+        """Whether a job is prefilling or in the batch (an iteration has something to run)."""
+        return bool(self._waiting or self._running)
 
-    def wait_gone(self, job: Job) -> None:
-        """Block until the scheduler no longer touches ``job`` (its session is free)."""
-        with self._cv:
-            self._cv.notify()
-        while not job.gone.wait(0.5):
-            if self._thread is None or not self._thread.is_alive():
-                return
+    def rest(self) -> None:
+        """The loop waits for work now (``cv`` held): its next cycle is not a step's cost."""
+        self._idle = True
 
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+    def take_incoming(self) -> None:
+        """Admitted requests join the prefill queue (``cv`` held)."""
+        self._waiting += self._incoming
+        self._incoming = []
 
-    # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
-        if self.runner.threads:
-            claim(self.runner.threads)       # the one thread that runs forwards multi-threaded
-        while True:
-            with self._cv:
-                while not (self._incoming or self._waiting or self._running or self._stop
-                           or self._calls):
-                    self._idle = True
-                    self._cv.wait()
-                if self._stop:
-                    for j in self._incoming + self._waiting + self._running:
-                        self._fail(j, RuntimeError("verifier engine stopped"))
-                    for _, fut in self._calls:
-                        fut.set_exception(RuntimeError("verifier engine stopped"))
-                    self._incoming, self._waiting, self._running, self._calls = [], [], [], []
-                    return
-                self._waiting += self._incoming
-                self._incoming = []
-                calls, self._calls = self._calls, []
-            for fn, fut in calls:
-                try:
-                    fut.set_result(fn())
-                except Exception as e:
-                    fut.set_exception(e)
-            if calls and not (self._waiting or self._running):
-                continue
-            try:
-                self._iteration()
-            except Exception as e:  # a failed forward fails the requests in it, not the loop
-                log.exception("scheduler iteration failed")
-                for j in self._waiting + self._running:
-                    self._fail(j, e)
-                self._waiting, self._running = [], []
+    def drain(self) -> list[Job]:
+        """Every job, which leaves (``cv`` held): the loop stops."""
+        jobs = self._incoming + self._waiting + self._running
+        self._incoming, self._waiting, self._running = [], [], []
+        return jobs
 
-    def _iteration(self) -> None:
-        self._waiting = [j for j in self._waiting if self._keep(j)]
-        self._running = [j for j in self._running if self._keep(j)]
-        budget = self.prefill_chunk
+    def leave(self) -> list[Job]:
+        """Drop the jobs whose reader is gone (silently) or that were cancelled; returns the
+        cancelled ones, which owe their reader a last event."""
+        cancelled: list[Job] = []
+        self._waiting = [j for j in self._waiting if self._stays(j, cancelled)]
+        self._running = [j for j in self._running if self._stays(j, cancelled)]
+        return cancelled
+
+    @staticmethod
+    def _stays(job: Job, cancelled: list[Job]) -> bool:
+        if job.closed:
+            job.gone.set()
+            return False
+        try:
+            gone = job.cancelled()
+        except Exception:
+            gone = True
+        if gone:
+            cancelled.append(job)
+        return not gone
+
+    def fresh_cycle(self) -> bool:
+        """Whether this iteration's step is not what a steady step costs: a prompt will be
+        prefilled before it, or the loop waited since the last one."""
         fresh = bool(self._waiting) or self._idle
         self._idle = False
-        while self._waiting and budget > 0 and len(self._running) < self.max_batch:
-            job = self._waiting[0]
-            if not job.started:
-                self._queue_wait(time.monotonic() - job.submitted)
-                self.runner.start_job(job)
-                job.started = True
-            before = job.prefilled
-            ev = self.runner.prefill_chunk(job, budget)
-            budget -= job.prefilled - before
-            if ev is None:
-                break  # a long prompt: its next chunk after the running sessions' next step
-            self._waiting.pop(0)
-            if self._emit(job, ev) and not ev.finish:
-                self._running.append(job)
-        if self._running:
-            jobs = list(self._running)
-            events = self.runner.decode_step(StepPlan(jobs=jobs, waiting=len(self._waiting),
-                                                      fresh_cycle=fresh))
-            if len(events) != len(jobs):   # a reader without its event would wait forever
-                raise RuntimeError(f"decode_step returned {len(events)} events for {len(jobs)} jobs")
-            kept = [job for job, ev in zip(jobs, events) if self._emit(job, ev) and not ev.finish]
-            self._running = kept
+        return fresh
+
+    def next_prefill(self, budget: int) -> Job | None:
+        """The job whose prompt to prefill next with ``budget`` tokens left this iteration
+        (None: none now)."""
+        if not (self._waiting and budget > 0 and len(self._running) < self.max_batch):
+            return None
+        return self._waiting[0]
+
+    def started(self, job: Job) -> None:
+        """``job``'s first prefill chunk is about to run: its queue wait ends."""
+        self._queue_wait(time.monotonic() - job.submitted)
+        job.started = True
+
+    def prefilled(self, job: Job, joins: bool) -> None:
+        """``job``'s prompt is in; it joins the batch unless it already left (finished)."""
+        self._waiting.remove(job)
+        if joins:
+            self._running.append(job)
+
+    def plan(self, fresh: bool) -> StepPlan | None:
+        """The next decode step (None: nothing runs)."""
+        if not self._running:
+            return None
+        return StepPlan(jobs=list(self._running), waiting=len(self._waiting), fresh_cycle=fresh)
+
+    def stepped(self, plan: StepPlan, stays: list[bool]) -> None:
+        """After ``plan``'s step: the jobs that stay in the batch (one flag per job)."""
+        self._running = [j for j, keep in zip(plan.jobs, stays) if keep]
+
+    def fail_all(self, e: BaseException) -> None:
+        """An iteration failed: every waiting and running job fails with ``e``."""
+        for j in self._waiting + self._running:
+            self.fail(j, e)
+        self._waiting, self._running = [], []
+
+    # ------------------------------------------------------------------ events
+    def admits(self, job: Job, ev: StepEvent) -> bool:
+        """Whether ``ev`` may go to ``job``'s reader: False when the reader is gone, or too far
+        behind (the job then fails with :class:`SlowConsumer`)."""
+        if job.closed:
+            job.gone.set()
+            return False
+        if job.events.qsize() >= self.max_unread and not ev.finish:
+            log.warning("request %s: %d events unread; cancelled", job.req.request_id,
+                        job.events.qsize())
+            self.fail(job, SlowConsumer(f"the client read none of the last {self.max_unread} "
+                                        "events; request cancelled"))
+            return False
+        return True
+
+    def deliver(self, job: Job, ev: StepEvent) -> bool:
+        """Queue ``ev`` for the reader (never waits); False when the job leaves (finished)."""
+        job.events.put(ev)
+        if ev.finish:
+            job.gone.set()
+            return False
+        return True
 
     def _queue_wait(self, seconds: float) -> None:
         self._queue_wait_ema += self.QUEUE_WAIT_EMA * (seconds - self._queue_wait_ema)
@@ -337,41 +321,7 @@ class Scheduler:
             except Exception:  # observers never fail a request
                 log.exception("queue wait listener failed")
 
-    def _keep(self, job: Job) -> bool:
-        if job.closed:
-            job.gone.set()
-            return False
-        try:
-            cancelled = job.cancelled()
-        except Exception:
-            cancelled = True
-        if cancelled:
-            self._emit(job, StepEvent(tokens=[], finish=FINISH_CANCELLED, stats=job.stats))
-            return False
-        return True
-
-    def _emit(self, job: Job, ev: StepEvent) -> bool:
-        """Queue ``ev`` for the reader; False when the job leaves (finished, or too far behind)."""
-        if job.closed:
-            job.gone.set()
-            return False
-        if job.events.qsize() >= self.max_unread and not ev.finish:
-            log.warning("request %s: %d events unread; cancelled", job.req.request_id,
-                        job.events.qsize())
-            self._fail(job, SlowConsumer(f"the client read none of the last {self.max_unread} "
-                                         "events; request cancelled"))
-            return False
-        try:
-            self.runner.notify(job, ev)
-        except Exception:  # observers never fail a request
-            log.exception("step listener failed")
-        job.events.put(ev)
-        if ev.finish:
-            job.gone.set()
-            return False
-        return True
-
     @staticmethod
-    def _fail(job: Job, e: BaseException) -> None:
+    def fail(job: Job, e: BaseException) -> None:
         job.events.put(e)
         job.gone.set()

@@ -325,7 +325,7 @@ def _warmup(engine) -> None:
     (``TargetModel.tune_skinny``; expert-parallel targets keep theirs), then one tiny request."""
     from verifier_svc.engine import Request
 
-    engine.scheduler.run_on_loop(engine.target.tune_skinny)
+    engine.run_on_loop(engine.target.tune_skinny)
 
     for _ in engine.generate(Request(request_id="warmup", prompt=[0, 1, 2], max_tokens=2,
                                      ignore_eos=True)):

@@ -8,13 +8,14 @@ import uuid
 
 import grpc
 
+from dflash.core.cards import check_drafter_card
 from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
+from dflash.core.proposer import FallbackReason
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
 from dflash.serving.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.cards import check_drafter_card
 from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer, StepEvent
@@ -216,7 +217,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             log.warning("drafter %s unreachable (%s): request %s runs without speculation",
                         spec.drafter_address, e.code(), m.request_id)
             if self.metrics:
-                self.metrics.fallback("unavailable", "unknown")
+                self.metrics.fallback(FallbackReason.UNAVAILABLE, "unknown")
             return None
 
 

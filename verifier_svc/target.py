@@ -138,6 +138,7 @@ class TargetModel:
             self.graphs = GraphRunner(self)
         self.failure: str | None = None     # a single process never fails apart (cf. ep.py)
         self.supports_trees = True          # forward(parents=...) and keep() (module docstring)
+        self.supports_fork = True           # fork() (shared prompt prefill)
         # One forward at a time: torch on CPU already uses every core for one call.
         self.lock = threading.Lock()
 

@@ -6,7 +6,7 @@ Tensors go through :mod:`dflash.core.wire`; everything else that two services bo
 from __future__ import annotations
 
 from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from dflash.core.proposer import DrafterCard, DraftError
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.stats import AcceptanceCounter
 from dflash.v1 import common_pb2, drafter_pb2
@@ -21,9 +21,9 @@ FINISH_NAME = {v: k for k, v in FINISH.items()}
 
 # a drafter's refusal of one session: DraftError.reason <-> the wire's DraftErrorCode
 DRAFT_ERROR = {
-    "bad_request": drafter_pb2.DRAFT_ERROR_BAD_REQUEST,
-    "context_gap": drafter_pb2.DRAFT_ERROR_CONTEXT_GAP,
-    "no_context": drafter_pb2.DRAFT_ERROR_NO_CONTEXT,
+    FallbackReason.BAD_REQUEST: drafter_pb2.DRAFT_ERROR_BAD_REQUEST,
+    FallbackReason.CONTEXT_GAP: drafter_pb2.DRAFT_ERROR_CONTEXT_GAP,
+    FallbackReason.NO_CONTEXT: drafter_pb2.DRAFT_ERROR_NO_CONTEXT,
 }
 DRAFT_ERROR_NAME = {v: k for k, v in DRAFT_ERROR.items()}
 
@@ -42,8 +42,8 @@ def draft_error_from_proto(r: drafter_pb2.DraftResult) -> DraftError | None:
     if not r.error and not r.error_code:
         return None
     if not r.error_code:
-        return DraftError("error", r.error)
-    return DraftError(DRAFT_ERROR_NAME.get(r.error_code, "internal"), r.error)
+        return DraftError(FallbackReason.ERROR, r.error)
+    return DraftError(DRAFT_ERROR_NAME.get(r.error_code, FallbackReason.INTERNAL), r.error)
 
 
 def card_to_proto(c: DrafterCard) -> drafter_pb2.DrafterCard:

@@ -10,6 +10,7 @@ adversarial). Domain types only; no protobuf here.
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 from typing import Protocol
 
 import torch
@@ -20,6 +21,8 @@ from dflash.core.sampling import Sampling
 #: DDTree needs K = min(node budget, vocabulary) per depth (Ringel & Romano, arXiv 2604.12989,
 #: section 3); 64 bounds the wire and the drafter's top-k work per block.
 MAX_TOP_K = 64
+#: Largest block (anchor + drafts) a drafter may declare or a request may ask for.
+MAX_BLOCK_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,8 +80,34 @@ class Proposal:
     top_logprobs: torch.Tensor | None = None    # [K, c] float32, descending per row
 
 
+class FallbackReason(StrEnum):
+    """Why a step verified none of a session's drafts: ``DraftError.reason``,
+    ``StepEvent.fallback``, and the ``reason`` label of ``dflash_spec_decode_fallback_steps``
+    (values are public: docs/observability.md). One value per cause."""
+
+    # the drafter refused the session (on the wire: ``dflash.core.convert.DRAFT_ERROR``)
+    BAD_REQUEST = "bad_request"
+    CONTEXT_GAP = "context_gap"        # the drafter holds fewer positions than the request assumes
+    NO_CONTEXT = "no_context"          # the drafter holds no context for the session
+    INTERNAL = "internal"              # DRAFT_ERROR_INTERNAL, or a code this version does not know
+    ERROR = "error"                    # a refusal from a drafter that sends no code
+    # the call failed (``verifier_svc.drafter_client``, ``verifier_svc.drafter_sync``)
+    TIMEOUT = "timeout"                # no reply within --draft-timeout
+    LATE = "late"                      # the step stopped waiting (its draft budget); the drafter
+    #                                    still takes the context in
+    UNAVAILABLE = "unavailable"        # the stream is down or reconnecting
+    CIRCUIT_OPEN = "circuit_open"      # the drafter's breaker keeps it out of the step path
+    EXCEPTION = "exception"            # the proposer raised
+    # the reply is unusable (``DrafterSync.malformed``)
+    MALFORMED_BLOCK = "malformed_block"
+    OUT_OF_VOCAB = "out_of_vocab"
+    MALFORMED_PROBS = "malformed_probs"
+    MALFORMED_TOPK = "malformed_topk"
+
+
 class DraftError(RuntimeError):
-    """A drafter failed for one session or one step. ``reason`` is a metric label."""
+    """A drafter failed for one session or one step. ``reason`` (a :class:`FallbackReason`; a
+    plain string only from test doubles) is a metric label."""
 
     def __init__(self, reason: str, message: str = ""):
         super().__init__(f"{reason}: {message}" if message else reason)
@@ -89,7 +118,7 @@ def check_top_k(top_k: int) -> None:
     """Raises ``DraftError("bad_request", ...)`` naming ``top_k`` unless 0 <= top_k <= MAX_TOP_K
     (a drafter refuses that session alone; the rest of its batch is drafted)."""
     if not 0 <= top_k <= MAX_TOP_K:
-        raise DraftError("bad_request", f"top_k: must be in [0, {MAX_TOP_K}], got {top_k}")
+        raise DraftError(FallbackReason.BAD_REQUEST, f"top_k: must be in [0, {MAX_TOP_K}], got {top_k}")
 
 
 class Proposer(Protocol):

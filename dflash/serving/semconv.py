@@ -43,6 +43,55 @@ ACCEPTED_PER_POSITION = "dflash.accepted_per_position"
 DRAFTER_VERSION = "dflash.drafter_version"     # name@version
 E2E_SECONDS = "dflash.e2e_seconds"
 
+# --- dflash: spans of the services (verifier_svc/observe.py, drafter_svc/observe.py) -------
+SPAN_VERIFIER_PREFILL = "verifier.prefill"     # a request's prompt into the target's cache
+SPAN_VERIFIER_DECODE = "verifier.decode"       # a request's decode steps, parent of each step
+SPAN_VERIFIER_STEP = "verifier.step"           # one decode step of one request
+SPAN_DRAFTER_DRAFT = "drafter.draft"           # one session's part of a draft batch
+
+# --- dflash: attribute keys of those spans and of the GenAI span -----------------------------
+ACCEPTED = "dflash.accepted"
+ACCEPTED_DRAFTER = "dflash.accepted.drafter"
+ACCEPTED_SUFFIX = "dflash.accepted.suffix"
+ACCEPTED_TOKENS_DRAFTER = "dflash.accepted_tokens.drafter"
+ACCEPTED_TOKENS_SUFFIX = "dflash.accepted_tokens.suffix"
+BATCH_ITEMS = "dflash.batch_items"
+BATCH_SIZE = "dflash.batch_size"
+BLOCK_SIZE = "dflash.block_size"
+CANCELLED = "dflash.cancelled"
+CONTEXT_BYTES = "dflash.context_bytes"
+CONTEXT_ROWS = "dflash.context_rows"
+CONTEXT_START = "dflash.context_start"
+DRAFT_SECONDS = "dflash.draft_seconds"
+DRAFTED = "dflash.drafted"
+DRAFTER_ADDRESS = "dflash.drafter_address"
+DRAFTER_REQUESTED = "dflash.drafter_requested"
+EMITTED = "dflash.emitted"
+FALLBACK = "dflash.fallback"
+FALLBACK_STEPS = "dflash.fallback_steps"
+FINISH_REASON = "dflash.finish_reason"
+POLICY_BATCH = "dflash.policy.batch"
+POLICY_COST_SECONDS = "dflash.policy.cost_seconds"
+POLICY_DRAFTS = "dflash.policy.drafts"
+POLICY_EXPECTED_TOKENS = "dflash.policy.expected_tokens"
+POLICY_EXPLORED = "dflash.policy.explored"
+POLICY_TREE_BUDGET = "dflash.policy.tree_budget"
+POLICY_WAITING = "dflash.policy.waiting"
+REQUEST_ID = "dflash.request_id"
+SESSION_ID = "dflash.session_id"
+SPEC_MODE = "dflash.spec_mode"
+SPECULATION = "dflash.speculation"
+STEP = "dflash.step"
+STEP_SUFFIX_NODES = "dflash.suffix.nodes"          # verifier.step; the request's: SUFFIX_NODES
+SUFFIX_DRAFTS = "dflash.suffix_drafts"
+SUFFIX_NODES = "dflash.suffix_nodes"
+STEP_TREE_NODES = "dflash.tree.nodes"              # verifier.step; the request's: TREE_NODES
+STEP_TREE_PATH_LENGTH = "dflash.tree.path_length"
+TREE_DRAFTS = "dflash.tree_drafts"
+TREE_NODES = "dflash.tree_nodes"
+VERIFY_SECONDS = "dflash.verify_seconds"
+WIRE_SECONDS = "dflash.wire_seconds"
+
 # new name -> the name it replaces (still written, until the next release)
 ALIASES: Mapping[str, str] = {
     INPUT_TOKENS: "gen_ai.usage.prompt_tokens",

@@ -159,12 +159,10 @@ def _adaptive(ctx: Context) -> list[Priced]:
         r = ctx.replay.run(policy, MODE_ADAPTIVE, tree_budget=ctx.tree_budget)
         return [_replayed(ctx, "adaptive", r, r.choice())]
     job = SimpleNamespace(mode=MODE_ADAPTIVE, block_limit=ctx.block_size, emitted=0, stats=None,
-                          tree_budget=max(ctx.tree_budgets, default=0) or MAX_TREE_BUDGET,
+                          tree_budget=max(ctx.tree_budgets, default=0) or MAX_TREE_BUDGET, suffix_limit=0,
                           req=SimpleNamespace(max_tokens=1 << 30, proposer=SimpleNamespace(
                               card=SimpleNamespace(label=LABEL))))
-    policy.choose_shapes([job])
-    d = policy.last_decision
-    assert d is not None
+    d = policy.choose_shapes([job]).decision
     if not d.cost_seconds:          # nothing priced (no cell, no fit): the policy is exploring
         return []
     choice = (f"tree of {d.budget} nodes" if d.budget else f"k = {d.k}" if d.k else "off")

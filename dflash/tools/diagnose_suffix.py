@@ -206,7 +206,7 @@ class SuffixReplay:
             job = SimpleNamespace(mode=mode, block_limit=B if drafter else 1, emitted=emitted,
                                   stats=stats, tree_budget=nodes, suffix_limit=depth,
                                   req=SimpleNamespace(max_tokens=self.max_tokens, proposer=proposer))
-            sh = policy.choose_shapes([job], 0, [offer])[0]
+            sh = policy.choose_shapes([job], 0, [offer]).shapes[0]
             src = _sourced(policy, self.label, sh, s.tops.get(a) if s.tops else None, offer, limit)
             truth = toks[a + 1:]
             if src is not None:

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 from dflash.core.config import ConfigError, DrafterConfig, default_target_layer_ids
-
-MAX_BLOCK_SIZE = 64   # verifier_svc.engine.MAX_BLOCK_SIZE
+from dflash.core.proposer import MAX_BLOCK_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,11 +296,11 @@ def _sliding_layout(drafter_dir: Path, d: DrafterConfig, t: dict, out: list[Find
 
 
 def _card_check(d: DrafterConfig, t: dict, fp: str, out: list[Finding]) -> None:
-    """What the verifier itself says of this drafter (``verifier_svc.cards``)."""
+    """What the verifier itself says of this drafter (``dflash.core.cards``)."""
     from types import SimpleNamespace
 
+    from dflash.core.cards import check_drafter_card
     from dflash.core.proposer import DrafterCard
-    from verifier_svc.cards import check_drafter_card
     from verifier_svc.request import PreconditionError
 
     card = DrafterCard(name=d.name, version=d.version, block_size=d.block_size,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dflash.core.proposer import DrafterCard
-from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError
+from dflash.core.errors import PreconditionError
+from dflash.core.proposer import MAX_BLOCK_SIZE, DrafterCard
 
 
 class TargetCard(Protocol):
