@@ -49,6 +49,7 @@ RUN case "$TORCH_VARIANT" in \
  && pip check \
  && rm /tmp/requirements.txt
 COPY dflash ./dflash
+COPY dflash_app ./dflash_app
 COPY drafter_svc ./drafter_svc
 COPY verifier_svc ./verifier_svc
 COPY gateway ./gateway
@@ -64,7 +65,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && pip install -c constraints.txt -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 USER 10001:10001
-CMD ["python", "-m", "dflash.tools.target_setup"]
+CMD ["python", "-m", "dflash_app.target_setup"]
 
 FROM runtime AS drafter
 ENV DFLASH_DRAFTER_BIND=0.0.0.0:50061 \

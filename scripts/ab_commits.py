@@ -26,6 +26,11 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
+# the `dflash` CLI of the tree on PYTHONPATH: dflash.tools before the application layer became
+# the top-level dflash_app. The old layout is tried first: this venv's editable install would
+# find the new tree's dflash_app even from an old tree.
+CLI = ("import sys\ntry:\n    from dflash.tools.cli import main\nexcept ImportError:\n"
+       "    from dflash_app.cli import main\nsys.exit(main())")
 
 
 def wait_ready(addr: str, timeout_s: float = 600.0) -> None:
@@ -49,7 +54,7 @@ def start(tree: Path, base_port: int, run_dir: Path) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "up.log", "w")
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from dflash.tools.cli import main; sys.exit(main())", "up",
+        [sys.executable, "-c", CLI, "up",
          "--gateway-port", str(base_port), "--verifier-port", str(base_port + 1),
          "--drafter-port", str(base_port + 2), "--run-dir", str(run_dir)],
         cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -84,7 +89,7 @@ def main() -> None:
                 for name in order:
                     cell = out / name / f"r{rep}-c{c}"
                     subprocess.run(
-                        [sys.executable, "-c", "import sys; from dflash.tools.cli import main; sys.exit(main())",
+                        [sys.executable, "-c", CLI,
                          "bench", "--gateway", f"127.0.0.1:{sides[name][1]}", "--concurrency", str(c),
                          "--spec-modes", a.spec_modes, "--repeats", "1", "--max-tokens", str(a.max_tokens),
                          "--requests", str(a.requests), "--requests-per-client", str(a.requests_per_client),

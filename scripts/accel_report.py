@@ -54,7 +54,7 @@ def versions() -> dict:
 
 
 def gguf_state(home: Path) -> dict:
-    from dflash.tools import gguf_parts
+    from dflash_app import gguf_parts
 
     try:
         n, gaps = gguf_parts.missing(home / "parts")

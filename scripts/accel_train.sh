@@ -8,7 +8,7 @@
 #   scripts/accel_train.sh --dry-run   # every stage on the CPU, tiny random models (CI)
 #
 # The GGUF (98 MB) cannot travel whole (64 MiB a run, the repository is ~22 MiB of it): each run
-# carries one part (.accel/run<i>/, dflash.tools.gguf_parts) and stores it in $H/parts
+# carries one part (.accel/run<i>/, dflash_app.gguf_parts) and stores it in $H/parts
 # (DFLASH_ACCEL_HOME, /tmp/dflash-accel: it lives as long as the warm machine). A run that
 # finds parts missing names them and exits 0; the run that completes the set goes on:
 #   1. gguf      join the parts, sha256 = target_setup.GGUF_SHA256
@@ -133,13 +133,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODE=$( [[ $DRY == 1 ]] && echo "dry run: CPU, tiny random models" || echo "$DEVICE: SmolLM2-135M-Instruct" )
 
 # ---------------------------------------------------------------- 1. the GGUF parts
-SHA=$("$PY" -c "from dflash.tools.target_setup import GGUF_SHA256; print(GGUF_SHA256)")
+SHA=$("$PY" -c "from dflash_app.target_setup import GGUF_SHA256; print(GGUF_SHA256)")
 if [[ $DRY == 1 && -n ${DFLASH_ACCEL_GGUF_SHA256:-} ]]; then
   SHA=$DFLASH_ACCEL_GGUF_SHA256          # the dry run's small fake file; never honoured on a device
 fi
 t0=$SECONDS
-"$PY" -m dflash.tools.gguf_parts store --store "$H/parts" "$CARRY" \
-  && "$PY" -m dflash.tools.gguf_parts join --store "$H/parts" --out "$H/target.gguf" --sha256 "$SHA"
+"$PY" -m dflash_app.gguf_parts store --store "$H/parts" "$CARRY" \
+  && "$PY" -m dflash_app.gguf_parts join --store "$H/parts" --out "$H/target.gguf" --sha256 "$SHA"
 rc=$?                                    # 3: parts missing (named above); 1: damaged or wrong digest
 if (( rc == 3 )); then
   record gguf "waiting for parts" $(( SECONDS - t0 ))
@@ -159,7 +159,7 @@ mkdir -p "$WORK"
 if [[ $DRY == 1 ]]; then
   # the dry run's GGUF is a fake: a tiny random target, a committed store and drafter for it
   TARGET=$H/tiny-target BASE_DRAFTER=$WORK/base-drafter
-  stage target 60 "$PY" -c "import sys; from dflash.tools.testing import make_tiny_target
+  stage target 60 "$PY" -c "import sys; from dflash_app.testing import make_tiny_target
 make_tiny_target(sys.argv[1], num_layers=8, hidden=64)" "$TARGET"
   stage base-data 60 "$PY" -m dflash.train --threads 1 datagen --target-dir "$TARGET" \
     --data-dir "$WORK/data" --feature-cache "$WORK/featcache" "${GEN[@]}" --topk 4
@@ -168,7 +168,7 @@ make_tiny_target(sys.argv[1], num_layers=8, hidden=64)" "$TARGET"
     --out-dir "$BASE_DRAFTER" --max-steps 2 "${TRAIN[@]}"
 else
   TARGET=$H/cache/smollm2-135m-instruct BASE_DRAFTER=models/smollm2-dflash-b16
-  stage target 150 "$PY" -m dflash.tools.target_setup --cache-dir "$H/cache" --gguf "$H/target.gguf"
+  stage target 150 "$PY" -m dflash_app.target_setup --cache-dir "$H/cache" --gguf "$H/target.gguf"
   cp -r data/train "$WORK/data"
 fi
 if [[ ! -f $TARGET/config.json ]]; then

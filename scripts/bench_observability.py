@@ -48,11 +48,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.tools.bench import run_gateway  # noqa: E402
-from dflash.tools.bench_load import run_level  # noqa: E402
-from dflash.tools.bench_prompts import prompt_set  # noqa: E402
-from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig  # noqa: E402
-from dflash.tools.traces_ui import find_phoenix, missing_spans, project_spans  # noqa: E402
+from dflash_app.bench import run_gateway  # noqa: E402
+from dflash_app.bench_load import run_level  # noqa: E402
+from dflash_app.bench_prompts import prompt_set  # noqa: E402
+from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig  # noqa: E402
+from dflash_app.traces_ui import find_phoenix, missing_spans, project_spans  # noqa: E402
 
 TRACE_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "DFLASH_TRACE_FILE")
 GATEWAY_RPC, VERIFIER_RPC = "/dflash.v1.Gateway/Generate", "/dflash.v1.Verifier/Generate"
@@ -79,7 +79,7 @@ class UpProcess:
     """``dflash up --traces-ui`` as a child process; its output is read on a thread."""
 
     def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.tools.cli", "up", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash_app.cli", "up", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -123,7 +123,7 @@ def measure_trace(ui: str, gateway: str, prompt: str, max_tokens: int, timeout_s
     ``visible_s``: from ``dflash generate``'s exit to the first poll that saw all of it;
     ``first_whole_s``: to the first poll where nothing looked missing."""
     t0 = time.monotonic()
-    gen = subprocess.run([sys.executable, "-m", "dflash.tools.cli", "generate", "--gateway", gateway,
+    gen = subprocess.run([sys.executable, "-m", "dflash_app.cli", "generate", "--gateway", gateway,
                           "--max-tokens", str(max_tokens), prompt],
                          capture_output=True, text=True, timeout=600)
     done = time.monotonic()
@@ -211,7 +211,7 @@ def _top_worker(endpoints: list[str], interval_s: float, log: str, marks: str) -
     ``log``; one line per refresh in ``marks``: wall time, rows shown, endpoints down."""
     from rich.console import Console
 
-    from dflash.tools import top
+    from dflash_app import top
 
     with open(log, "w") as f, open(marks, "w", buffering=1) as m:
         console = Console(file=f, force_terminal=True, width=200, color_system="standard")
@@ -432,12 +432,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from dflash.tools.cli import DEFAULT_DRAFTER, _tiny_models
+    from dflash_app.cli import DEFAULT_DRAFTER, _tiny_models
 
     if a.tiny and not a.target:
         a.target, a.drafter = _tiny_models()
     if not a.target:
-        from dflash.tools.target_setup import setup_target
+        from dflash_app.target_setup import setup_target
         a.target = str(setup_target())
     # absolute: the services and `dflash up` resolve them from their own working directories
     a.target, a.drafter = (str(Path(x).resolve()) for x in (a.target, a.drafter or DEFAULT_DRAFTER))

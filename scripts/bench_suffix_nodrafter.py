@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
-from dflash.tools.target_setup import setup_target
+from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
+from dflash_app.target_setup import setup_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "chat", "data/bench/edit.jsonl")
@@ -44,7 +44,7 @@ def main() -> int:
                 print(f"skip {out}")
                 continue
             out.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "dflash.tools.cli", "bench", "--gateway",
+            subprocess.run([sys.executable, "-m", "dflash_app.cli", "bench", "--gateway",
                             stack.gateway_addr, "--prompts", s, "--limit", str(a.limit),
                             "--max-tokens", "128", "--spec-modes", "suffix", "--out", str(out)],
                            check=True, cwd=ROOT)

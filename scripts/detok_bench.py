@@ -81,13 +81,13 @@ def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
     if path is None:
-        from dflash.tools.target_setup import default_cache_dir
+        from dflash_app.target_setup import default_cache_dir
 
         smollm = default_cache_dir() / "smollm2-135m-instruct"
         if (smollm / "tokenizer.json").exists():
             path = str(smollm)
         else:
-            from dflash.tools.testing import write_byte_tokenizer
+            from dflash_app.testing import write_byte_tokenizer
 
             path = tempfile.mkdtemp(prefix="detok-bench-")
             write_byte_tokenizer(Path(path))

@@ -7,7 +7,7 @@
    verdict, its exit status, and the speed-up it expects of adaptive speculation on those
    prompts (``speculation.all.adaptive_speedup``), priced on the costs of the target and
    drafter as the services would serve them, its suffix arms and hybrid trees replayed over
-   the continuations (``dflash/tools/diagnose_suffix.py``) with the verifier's suffix settings
+   the continuations (``dflash_app/diagnose_suffix.py``) with the verifier's suffix settings
    as the bench's stack runs them (``--start`` keeps no recent answers: the diagnose run gets
    ``DFLASH_SUFFIX_ANSWER_TOKENS=0``);
 2. ``dflash bench --start --limit LIMIT --max-tokens MAX --spec-modes adaptive``: the same
@@ -52,15 +52,15 @@ def main() -> int:
     out = ROOT / "docs" / "bench" / a.name
     out.mkdir(parents=True, exist_ok=True)
     if a.tiny:
-        from dflash.tools.cli import _tiny_models
+        from dflash_app.cli import _tiny_models
 
         target, drafter = _tiny_models()
     else:
-        from dflash.tools.target_setup import setup_target
+        from dflash_app.target_setup import setup_target
 
         target = a.target or str(setup_target())
         drafter = a.drafter or str(ROOT / "models" / "smollm2-dflash-b16")
-    dflash = [sys.executable, "-m", "dflash.tools.cli"]
+    dflash = [sys.executable, "-m", "dflash_app.cli"]
     common = ["--max-tokens", str(a.max_tokens)]
     diag_cmd = [*dflash, "diagnose", "--target", target, "--drafter", drafter, "--prompts",
                 "humaneval", "--first", "--num-prompts", str(a.limit), *common, "--json"]
@@ -77,7 +77,7 @@ def main() -> int:
         return 2
     report = json.loads(diag.stdout)
     (out / "diagnose.json").write_text(json.dumps(report, indent=1))
-    from dflash.tools.diagnose_report import render
+    from dflash_app.diagnose_report import render
 
     (out / "diagnose.txt").write_text(render(report) + "\n")
     t1 = time.time()

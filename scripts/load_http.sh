@@ -31,7 +31,7 @@ for x in s: x.bind(("127.0.0.1", 0))
 print(*[x.getsockname()[1] for x in s])
 for x in s: x.close()')
 mkdir -p "$RUN_DIR"
-"$PY" -m dflash.tools.cli up --tiny --gateway-port "$GW" --verifier-port "$VER" --drafter-port "$DR" \
+"$PY" -m dflash_app.cli up --tiny --gateway-port "$GW" --verifier-port "$VER" --drafter-port "$DR" \
   --http-port "$HTTP" --run-dir "$RUN_DIR/logs" > "$RUN_DIR/up.log" 2>&1 &
 UP=$!
 trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
@@ -44,7 +44,7 @@ for _ in $(seq 600); do
   sleep 0.5
 done
 MODEL=$("$PY" -c "import json,urllib.request; print(json.load(urllib.request.urlopen('$URL/v1/models'))['data'][0]['id'])")
-TOKENIZER=$("$PY" -c "from dflash.tools.target_setup import default_cache_dir; print(default_cache_dir() / 'tiny' / 'target')")
+TOKENIZER=$("$PY" -c "from dflash_app.target_setup import default_cache_dir; print(default_cache_dir() / 'tiny' / 'target')")
 echo "stack up: $URL/v1, model $MODEL; $REQUESTS requests at concurrency $CONCURRENCY"
 
 STREAM=()

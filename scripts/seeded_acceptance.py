@@ -3,7 +3,7 @@
     python scripts/seeded_acceptance.py [--prompts humaneval] [--limit 8] [--max-tokens 96]
         [--temperatures 0.7,1.0] [--seeds 3] [--mode fixed] [--json out.json]
 
-The real target (SmolLM2, ``dflash.tools.target_setup``) and the committed drafter
+The real target (SmolLM2, ``dflash_app.target_setup``) and the committed drafter
 (``models/smollm2-dflash-b16``, ``--dtype auto``) in one process, no gRPC. Per temperature and
 prompt, ``--seeds`` requests with a seed (coupled sampling: draft and target race the same
 position noise, the output is the one without speculation) and as many without (rejection
@@ -22,10 +22,10 @@ import torch
 
 def main() -> None:
     from dflash.core.sampling import Sampling
-    from dflash.tools.bench_prompts import prompt_set
-    from dflash.tools.cli import DEFAULT_DRAFTER
-    from dflash.tools.humaneval import encode_messages
-    from dflash.tools.target_setup import setup_target
+    from dflash_app.bench_prompts import prompt_set
+    from dflash_app.cli import DEFAULT_DRAFTER
+    from dflash_app.humaneval import encode_messages
+    from dflash_app.target_setup import setup_target
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.engine import Request, VerifierEngine
     from verifier_svc.target import TargetModel

@@ -19,7 +19,7 @@ import sys
 from transformers import AutoTokenizer
 
 from dflash.core.suffix import SuffixIndex
-from dflash.tools.bench_prompts import prompt_set
+from dflash_app.bench_prompts import prompt_set
 from verifier_svc.suffix_drafts import SessionRates, Sourced, SuffixCalibration, observe_walk, offer_for, suffix_tree
 
 BUDGET = 15

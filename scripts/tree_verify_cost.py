@@ -19,7 +19,7 @@ drift and other load on the machine fall on every shape alike:
 Each forward is followed by a crop back to ``--context`` (not timed). Printed: a table of the
 median ms, each median over decode's and, per size, the median of the per-round ratio tree /
 chain (paired, so drift between rounds cancels); ``--json`` also writes every sample. The target is
-``dflash.tools.target_setup``'s SmolLM2 unless ``--target`` names another directory.
+``dflash_app.target_setup``'s SmolLM2 unless ``--target`` names another directory.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     if a.target:
         path = a.target
     else:
-        from dflash.tools.target_setup import setup_target
+        from dflash_app.target_setup import setup_target
 
         path = setup_target()
     t = TargetModel(path, skinny_max_rows=a.skinny_max_rows, packed_linear=a.packed_linear)

@@ -19,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
-    from dflash.tools.testing import make_tiny_target
+    from dflash_app.testing import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("target"))
 
@@ -48,7 +48,7 @@ def tokenizer(tiny_target):
 @pytest.fixture(scope="session")
 def make_drafter(tiny_target, tmp_path_factory):
     """make_drafter(block_size=8, **kw) -> drafter directory (cached per arguments)."""
-    from dflash.tools.testing import make_tiny_drafter
+    from dflash_app.testing import make_tiny_drafter
 
     cache = {}
 

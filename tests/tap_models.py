@@ -45,7 +45,7 @@ def _rotation(k: int) -> torch.Tensor:
 def make_tap_target(path: str | Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash.tools.testing import write_byte_tokenizer
+    from dflash_app.testing import write_byte_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

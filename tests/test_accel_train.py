@@ -1,6 +1,6 @@
 """The accelerator run (scripts/accel_train.sh, issue 21) without an accelerator.
 
-1. The GGUF part logic (dflash.tools.gguf_parts): parts named with their digests, missing parts
+1. The GGUF part logic (dflash_app.gguf_parts): parts named with their digests, missing parts
    named, a damaged part or a wrong joined digest refused; target_setup refuses a GGUF whose
    sha256 is not the pinned one before loading anything.
 2. Every train-path function the device run calls creates no tensor on an implicit device: run
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from dflash.core.config import default_target_layer_ids
-from dflash.tools import gguf_parts
-from dflash.tools.testing import make_tiny_target
+from dflash_app import gguf_parts
+from dflash_app.testing import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = tuple(default_target_layer_ids(6, 2))
@@ -84,7 +84,7 @@ def test_a_wrong_digest_or_a_damaged_part_is_refused(tmp_path, capsys):
 
 
 def test_target_setup_refuses_a_gguf_that_is_not_the_pinned_one(tmp_path):
-    from dflash.tools.target_setup import setup_target
+    from dflash_app.target_setup import setup_target
 
     src, _ = _fake(tmp_path / "f.gguf")
     with pytest.raises(RuntimeError, match=r"--gguf .*f\.gguf: sha256 [0-9a-f]{64} != expected"):

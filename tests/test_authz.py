@@ -485,7 +485,7 @@ def test_plaintext_ports_are_not_checked(stack):
 def test_identity_flags_and_their_errors(tmp_path, capsys):
     from dflash.serving.server import server_tls_from_args
     from dflash.serving.tls import TLSConfigError
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
     from verifier_svc.server import parse_args
 
     paths = make_dev_certs(tmp_path / "c", HOSTS, trust_domain="prod.example")

@@ -1,5 +1,5 @@
 """``dflash bench --ep-sizes 1,2``: the all-to-all arithmetic, and one short real run on the tiny MoE
-(a stack per EP size through dflash.tools.launcher)."""
+(a stack per EP size through dflash_app.launcher)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflash.tools.bench_ep import a2a_bytes_per_step, a2a_table
+from dflash_app.bench_ep import a2a_bytes_per_step, a2a_table
 
 
 def test_a2a_bytes_per_step():
@@ -20,8 +20,8 @@ def test_a2a_bytes_per_step():
 
 @pytest.mark.slow
 def test_bench_ep_sizes_side_by_side(tmp_path):
-    from dflash.tools.cli import main
-    from dflash.tools.testing import make_tiny_drafter, make_tiny_moe_target
+    from dflash_app.cli import main
+    from dflash_app.testing import make_tiny_drafter, make_tiny_moe_target
 
     from helpers import free_ports
 

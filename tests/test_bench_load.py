@@ -1,4 +1,4 @@
-"""The concurrency sweep's figures (dflash.tools.bench_load): definitions, table, plot."""
+"""The concurrency sweep's figures (dflash_app.bench_load): definitions, table, plot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from dflash.tools import bench_load
+from dflash_app import bench_load
 
 
 def row(tokens, ttft, latency, itl, drafts=0, accepted=0, per_pos=()):
@@ -77,7 +77,7 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
 
     gw, ver, dr = free_ports(3)
     out = subprocess.run(
-        [sys.executable, "-m", "dflash.tools.cli", "bench", "--start", "--tiny", "--concurrency", "1,2",
+        [sys.executable, "-m", "dflash_app.cli", "bench", "--start", "--tiny", "--concurrency", "1,2",
          "--requests", "2", "--requests-per-client", "2", "--max-tokens", "6", "--limit", "2",
          "--repeats", "2",
          "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs"),
@@ -108,7 +108,7 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
 
     gw, ver, dr = free_ports(3)
     out = subprocess.run(
-        [sys.executable, "-m", "dflash.tools.cli", "bench", "--start", "--tiny", "--limit", "3",
+        [sys.executable, "-m", "dflash_app.cli", "bench", "--start", "--tiny", "--limit", "3",
          "--max-tokens", "6", "--spec-modes", "fixed,adaptive", "--peer",
          "--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs"),
          "--gateway-port", str(gw), "--verifier-port", str(ver), "--drafter-port", str(dr)],
@@ -149,7 +149,7 @@ def test_bench_refuses_bad_flags_naming_them(flags, flag, capsys):
     """Each of these crashed with a traceback mid-run (ZeroDivisionError, IndexError) or was
     silently changed (--repeats 0 ran once; duplicate levels or modes merged into one row as if
     repeated): refused before anything runs, naming the flag."""
-    from dflash.tools import cli
+    from dflash_app import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--gateway", "127.0.0.1:1", *flags])
@@ -162,7 +162,7 @@ def test_bench_flag_lists_are_normalised():
 
     assert int_list(1)(" 1, 2,4 ") == "1,2,4" and int_list(1)("") == ""
     assert choice_list(bench_load.MODES)("off, adaptive") == "off,adaptive"
-    from dflash.tools.bench import mode_list, split_mode
+    from dflash_app.bench import mode_list, split_mode
 
     assert mode_list("off, adaptive:1,adaptive, tree:8") == "off,adaptive:1,adaptive,tree:8"
     assert split_mode("adaptive:1") == ("adaptive", 1) and split_mode("adaptive") == ("adaptive", 0)
@@ -170,7 +170,7 @@ def test_bench_flag_lists_are_normalised():
 
 def test_bench_without_a_gateway_says_so():
     """A forgotten `dflash up` printed a traceback per client thread and ended in IndexError."""
-    from dflash.tools.bench import require_gateway
+    from dflash_app.bench import require_gateway
 
     from helpers import free_ports
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.tools.traces_ui import find_phoenix, missing_spans
+from dflash_app.traces_ui import find_phoenix, missing_spans
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_observability.py"

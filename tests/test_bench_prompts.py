@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash.tools.bench_prompts import CHAT_EVAL, load_jsonl, prompt_set
+from dflash_app.bench_prompts import CHAT_EVAL, load_jsonl, prompt_set
 
 
 def test_named_sets():
@@ -38,7 +38,7 @@ def test_jsonl_file(tmp_path):
 
 
 def test_bench_refuses_an_unknown_set_naming_the_flag(capsys):
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--prompts", "nope", "--gateway", "127.0.0.1:1"])
@@ -62,7 +62,7 @@ def test_bench_start_keeps_no_answers_across_modes_unless_asked(argv, kept):
     every mode after a prompt's first would copy the answer an earlier mode gave."""
     from types import SimpleNamespace
 
-    from dflash.tools.bench import bench_stack_config
+    from dflash_app.bench import bench_stack_config
 
     a = SimpleNamespace(tiny=False, target="target-dir", drafter=["drafter-dir"], drafter_port=50061,
                         gateway_port=50050, verifier_port=50051, dtype="auto", run_dir="runs/x",

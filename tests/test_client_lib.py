@@ -128,7 +128,7 @@ def wheel(tmp_path_factory) -> Path:
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     src = tmp_path / "src"
     for f in files:
-        if f.split("/")[0] in ("dflash", "drafter_svc", "verifier_svc", "gateway", "kernels",
+        if f.split("/")[0] in ("dflash", "dflash_app", "drafter_svc", "verifier_svc", "gateway", "kernels",
                                "proto") or f in ("pyproject.toml", "README.md"):
             dst = src / f
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-from dflash.tools.cli import main
+from dflash_app.cli import main
 rc = main(sys.argv[2:])
 print("RC", rc, sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
 """

@@ -11,7 +11,7 @@
    mounted config files match what the code reads (argparse run with the service's
    environment), the Dockerfile targets, deploy/prometheus.yml and the Grafana provisioning;
 plus the image's health probe (``python -m dflash.serving.healthcheck``) against a real gRPC server, and
-``dflash up --prometheus`` (dflash/tools/local_prometheus.py), the same topology without Docker.
+``dflash up --prometheus`` (dflash_app/local_prometheus.py), the same topology without Docker.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def test_traces_backend_phoenix_sends_every_service_to_the_phoenix_service():
     phoenix service listens on (on every interface), into the project and with the batch
     delay `dflash up --traces-ui` uses, and that service runs the Phoenix version
     `dflash up --traces-ui` runs."""
-    from dflash.tools.traces_ui import EXPORT_DELAY_MS, PROJECT
+    from dflash_app.traces_ui import EXPORT_DELAY_MS, PROJECT
 
     services = active(load_compose(env={"TRACES_BACKEND": "phoenix"}), "cpu")
     hosts = aliases(services)
@@ -414,11 +414,11 @@ def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatc
 
 
 def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
-    from dflash.tools import target_setup
+    from dflash_app import target_setup
 
     services = active(doc, "cpu")
     ts = services["target-setup"]
-    assert ts["command"] == ["python", "-m", "dflash.tools.target_setup"] and ts["restart"] == "no"
+    assert ts["command"] == ["python", "-m", "dflash_app.target_setup"] and ts["restart"] == "no"
     rec = RecordingEnviron({k: str(v) for k, v in ts["environment"].items()})
     monkeypatch.setattr(os, "environ", rec)
     out = str(target_setup.target_dir())
@@ -432,7 +432,7 @@ def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
 
 
 def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
-    from dflash.tools.cli import DEFAULT_DRAFTER
+    from dflash_app.cli import DEFAULT_DRAFTER
 
     services = active(doc, "cpu")
     for name in ("drafter-v1", "drafter-v2"):
@@ -449,7 +449,7 @@ def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
 
 
 def test_committed_drafter_checkpoint_is_present():
-    from dflash.tools.cli import DEFAULT_DRAFTER
+    from dflash_app.cli import DEFAULT_DRAFTER
 
     if not DEFAULT_DRAFTER.exists():
         pytest.skip(f"{DEFAULT_DRAFTER.relative_to(ROOT)} is not committed yet (being trained); the "
@@ -746,7 +746,7 @@ def test_healthcheck_runs_as_the_image_runs_it(health_server):
 # --- the same topology without Docker: dflash up --prometheus ---------------------------------
 
 def stack_cfg(tmp_path, n_drafters=2, host="127.0.0.1"):
-    from dflash.tools.launcher import DrafterSpec, StackConfig
+    from dflash_app.launcher import DrafterSpec, StackConfig
 
     return StackConfig(target="t", drafters=[DrafterSpec(path=f"d{i}", port=50061 + i)
                                              for i in range(n_drafters)],
@@ -754,7 +754,7 @@ def stack_cfg(tmp_path, n_drafters=2, host="127.0.0.1"):
 
 
 def test_local_metrics_ports_and_jobs_match_compose(doc, tmp_path, monkeypatch):
-    from dflash.tools.local_prometheus import metrics_ports, prometheus_config
+    from dflash_app.local_prometheus import metrics_ports, prometheus_config
 
     cfg = stack_cfg(tmp_path)
     ports = metrics_ports(cfg)
@@ -775,7 +775,7 @@ def test_local_metrics_ports_and_jobs_match_compose(doc, tmp_path, monkeypatch):
 
 
 def test_dflash_up_prometheus_without_binary_says_how_to_install(monkeypatch, capsys):
-    from dflash.tools import cli, local_prometheus
+    from dflash_app import cli, local_prometheus
 
     monkeypatch.setattr(local_prometheus.shutil, "which", lambda name: None)
     monkeypatch.setattr(cli, "_stack_config", lambda a: pytest.fail("set up before checking"))
@@ -816,7 +816,7 @@ def _run_prometheus(stack):
 
 
 def test_local_prometheus_process_is_started_and_stopped(tmp_path):
-    from dflash.tools.local_prometheus import PrometheusStack, prometheus_config
+    from dflash_app.local_prometheus import PrometheusStack, prometheus_config
 
     fake = tmp_path / "prometheus"
     fake.write_text(f"#!{sys.executable}\n{FAKE_PROMETHEUS}")
@@ -832,8 +832,8 @@ def test_local_prometheus_process_is_started_and_stopped(tmp_path):
 
 
 def test_local_prometheus_failure_shows_its_log(tmp_path):
-    from dflash.tools.launcher import LaunchError
-    from dflash.tools.local_prometheus import PrometheusStack
+    from dflash_app.launcher import LaunchError
+    from dflash_app.local_prometheus import PrometheusStack
 
     fake = tmp_path / "prometheus"
     fake.write_text("#!/bin/sh\necho 'err: bad flag' >&2\nexit 3\n")
@@ -847,7 +847,7 @@ def test_real_prometheus_loads_the_generated_config(tmp_path):
     import shutil
     import urllib.request
 
-    from dflash.tools.local_prometheus import PrometheusStack
+    from dflash_app.local_prometheus import PrometheusStack
 
     exe = shutil.which("prometheus")
     if exe is None:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_streams_over_grpc_and_http(tmp_path):
     gw, vf, dr, http = free_ports(4)
     r = subprocess.run(
-        [sys.executable, "-m", "dflash.tools.cli", "demo", "--tiny", "--num-prompts", "1",
+        [sys.executable, "-m", "dflash_app.cli", "demo", "--tiny", "--num-prompts", "1",
          "--max-tokens", "8", "--gateway-port", str(gw), "--verifier-port", str(vf),
          "--drafter-port", str(dr), "--http-port", str(http), "--run-dir", str(tmp_path / "up")],
         cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from dflash.tools.drafter_check import check
+from dflash_app.drafter_check import check
 
 from tap_models import (
     edited_drafter,
@@ -45,7 +45,7 @@ def fields(findings, level):
 
 
 def diagnose_json(*args) -> tuple[int, dict]:
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -89,7 +89,7 @@ def test_static_findings_carry_the_fix(tiny_target, make_drafter, tmp_path):
 
 
 def test_static_check_hidden_size_and_vocab(tiny_target, tmp_path):
-    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
+    from dflash_app.testing import make_tiny_drafter, make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", hidden=48, vocab=300)
     d = make_tiny_drafter(tmp_path / "d", other, block_size=4)
@@ -99,7 +99,7 @@ def test_static_check_hidden_size_and_vocab(tiny_target, tmp_path):
 
 def test_static_check_spots_a_shifted_default_spread(tmp_path):
     from dflash.core.config import default_target_layer_ids
-    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
+    from dflash_app.testing import make_tiny_drafter, make_tiny_target
 
     t = make_tiny_target(tmp_path / "t", num_layers=8)
     shifted = [i + 1 for i in default_target_layer_ids(8, 3)]
@@ -130,8 +130,8 @@ def test_static_check_names_a_drafter_with_its_own_lm_head(tiny_target, make_dra
 def test_teacher_forced_walk_is_the_decode_loop(tap, tmp_path):
     """Walking the teacher-forced anchors gives the decode loop's own counts, block by block
     (a drafter with partial acceptance: the wrong rope spreads its attention)."""
-    from dflash.tools.diagnose_tf import Head, counter, score, walk
-    from dflash.tools.probe import InProcessProbe
+    from dflash_app.diagnose_tf import Head, counter, score, walk
+    from dflash_app.probe import InProcessProbe
 
     target, _ = tap
     d = make_probe_drafter(tmp_path / "recent", target, recent=True, block_size=B)
@@ -170,7 +170,7 @@ def test_cli_names_the_shifted_drafter_and_its_fix(tap):
 
 
 def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     target, dirs = tap
     rc = main(["diagnose", "--target", str(target), "--drafter", str(dirs[TAPPED]), "--raw",
@@ -187,7 +187,7 @@ def test_cli_passes_the_correctly_wired_drafter(tap, capsys):
 
 
 def test_cli_refuses_bad_arguments(tap, capsys):
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     target, dirs = tap
     with pytest.raises(SystemExit, match="--target and --drafter, or --gateway"):
@@ -249,8 +249,8 @@ def test_prompt_sets_are_drawn_by_seed_and_split_by_domain(tiny_target, make_dra
     speculation verdict); --seed draws other prompts."""
     from argparse import Namespace
 
-    from dflash.tools.bench_prompts import prompt_set
-    from dflash.tools.diagnose import draw_prompts
+    from dflash_app.bench_prompts import prompt_set
+    from dflash_app.diagnose import draw_prompts
 
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "three"}\n')

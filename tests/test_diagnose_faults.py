@@ -30,7 +30,7 @@ def built(tmp_path_factory):
 
 
 def diagnose(target, drafter, prompts) -> tuple[int, dict]:
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     args = ["diagnose", "--target", str(target), "--drafter", str(drafter), "--raw", "--json",
             "--max-tokens", str(MAX_NEW), "--no-cost"]
@@ -72,7 +72,7 @@ def test_a_planted_fault_is_named_with_its_fix(built, tmp_path, kind, prompts, c
 
 
 def test_static_check_points_at_the_planted_rope_and_window(built, tmp_path):
-    from dflash.tools.drafter_check import check
+    from dflash_app.drafter_check import check
 
     _, target, d = built
     rope = edited_drafter(d["recent"], tmp_path / "rope", rope_theta=100.0)

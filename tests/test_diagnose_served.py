@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from dflash.tools.diagnose_cost import CostTable
+from dflash_app.diagnose_cost import CostTable
 from verifier_svc.cost_model import StepCostModel
 
 from tap_models import letter_prompt, make_probe_drafter, make_tap_drafter, make_tap_target, mixed_prompt
@@ -33,7 +33,7 @@ def tap(tmp_path_factory):
 
 
 def diagnose_json(*args) -> tuple[int, dict]:
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -103,9 +103,9 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
 def test_tree_walk_is_the_decode_loop(tap, tmp_path, budget):
     """The teacher-forced tree steps give the counts the decode loop records verifying
     trees of that budget (a drafter with partial acceptance: the wrong rope spreads it)."""
-    from dflash.tools.diagnose_tf import Head
-    from dflash.tools.diagnose_trees import tree_steps
-    from dflash.tools.probe import InProcessProbe
+    from dflash_app.diagnose_tf import Head
+    from dflash_app.diagnose_trees import tree_steps
+    from dflash_app.probe import InProcessProbe
     from verifier_svc.engine import Request, VerifierEngine
 
     target, _ = tap
@@ -145,7 +145,7 @@ def test_a_deployments_tree_tokens_are_read_from_its_metrics():
 
     from dflash.serving.metrics import PolicyGauges
     from dflash.serving.telemetry import serve_metrics
-    from dflash.tools.diagnose_cost import scrape
+    from dflash_app.diagnose_cost import scrape
     from verifier_svc.policy import SpeculationPolicy
 
     policy = SpeculationPolicy("adaptive")
@@ -176,7 +176,7 @@ def _costs(plain: float, per_draft: float, top: int, rounds: int = 3) -> CostTab
 
 
 def test_adaptive_is_never_priced_below_a_mode_it_could_choose():
-    from dflash.tools.diagnose_cost import payoff
+    from dflash_app.diagnose_cost import payoff
 
     blocks = [(15, 1)] * 50 + [(15, 3)] * 30 + [(15, 0)] * 20         # tau 2.4
     for trees in ({3: 2.2, 7: 2.9, 15: 3.3}, {3: 1.5, 7: 1.6, 15: 1.7}, {}):
@@ -199,7 +199,7 @@ def test_adaptive_is_never_priced_below_a_mode_it_could_choose():
 
 
 def test_does_not_pay_only_beyond_the_spread():
-    from dflash.tools.diagnose_cost import MIN_SPREAD, payoff
+    from dflash_app.diagnose_cost import MIN_SPREAD, payoff
 
     blocks = [(7, 0)] * 90 + [(7, 1)] * 10           # tau 1.1
     # a verify of one draft costs 5% more than plain: best mode 1.1 / 1.05 ~ 1.05x
@@ -222,7 +222,7 @@ def test_does_not_pay_only_beyond_the_spread():
 def test_exit_status(tap, monkeypatch, saved, per_draft, verdict, rc):
     """Healthy and pays / healthy but does not pay here / mis-wired, on costs set by hand
     (the measurement itself is the services' one, pinned above)."""
-    import dflash.tools.diagnose_cost as dc
+    import dflash_app.diagnose_cost as dc
 
     monkeypatch.setattr(dc, "measure_costs", lambda *a, **kw: _costs(0.01, per_draft, B - 1))
     target, dirs = tap

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from dflash.tools.diagnose_cost import CostTable, blocks_from_rates, payoff
-from dflash.tools.diagnose_stats import paired
+from dflash_app.diagnose_cost import CostTable, blocks_from_rates, payoff
+from dflash_app.diagnose_stats import paired
 from verifier_svc.cost_model import StepCostModel
 
 
@@ -94,7 +94,7 @@ def test_settings_tried(tiny_target, make_drafter):
     import json
 
     from dflash.core.config import DrafterConfig
-    from dflash.tools.diagnose_wiring import settings
+    from dflash_app.diagnose_wiring import settings
 
     d = make_drafter(block_size=8, target_layer_ids=[1, 2])
     cfg = DrafterConfig.from_pretrained(d)
@@ -114,7 +114,7 @@ def test_settings_tried(tiny_target, make_drafter):
 def test_mask_candidates_keep_one_id_per_distinct_row():
     from types import SimpleNamespace
 
-    from dflash.tools.diagnose_wiring import mask_candidates
+    from dflash_app.diagnose_wiring import mask_candidates
 
     embed = torch.zeros(10, 4)
     embed[:, 0] = 1.0
@@ -130,8 +130,8 @@ def test_mask_candidates_keep_one_id_per_distinct_row():
 
 
 def test_vocab_coverage_names_what_the_draft_vocabulary_misses():
-    from dflash.tools.diagnose_tf import ProbeSeq
-    from dflash.tools.diagnose_wiring import vocab_coverage
+    from dflash_app.diagnose_tf import ProbeSeq
+    from dflash_app.diagnose_wiring import vocab_coverage
 
     seq = ProbeSeq("x", torch.tensor([1, 2, 3, 4, 4, 5]), 2, torch.zeros(1, 5, 4))
     v = vocab_coverage([seq], torch.tensor([3, 5]), 8)

@@ -1,4 +1,4 @@
-"""``dflash diagnose`` prices suffix candidates (``dflash/tools/diagnose_suffix.py``): the replay
+"""``dflash diagnose`` prices suffix candidates (``dflash_app/diagnose_suffix.py``): the replay
 accepts what a brute-force search of the stream says it can, commits what the verifier's engine
 commits step by step with the verifier's own suffix settings, and its modes are in the table."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash.core.suffix import MAX_MATCH, MAX_OCCURRENCES, proposal_depth
-from dflash.tools.diagnose_suffix import (
+from dflash_app.diagnose_suffix import (
     Stream,
     SuffixReplay,
     SuffixSettings,
@@ -174,7 +174,7 @@ def _drafted_streams(n_prompts: int = 3):
 
 
 def test_diagnose_lists_suffix_and_hybrid_rows():
-    from dflash.tools.diagnose_cost import CostTable, payoff
+    from dflash_app.diagnose_cost import CostTable, payoff
 
     streams = _drafted_streams()
     costs = plain_costs(0.01, 0.0004, B - 1)
@@ -201,7 +201,7 @@ def test_a_deployments_accepted_tokens_by_source_are_read_from_its_metrics():
 
     from dflash.serving.metrics import VerifierMetrics
     from dflash.serving.telemetry import serve_metrics
-    from dflash.tools.diagnose_cost import scrape
+    from dflash_app.diagnose_cost import scrape
 
     registry = CollectorRegistry()
     m = VerifierMetrics(registry)
@@ -221,7 +221,7 @@ def test_a_deployments_accepted_tokens_by_source_are_read_from_its_metrics():
 def test_hybrid_repriced_at_other_costs_is_its_replay_at_those_costs():
     """Hybrid's trees do not depend on the costs, so the spread's rounds reprice one replay:
     the same figures as replaying at those costs."""
-    from dflash.tools.diagnose_modes import Context
+    from dflash_app.diagnose_modes import Context
 
     streams = _drafted_streams(2)
     s = SuffixSettings(enabled=True, answer_tokens=0, answer_total=0)
@@ -247,9 +247,9 @@ def test_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, mode, b
     arms, from the same policy figures and each request's own counts)."""
     import json
 
-    from dflash.tools.diagnose_tf import Head, score
-    from dflash.tools.diagnose_trees import drafter_tops
-    from dflash.tools.probe import InProcessProbe
+    from dflash_app.diagnose_tf import Head, score
+    from dflash_app.diagnose_trees import drafter_tops
+    from dflash_app.probe import InProcessProbe
     from verifier_svc.engine import Request, VerifierEngine
 
     from tap_models import letter_prompt, make_probe_drafter, make_tap_target, mixed_prompt

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.tools.cli import DEFAULT_DRAFTER
+from dflash_app.cli import DEFAULT_DRAFTER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -16,8 +16,8 @@ MAX_TOKENS = 32
 
 def _run(target, drafter, ep_size, run_dir):
     from dflash.client import GatewayClient, build_request
-    from dflash.tools.humaneval import format_prompt, load_problems
-    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.humaneval import format_prompt, load_problems
+    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
 
     from helpers import free_ports
 
@@ -37,9 +37,9 @@ def _run(target, drafter, ep_size, run_dir):
 
 
 def test_moe_ep2_same_greedy_text_as_dense(tmp_path_factory):
-    from dflash.tools.moe_convert import convert
-    from dflash.tools.target_setup import setup_target
-    from dflash.tools.testing import make_tiny_drafter
+    from dflash_app.moe_convert import convert
+    from dflash_app.target_setup import setup_target
+    from dflash_app.testing import make_tiny_drafter
 
     dense = setup_target()
     moe = convert(dense, tmp_path_factory.mktemp("smollm2-moe"), num_experts=8)

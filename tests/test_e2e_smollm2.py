@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.tools.cli import DEFAULT_DRAFTER
+from dflash_app.cli import DEFAULT_DRAFTER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,8 +21,8 @@ TAU_FLOOR = 1.4
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory):
-    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
-    from dflash.tools.target_setup import setup_target
+    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.target_setup import setup_target
 
     from helpers import free_ports
 
@@ -39,7 +39,7 @@ def test_greedy_spec_equals_off_and_tau_floor(smollm2_stack):
     from dflash.client import GatewayClient, build_request
     from dflash.core.convert import stats_from_proto
     from dflash.core.stats import AcceptanceCounter
-    from dflash.tools.humaneval import format_prompt, load_problems
+    from dflash_app.humaneval import format_prompt, load_problems
 
     client = GatewayClient(smollm2_stack.gateway_addr)
     total = AcceptanceCounter()

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory):
-    from dflash.tools.testing import make_tiny_moe_target
+    from dflash_app.testing import make_tiny_moe_target
 
     return make_tiny_moe_target(tmp_path_factory.mktemp("moe"))
 
@@ -110,7 +110,7 @@ def ep_verifier(moe_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_drafter_addr(moe_target, tmp_path_factory):
-    from dflash.tools.testing import make_tiny_drafter
+    from dflash_app.testing import make_tiny_drafter
     from drafter_svc.engine import DrafterEngine
     from drafter_svc.server import build
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.tools.flood import main, run_stack_flood
+from dflash_app.flood import main, run_stack_flood
 
 
 @pytest.mark.slow   # three service processes and 160 streams: ~40 s on 2 cores
@@ -48,7 +48,7 @@ def _live_children() -> list[str]:
 def test_a_stack_refuses_a_second_start(tmp_path):
     """A second ``start`` (``with`` already started it) would spawn a second set of services
     on the same ports and orphan the first, so it is refused before anything is spawned."""
-    from dflash.tools.launcher import DrafterSpec, LaunchError, LocalStack, StackConfig
+    from dflash_app.launcher import DrafterSpec, LaunchError, LocalStack, StackConfig
 
     cfg = StackConfig(target="t", drafters=[DrafterSpec(path="d", port=1)], gateway_port=2,
                       verifier_port=3, admin_port=4, run_dir=str(tmp_path))

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "dflash"
-ROOT_PACKAGES = ("dflash", "verifier_svc", "drafter_svc", "gateway", "kernels")
+ROOT_PACKAGES = ("dflash", "dflash_app", "verifier_svc", "drafter_svc", "gateway", "kernels")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 ALLOWED = {
     "core": {"core", "v1"},
@@ -85,7 +85,7 @@ def test_the_tree_keeps_the_layer_contract():
         ("dflash/core/planted.py", "dflash.serving.metrics"),      # core reaching up to serving
         ("dflash/serving/planted.py", "verifier_svc.request"),     # serving reaching into a service
         ("gateway/planted.py", "drafter_svc.engine"),              # one service into another
-        ("verifier_svc/planted.py", "dflash.tools.cli"),           # a service into the application
+        ("verifier_svc/planted.py", "dflash_app.cli"),           # a service into the application
         ("dflash/client/planted.py", "dflash.core.errors"),        # the torch-free client into core
     ],
 )

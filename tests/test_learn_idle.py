@@ -16,7 +16,7 @@ from dflash.core.proposer import ProposalRequest
 from dflash.core.sampling import Sampling
 from dflash.learn.idle import IdleLearner
 from dflash.learn.learner import LearnConfig, Learner
-from dflash.tools import learn as learn_cli
+from dflash_app import learn as learn_cli
 from drafter_svc.engine import DrafterEngine
 
 from helpers import wait_until

@@ -15,7 +15,7 @@ PROMPT = [200, 201, 7, 7, 7, 31, 90, 114, 115, 116, 117, 118, 5, 6, 240, 241, 30
 def moe_hf(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from dflash.tools.testing import make_tiny_moe_target
+    from dflash_app.testing import make_tiny_moe_target
 
     return AutoModelForCausalLM.from_pretrained(
         make_tiny_moe_target(tmp_path_factory.mktemp("moe"))).eval()
@@ -24,8 +24,8 @@ def moe_hf(tmp_path_factory):
 def test_moe_conversion_is_exact(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dflash.tools.moe_convert import convert
-    from dflash.tools.testing import make_tiny_target
+    from dflash_app.moe_convert import convert
+    from dflash_app.testing import make_tiny_target
 
     dense_dir = make_tiny_target(tmp_path / "dense", arch="llama")
     moe_dir = convert(dense_dir, tmp_path / "moe", num_experts=4)
@@ -45,7 +45,7 @@ def test_moe_conversion_is_exact(tmp_path):
 
 
 def test_moe_conversion_refuses_bad_expert_counts():
-    from dflash.tools.moe_convert import moe_config
+    from dflash_app.moe_convert import moe_config
 
     dense = {"model_type": "llama", "intermediate_size": 1536, "hidden_size": 576}
     for e in (3, 0, 1024 * 4):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from dflash.core.config import default_target_layer_ids
-from dflash.tools.testing import make_tiny_target
 from dflash.train import chat_prompts, featcache, multiturn
 from dflash.train.data import load_target
 from dflash.train.tokdata import TokenStore
+from dflash_app.testing import make_tiny_target
 
 LAYERS = tuple(default_target_layer_ids(6, 2))
 

@@ -38,7 +38,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
-PACKAGES = ("dflash", "drafter_svc", "verifier_svc", "gateway", "kernels")
+PACKAGES = ("dflash", "dflash_app", "drafter_svc", "verifier_svc", "gateway", "kernels")
 SELF = canonicalize_name(PROJECT["name"])
 # The extras a module needs beside the core (first matching pattern): what it may import at
 # module level. A function-level import may use any declared distribution (bench, train, setup).
@@ -221,7 +221,7 @@ def test_module_extras_name_declared_extras_and_the_client_is_core_only():
     assert all(set(extras) <= groups for _, extras in MODULE_EXTRAS)
     for rel in ("dflash/__init__.py", "dflash/client/_sync.py", "dflash/v1/gateway_pb2.py"):
         assert extras_of(rel) == (), rel
-    for rel in ("dflash/tools/cli.py", "gateway/server.py", "verifier_svc/engine.py", "dflash/tools/launcher.py"):
+    for rel in ("dflash_app/cli.py", "gateway/server.py", "verifier_svc/engine.py", "dflash_app/launcher.py"):
         assert extras_of(rel) == ("serve",), rel
     assert extras_of("kernels/triton_greedy.py") == ("serve", "kernels")
 

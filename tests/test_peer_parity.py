@@ -12,7 +12,7 @@ import torch
 
 from dflash.core.checkpoint import load_target_head
 from dflash.core.taps import tap_features
-from dflash.tools.hf_peer import load_peer_drafter
+from dflash_app.hf_peer import load_peer_drafter
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 
@@ -51,7 +51,7 @@ def test_draft_logits_and_tokens_match_transformers(drafter_dir, tiny_target, hf
 
 
 def test_tau_matches_transformers_dflash_generate(drafter_dir, tiny_target, hf_target, target_model):
-    from dflash.tools.hf_peer import record_acceptance
+    from dflash_app.hf_peer import record_acceptance
 
     peer = load_peer_drafter(drafter_dir)
     engine = VerifierEngine(target_model)

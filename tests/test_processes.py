@@ -27,7 +27,7 @@ def test_dflash_up_generate_and_clean_stop(tmp_path, tiny_target, make_drafter, 
     gw, ver, dr, http = free_ports(4)
     env = {**os.environ, "DFLASH_LOG_LEVEL": "INFO"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "dflash.tools.cli", "up", "--target", str(tiny_target),
+        [sys.executable, "-m", "dflash_app.cli", "up", "--target", str(tiny_target),
          "--drafter", str(make_drafter(block_size=8)), "--gateway-port", str(gw),
          "--verifier-port", str(ver), "--drafter-port", str(dr), "--http-port", str(http),
          "--run-dir", str(tmp_path / "logs")],
@@ -48,7 +48,7 @@ def test_dflash_up_generate_and_clean_stop(tmp_path, tiny_target, make_drafter, 
                           (f"127.0.0.1:{gw}", "dflash.v1.Gateway")):
             assert health(addr, svc) == health_pb2.HealthCheckResponse.SERVING
         out = subprocess.run(
-            [sys.executable, "-m", "dflash.tools.cli", "generate", "Hello", "--raw", "--max-tokens", "20",
+            [sys.executable, "-m", "dflash_app.cli", "generate", "Hello", "--raw", "--max-tokens", "20",
              "--gateway", f"127.0.0.1:{gw}"], capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
         assert "tau" in out.stderr and "tiny-drafter@1" in out.stderr
@@ -105,7 +105,7 @@ def test_verifier_not_serving_until_loaded_and_drains_on_sigterm(tmp_path, tiny_
 
 _OWNER = """
 import sys, time
-from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
+from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
 target, drafter, run_dir, gw, ver, dr = sys.argv[1:]
 cfg = StackConfig(target=target, drafters=[DrafterSpec(path=drafter, port=int(dr))],
                   gateway_port=int(gw), verifier_port=int(ver), run_dir=run_dir)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ["dflash", "drafter_svc", "verifier_svc", "gateway", "kernels", "scripts"]
+SHIPPED = ["dflash", "dflash_app", "drafter_svc", "verifier_svc", "gateway", "kernels", "scripts"]
 FORBIDDEN = {
     "torch.load": re.compile(r"\btorch\.load\s*\("),
     "pickle": re.compile(r"^\s*(import|from)\s+(c?pickle|dill|joblib)\b", re.M),

@@ -75,7 +75,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def target(request, tmp_path_factory):
-    from dflash.tools.testing import make_tiny_target
+    from dflash_app.testing import make_tiny_target
     from verifier_svc.target import TargetModel
 
     return TargetModel(make_tiny_target(tmp_path_factory.mktemp(request.param), arch=request.param))
@@ -364,7 +364,7 @@ def test_ep2_trees_match_one_rank(tmp_path):
     """DistributedTarget (2 ranks, gloo) vs TargetModel on a sparse MoE: a tree forward, a
     batch of a tree and a chain row, ``keep`` and the next forward; bad ``parents`` and
     ``offsets`` raise ValueError on rank 0 without failing the group."""
-    from dflash.tools.testing import make_tiny_moe_target
+    from dflash_app.testing import make_tiny_moe_target
 
     moe = make_tiny_moe_target(tmp_path / "moe")
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ep-check", str(moe)],

@@ -248,7 +248,7 @@ def test_healthcheck_over_mtls(mtls_server, ca, tmp_path, capsys):
 def test_dflash_certs_command(tmp_path, capsys):
     from cryptography import x509
 
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     out = tmp_path / "certs"
     assert main(["certs", "--out", str(out), "--hosts", "gw.example,10.1.2.3", "--days", "30"]) == 0
@@ -335,7 +335,7 @@ def test_dflash_up_tls_local_stack(tmp_path, tiny_target, make_drafter):
     import socket
 
     from dflash.client import GatewayClient, build_request
-    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
 
     socks = [socket.socket() for _ in range(3)]
     for s in socks:

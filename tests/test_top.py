@@ -13,7 +13,7 @@ from rich.console import Console
 
 from dflash.serving.metrics import GatewayMetrics, VerifierMetrics
 from dflash.serving.telemetry import serve_metrics
-from dflash.tools import top
+from dflash_app import top
 
 B = 4   # block size: 3 draft positions
 
@@ -135,7 +135,7 @@ def test_live_view_refreshes_and_says_which_endpoint_is_down(services):
 
 
 def test_cli_top_once_prints_one_frame(services, capsys):
-    from dflash.tools.cli import main
+    from dflash_app.cli import main
 
     m, endpoints = services
     steps(m["verifier"], "v@9", [2])

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from dflash.tools import traces_ui
-from dflash.tools.launcher import LaunchError, LocalStack, StackConfig
-from dflash.tools.traces_ui import TracesUI, find_phoenix
+from dflash_app import traces_ui
+from dflash_app.launcher import LaunchError, LocalStack, StackConfig
+from dflash_app.traces_ui import TracesUI, find_phoenix
 
 from helpers import free_ports
 

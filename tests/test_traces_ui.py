@@ -26,8 +26,8 @@ import pytest
 
 from dflash.client import build_request
 from dflash.serving.server import wait_healthy
-from dflash.tools.traces_ui import PROJECT, find_phoenix
 from dflash.v1 import gateway_pb2_grpc
+from dflash_app.traces_ui import PROJECT, find_phoenix
 
 from helpers import free_ports, wait_until
 
@@ -92,7 +92,7 @@ def stack_with_ui(tmp_path, tiny_target, make_drafter):
     """``dflash up --traces-ui`` on free ports; yields (gateway address, UI URL, up's output)."""
     gw, ver, dr, ui, otlp = free_ports(5)
     up = subprocess.Popen(
-        [sys.executable, "-m", "dflash.tools.cli", "up", "--target", str(tiny_target),
+        [sys.executable, "-m", "dflash_app.cli", "up", "--target", str(tiny_target),
          "--drafter", str(make_drafter(block_size=8)), "--gateway-port", str(gw),
          "--verifier-port", str(ver), "--drafter-port", str(dr), "--http-port", "0",
          "--traces-ui", "--traces-ui-port", str(ui), "--traces-ui-otlp-port", str(otlp),

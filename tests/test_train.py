@@ -11,10 +11,10 @@ import torch
 
 from dflash.recipe.blocks import block_mask, build_batch, position_weights, valid_anchors
 from dflash.recipe.loss import batch_loss
-from dflash.tools.testing import make_tiny_target
 from dflash.train.featcache import as_numpy_seq
 from dflash.train.tokdata import TokenStore
 from dflash.train.trainer import TrainConfig, Trainer
+from dflash_app.testing import make_tiny_target
 
 B = 4
 MASK_ID = 259          # "<|mask|>" of the tiny byte tokenizer

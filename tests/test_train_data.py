@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dflash.core.config import default_target_layer_ids
-from dflash.tools.testing import make_tiny_target
 from dflash.train import chat_prompts, featcache
 from dflash.train.data import load_target
 from dflash.train.datagen import decode_batch, magpie_instructions, user_header
 from dflash.train.tokdata import DataError, TokenSeq, TokenStore, read_shard
+from dflash_app.testing import make_tiny_target
 
 LAYERS = tuple(default_target_layer_ids(6, 2))
 K = 5
@@ -105,7 +105,7 @@ def test_truncated_and_foreign_shards_are_refused(tmp_path):
 
 
 def test_passage_prompts_deterministic_and_never_eval(tmp_path):
-    from dflash.tools.bench_prompts import CHAT_EVAL
+    from dflash_app.bench_prompts import CHAT_EVAL
 
     site = tmp_path / "site"
     (site / "pkg-1.0.dist-info").mkdir(parents=True)
@@ -128,8 +128,8 @@ def test_passage_prompts_deterministic_and_never_eval(tmp_path):
 
 
 def test_filters_drop_eval_prompts_and_duplicates():
-    from dflash.tools.bench_prompts import CHAT_EVAL
-    from dflash.tools.humaneval import load_problems
+    from dflash_app.bench_prompts import CHAT_EVAL
+    from dflash_app.humaneval import load_problems
 
     assert chat_prompts.clean_instruction(CHAT_EVAL[0]) is None
     assert chat_prompts.clean_instruction(CHAT_EVAL[5].upper() + "!") is None
@@ -140,8 +140,8 @@ def test_filters_drop_eval_prompts_and_duplicates():
 
 
 def test_code_sources_are_deterministic_and_never_humaneval():
-    from dflash.tools.humaneval import load_problems
     from dflash.train.datagen import source_prompts
+    from dflash_app.humaneval import load_problems
 
     a = source_prompts("template", 20, seed=5)
     assert a == source_prompts("template", 20, seed=5) and a != source_prompts("template", 20, seed=6)

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.taps import hidden_state_indices, tap_features
-from dflash.tools.humaneval import encode_messages, encode_prompt, load_problems
+from dflash_app.humaneval import encode_messages, encode_prompt, load_problems
 
 
 @dataclass
@@ -94,8 +94,8 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 def chat_prompts(n: int) -> list[list[dict]]:
-    """The first ``n`` prompts of the held-out chat set (:data:`dflash.tools.bench_prompts.CHAT_EVAL`)."""
-    from dflash.tools.bench_prompts import prompt_set
+    """The first ``n`` prompts of the held-out chat set (:data:`dflash_app.bench_prompts.CHAT_EVAL`)."""
+    from dflash_app.bench_prompts import prompt_set
 
     return [m for _, m in prompt_set("chat", n)]
 
@@ -145,8 +145,8 @@ def evaluate(target, tok, drafter, head, prompts: list, max_new_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     from dflash.core.checkpoint import load_drafter, load_target_head
     from dflash.core.device import device_flag, resolve_device
-    from dflash.tools.target_setup import target_dir as default_target_dir
     from dflash.train.data import load_target
+    from dflash_app.target_setup import target_dir as default_target_dir
 
     ap = argparse.ArgumentParser(description="held-out tau of a DFlash drafter")
     ap.add_argument("--drafter", default=None, help="drafter directory (z-lab format)")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.tools.target_setup import file_sha256 as _sha256
+from dflash_app.target_setup import file_sha256 as _sha256
 
 FORMAT = "dflash-tokens/1"
 MANIFEST = "manifest.json"

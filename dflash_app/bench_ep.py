@@ -1,6 +1,6 @@
 """``dflash bench --ep-sizes 1,2``: the same MoE target at several expert-parallel sizes, one run.
 
-For each EP size it starts a stack (``dflash.tools.launcher``, verifier ``--ep-size N``), runs the
+For each EP size it starts a stack (``dflash_app.launcher``, verifier ``--ep-size N``), runs the
 prompts with speculation on and off (greedy), and stops it. Reported side by side: τ, decode
 tokens/s, TPOT, verify time per target step, and the EP overhead per step (verify ms/step at EP=N
 minus EP=1, speculation off: one target forward per step). Greedy outputs must be identical across
@@ -44,9 +44,9 @@ def _per_step_ms(rows: list[dict], spec: bool) -> float:
 def cmd_ep(a, prompts, out: Path) -> int:
     from tqdm import tqdm
 
-    from dflash.tools.bench import aggregate, run_gateway
-    from dflash.tools.cli import _stack_config
-    from dflash.tools.launcher import LocalStack
+    from dflash_app.bench import aggregate, run_gateway
+    from dflash_app.cli import _stack_config
+    from dflash_app.launcher import LocalStack
 
     sizes = [int(x) for x in a.ep_sizes.split(",") if x.strip()]
     rows: dict[str, list[dict]] = {}

@@ -2,7 +2,7 @@
 budget commits, walked over the probe's anchors as the greedy decode loop would walk them.
 
 At each anchor ``a`` the drafter's block ``[token a, MASK x (B-1)]`` (the same forward as
-``dflash.tools.diagnose_tf``) gives a distribution per draft position; its top-k per position
+``dflash_app.diagnose_tf``) gives a distribution per draft position; its top-k per position
 (``drafter_svc.drafts.top_k_logprobs`` over the rows drafts are read through, what the
 drafter serves) goes to the verifier's own ``verifier_svc.tree.build_tree``.
 Under greedy decoding the target's token after a path equals its continuation's next token, so
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from dflash.core.modeling import DFlashDrafter, TargetHead
-from dflash.tools.diagnose_tf import CHUNK, Head, ProbeSeq, block_hidden
+from dflash_app.diagnose_tf import CHUNK, Head, ProbeSeq, block_hidden
 
 #: anchor -> (top ids int64 [depth, K], their log-probabilities float32 [depth, K]): the
 #: drafter's top-k per draft position of its block at that anchor, as served

@@ -21,10 +21,10 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash.tools.launcher import LaunchError
-from dflash.tools.local_prometheus import http_ok
+from dflash_app.launcher import LaunchError
+from dflash_app.local_prometheus import http_ok
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv-traces"
 PROJECT = "dflash-serve"        # the Phoenix project the services' spans land in
 # The spans one request's trace holds, one or more per process (docs/observability.md, Traces)
@@ -56,7 +56,7 @@ def find_phoenix(env: Mapping[str, str] = os.environ) -> str | None:
 
 class TracesUI:
     """One Phoenix process: web UI on ``host:port``, OTLP/gRPC on ``host:otlp_port``; data in
-    ``run_dir/phoenix``. A launcher sidecar (:class:`dflash.tools.launcher.Sidecar`)."""
+    ``run_dir/phoenix``. A launcher sidecar (:class:`dflash_app.launcher.Sidecar`)."""
 
     def __init__(self, binary: str, run_dir: str | Path, *, host: str = "127.0.0.1",
                  port: int = 6006, otlp_port: int = 4317, timeout_s: float = 120.0,

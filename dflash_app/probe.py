@@ -3,8 +3,8 @@
 In process: the models as the services load them, the real decode loop
 (``verifier_svc.engine.VerifierEngine``) with the real drafter (``drafter_svc.engine.DrafterEngine``),
 greedy; or against a running gateway. The precise, teacher-forced measurement of the wiring is
-``dflash.tools.diagnose_tf`` / ``dflash.tools.diagnose_wiring``; the thresholds below decide "broken" (and
-"degraded" where no step costs are known) in ``dflash.tools.diagnose``.
+``dflash_app.diagnose_tf`` / ``dflash_app.diagnose_wiring``; the thresholds below decide "broken" (and
+"degraded" where no step costs are known) in ``dflash_app.diagnose``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class InProcessProbe:
     ``DrafterEngine.from_pretrained``, with the checkpoint's draft vocabulary).
 
     ``run``: the real greedy decode loop over some prompts (``VerifierEngine``);
-    ``collect``: the teacher-forced probe's continuations (``dflash.tools.diagnose_tf.collect``).
-    Step costs are measured on the served pair instead (``dflash.tools.served``).
+    ``collect``: the teacher-forced probe's continuations (``dflash_app.diagnose_tf.collect``).
+    Step costs are measured on the served pair instead (``dflash_app.served``).
 
     ``target``: a loaded ``TargetModel`` of ``target_dir`` to use (``dflash diagnose`` passes the
-    served one, ``dflash.tools.served``), not closed here; None: one loaded in ``dtype``. The
+    served one, ``dflash_app.served``), not closed here; None: one loaded in ``dtype``. The
     drafter is loaded in ``dtype`` (float32: the probe's statistics at full precision)."""
 
     def __init__(self, target_dir: str | Path, drafter_dir: str | Path, *, dtype: str = "float32",
@@ -83,7 +83,7 @@ class InProcessProbe:
         return ProbeResult(total, self.block_size, len(prompts), time.perf_counter() - t0)
 
     def collect(self, prompts: list[list[int]], domains: list[str], *, max_new_tokens: int):
-        from dflash.tools.diagnose_tf import collect
+        from dflash_app.diagnose_tf import collect
 
         eos = self.target.eos_token_ids
         pad = self.target.config.pad_token_id

@@ -17,7 +17,7 @@ import urllib.request
 
 import yaml
 
-from dflash.tools.launcher import LaunchError, LocalStack, StackConfig
+from dflash_app.launcher import LaunchError, LocalStack, StackConfig
 
 DEFAULT_METRICS_PORTS = {"gateway": 9450, "verifier": 9451}
 FIRST_DRAFTER_METRICS_PORT = 9461

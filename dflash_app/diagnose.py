@@ -13,7 +13,7 @@ config.json edit; (c) costs: verify and draft seconds per block length of the ta
 drafter as the services would serve them (their threads, dtypes, skinny and packed products;
 or, with --gateway --metrics, the deployment's own policy cells and acceptance), and every
 servable mode priced at the measured acceptance, chains and trees, suffix and hybrid trees
-(suffix candidates replayed over the continuations, dflash/tools/diagnose_suffix.py), with
+(suffix candidates replayed over the continuations, dflash_app/diagnose_suffix.py), with
 the adaptive policy's own choice: "speculation at block 16 is 1.2x plain decoding here; trees 15 nodes 1.6x; adaptive
 chooses a tree of 15 nodes; expected 1.6x", per prompt domain. docs/diagnose.md explains every
 finding.
@@ -33,8 +33,8 @@ import random
 import sys
 import time
 
-from dflash.tools.diagnose_gateway import DEPLOYMENT, gateway_figures
-from dflash.tools.probe import BROKEN_P1, BROKEN_TAU, DEGRADED_P1, DEGRADED_TAU
+from dflash_app.diagnose_gateway import DEPLOYMENT, gateway_figures
+from dflash_app.probe import BROKEN_P1, BROKEN_TAU, DEGRADED_P1, DEGRADED_TAU
 
 EXIT = {"healthy": 0, "mis-wired": 1, "broken": 2, "degraded": 3}
 DEFAULT_SETS = "humaneval,chat"
@@ -85,7 +85,7 @@ def add_parser(sub) -> None:
 def draw_prompts(a) -> list[tuple[str, object]]:
     """``(domain, prompt)`` pairs: ``--prompt`` texts (domain "prompt") and ``--num-prompts``
     drawn with ``--seed`` from the ``--prompts`` sets (chat message lists)."""
-    from dflash.tools.bench_prompts import prompt_set
+    from dflash_app.bench_prompts import prompt_set
 
     out: list[tuple[str, object]] = [("prompt", p) for p in (a.prompt or [])]
     names = a.prompts or ("" if a.prompt else DEFAULT_SETS)
@@ -107,7 +107,7 @@ def draw_prompts(a) -> list[tuple[str, object]]:
 
 
 def _encode(tok, prompt, raw: bool) -> list[int]:
-    from dflash.tools.humaneval import encode_messages
+    from dflash_app.humaneval import encode_messages
 
     if isinstance(prompt, list):
         return encode_messages(tok, prompt)
@@ -119,7 +119,7 @@ def _encode(tok, prompt, raw: bool) -> list[int]:
 # ---------------------------------------------------------------------- the report
 def diagnose(a) -> dict:
     """The whole report as a dict (what ``--json`` prints)."""
-    from dflash.tools.drafter_check import check
+    from dflash_app.drafter_check import check
 
     t0, c0 = time.perf_counter(), time.process_time()
     report: dict = {"static": [], "probe": None, "costs": None, "speculation": None, "live": None,
@@ -173,7 +173,7 @@ def _timed(report: dict, t0: float, c0: float) -> dict:
 
 def _in_process(a, prompts, report, costs, budgets):
     """The teacher-forced probe, every setting, the vocabulary coverage, tree acceptance, and
-    the step costs of the served pair (``dflash.tools.served``), loaded first: it picks the
+    the step costs of the served pair (``dflash_app.served``), loaded first: it picks the
     threads before any torch work. Returns (chain blocks, tokens per tree step, costs, the
     verifier's tree budgets), by domain."""
     from pathlib import Path
@@ -181,11 +181,11 @@ def _in_process(a, prompts, report, costs, budgets):
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.tools.diagnose_modes import LABEL
-    from dflash.tools.diagnose_suffix import replays as suffix_replays
-    from dflash.tools.diagnose_tf import Head, counter, score, walk
-    from dflash.tools.diagnose_trees import drafter_tops, tree_steps, tree_summary
-    from dflash.tools.diagnose_wiring import (
+    from dflash_app.diagnose_modes import LABEL
+    from dflash_app.diagnose_suffix import replays as suffix_replays
+    from dflash_app.diagnose_tf import Head, counter, score, walk
+    from dflash_app.diagnose_trees import drafter_tops, tree_steps, tree_summary
+    from dflash_app.diagnose_wiring import (
         best_fixes,
         controls_sentence,
         equivalents,
@@ -195,8 +195,8 @@ def _in_process(a, prompts, report, costs, budgets):
         settings,
         vocab_coverage,
     )
-    from dflash.tools.probe import InProcessProbe
-    from dflash.tools.served import load_served
+    from dflash_app.probe import InProcessProbe
+    from dflash_app.served import load_served
 
     t = time.perf_counter()
     served = None
@@ -287,7 +287,7 @@ def _in_process(a, prompts, report, costs, budgets):
         if fixes:   # what the best fix would give (its own walk; the costs are the same)
             blocks["with the fix"] = walk(fixes[0].scores, seqs)["all"]
         if served is not None:
-            from dflash.tools.diagnose_cost import measure_costs
+            from dflash_app.diagnose_cost import measure_costs
 
             t = time.perf_counter()
             costs = served.run(lambda: measure_costs(served.target, served.drafter,
@@ -302,9 +302,9 @@ def _in_process(a, prompts, report, costs, budgets):
 
 
 def _speculation(report: dict, costs, blocks, trees, budgets, replays) -> None:
-    """Every servable mode priced per domain (``dflash.tools.diagnose_cost.payoff``), suffix
-    modes over that domain's replay (``dflash.tools.diagnose_suffix``) where there is one."""
-    from dflash.tools.diagnose_cost import payoff
+    """Every servable mode priced per domain (``dflash_app.diagnose_cost.payoff``), suffix
+    modes over that domain's replay (``dflash_app.diagnose_suffix``) where there is one."""
+    from dflash_app.diagnose_cost import payoff
 
     if costs is None:
         return
@@ -379,7 +379,7 @@ def run(a) -> int:
         default_spin_count()
     import torch
 
-    from dflash.tools.diagnose_report import render
+    from dflash_app.diagnose_report import render
 
     if a.threads < 0:
         raise SystemExit(f"dflash diagnose: error: --threads: must be >= 0, got {a.threads}")

@@ -15,8 +15,8 @@ Settings tried (each a config.json edit away from the saved one):
   window on every layer when the target slides and the drafter does not.
 
 A setting is a fix when the drafter fits the target's tokens better under it: the mean paired
-difference of the per-anchor cross-entropy (``dflash.tools.diagnose_tf``) is below ``-MIN_GAIN``
-nats, the paired sign test over anchors or the paired mean (``dflash.tools.diagnose_stats``) is
+difference of the per-anchor cross-entropy (``dflash_app.diagnose_tf``) is below ``-MIN_GAIN``
+nats, the paired sign test over anchors or the paired mean (``dflash_app.diagnose_stats``) is
 significant at ``ALPHA`` after a Bonferroni correction over both tests and over the settings of
 its kind (one question per kind: which taps, which mask token, ...), and the drafter really drafts under it (first-position accuracy
 at least ``MIN_P1``). The best fix of each kind found on a subset is scored again on every
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 import torch
 
 from dflash.core.config import DrafterConfig
-from dflash.tools.diagnose_stats import Paired, paired
-from dflash.tools.diagnose_tf import Head, ProbeSeq, Scores, counter, drafter_for, score, walk
-from dflash.tools.drafter_check import raw_sliding, target_window
+from dflash_app.diagnose_stats import Paired, paired
+from dflash_app.diagnose_tf import Head, ProbeSeq, Scores, counter, drafter_for, score, walk
+from dflash_app.drafter_check import raw_sliding, target_window
 
 ALPHA = 0.01          # error rate of a fix named, per kind of setting (Bonferroni within)
 MIN_GAIN = 0.02       # nats per draft position: a smaller fit gain is not worth an edit

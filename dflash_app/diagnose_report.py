@@ -1,4 +1,4 @@
-"""The text form of a ``dflash diagnose`` report (``dflash.tools.diagnose.diagnose`` builds the dict;
+"""The text form of a ``dflash diagnose`` report (``dflash_app.diagnose.diagnose`` builds the dict;
 ``--json`` prints that dict as it is)."""
 
 from __future__ import annotations

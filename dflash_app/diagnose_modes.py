@@ -13,7 +13,7 @@ speculation-off step at the same costs.
 
 Suffix candidates (modes ``suffix`` and ``hybrid:N``, and adaptive's suffix arms) depend on the
 text a session has seen, so they are priced by a replay of the target's continuations
-(``dflash.tools.diagnose_suffix``) when the context carries one: adaptive is then priced as the
+(``dflash_app.diagnose_suffix``) when the context carries one: adaptive is then priced as the
 verifier serves it, with its suffix arms, step by step; without one (no local probe, or
 ``--suffix off``), as a policy without suffix candidates chooses.
 """
@@ -31,7 +31,7 @@ from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES, SpeculationPolicy
 
 if TYPE_CHECKING:
-    from dflash.tools.diagnose_suffix import Replayed, SuffixReplay
+    from dflash_app.diagnose_suffix import Replayed, SuffixReplay
 
 LABEL = "diagnose"
 

@@ -26,23 +26,23 @@ from dflash.serving.argtypes import positive_float
 from dflash.serving.authz import DEFAULT_TRUST_DOMAIN
 
 if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
-    from dflash.tools.launcher import StackConfig
+    from dflash_app.launcher import StackConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEV_HOSTS = ("localhost", "127.0.0.1", "::1")   # dflash.serving.tls.DEFAULT_HOSTS
 DEFAULT_DRAFTER = REPO / "models" / "smollm2-dflash-b16"
 
 
 def _default_target() -> str:
-    from dflash.tools.target_setup import setup_target
+    from dflash_app.target_setup import setup_target
 
     return str(setup_target())
 
 
 def _tiny_models() -> tuple[str, str]:
     """Random-weight tiny target + drafter under the cache dir (quick smoke runs)."""
-    from dflash.tools.target_setup import default_cache_dir
-    from dflash.tools.testing import make_tiny_drafter, make_tiny_target
+    from dflash_app.target_setup import default_cache_dir
+    from dflash_app.testing import make_tiny_drafter, make_tiny_target
 
     root = default_cache_dir() / "tiny"
     t, d = root / "target", root / "drafter"
@@ -54,7 +54,7 @@ def _tiny_models() -> tuple[str, str]:
 
 
 def _stack_config(a) -> "StackConfig":
-    from dflash.tools.launcher import DrafterSpec, StackConfig
+    from dflash_app.launcher import DrafterSpec, StackConfig
 
     if a.tiny:
         target, drafter = _tiny_models()
@@ -90,19 +90,19 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(a) -> int:
-    from dflash.tools.launcher import LocalStack
+    from dflash_app.launcher import LocalStack
 
     new_stack = LocalStack
-    if a.prometheus:  # /metrics on every service + a local Prometheus (dflash/tools/local_prometheus.py)
-        from dflash.tools.local_prometheus import PrometheusStack
+    if a.prometheus:  # /metrics on every service + a local Prometheus (dflash_app/local_prometheus.py)
+        from dflash_app.local_prometheus import PrometheusStack
         new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
     cfg = _stack_config(a)
     if a.metrics:   # the compose layout of /metrics ports, what `dflash top` reads by default
-        from dflash.tools.local_prometheus import metrics_ports
+        from dflash_app.local_prometheus import metrics_ports
         cfg.metrics_ports = metrics_ports(cfg)
     sidecars = []
-    if a.traces_ui:  # Phoenix from .venv-traces (dflash/tools/traces_ui.py)
-        from dflash.tools.traces_ui import TracesUI
+    if a.traces_ui:  # Phoenix from .venv-traces (dflash_app/traces_ui.py)
+        from dflash_app.traces_ui import TracesUI
         sidecars.append(TracesUI.from_env(cfg.run_dir, host=cfg.host, port=a.traces_ui_port,
                                           otlp_port=a.traces_ui_otlp_port,
                                           **({} if a.traces_ui_nice is None else {"nice": a.traces_ui_nice})))
@@ -234,8 +234,8 @@ def cmd_demo(a) -> int:
     from dflash.client import GatewayClient, build_request, summary_line
     from dflash.core.convert import stats_from_proto
     from dflash.core.stats import AcceptanceCounter
-    from dflash.tools.humaneval import format_prompt, load_problems
-    from dflash.tools.launcher import LocalStack
+    from dflash_app.humaneval import format_prompt, load_problems
+    from dflash_app.launcher import LocalStack
 
     cfg = _stack_config(a)
     if not a.tiny and not Path(cfg.drafters[0].path, "config.json").exists():
@@ -342,21 +342,21 @@ def main(argv: list[str] | None = None) -> int:
                         f"(default {','.join(DEV_HOSTS)}; each also gets its service name)")
     c.add_argument("--days", type=positive_float, default=365.0, help="validity, days")
     c.set_defaults(func=cmd_certs)
-    from dflash.tools import bench
+    from dflash_app import bench
 
     bench.add_parser(sub)
-    from dflash.tools import diagnose
+    from dflash_app import diagnose
 
     diagnose.add_parser(sub)
-    from dflash.tools import top
+    from dflash_app import top
 
     top.add_parser(sub)
-    from dflash.tools import learn
+    from dflash_app import learn
 
     learn.add_parser(sub)
     m = sub.add_parser("convert-moe", help="exact mixture-of-experts form of a dense target (for EP)")
     try:
-        from dflash.tools import moe_convert
+        from dflash_app import moe_convert
     except ModuleNotFoundError as e:   # torch: the client-only install (`dflash-serve[client]`)
         m.set_defaults(func=lambda a, e=e: _needs_serve("convert-moe", e))
     else:

@@ -3,7 +3,7 @@
 The probe prompts go through the gateway (greedy, the deployment's own speculation settings);
 the verifier's Prometheus ``/metrics`` give its lifetime acceptance per drafter version (by
 source too: drafter or suffix candidates), its policy's cost cells and tokens per tree step
-(``dflash.tools.diagnose_cost.scrape``).
+(``dflash_app.diagnose_cost.scrape``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ def gateway_figures(a, prompts, report: dict):
     and cost cells (``report["deployment"]``). Returns (the cost table or None, chain blocks by
     domain or None, tokens per tree step by domain). Raises SystemExit naming ``--metrics``
     when a metrics endpoint cannot be read."""
-    from dflash.tools.diagnose_cost import blocks_from_rates, scrape
-    from dflash.tools.probe import gateway_probe
+    from dflash_app.diagnose_cost import blocks_from_rates, scrape
+    from dflash_app.probe import gateway_probe
 
     live = gateway_probe(a.gateway, [p for _, p in prompts], max_tokens=a.max_tokens,
                          drafter=a.use_drafter, raw=a.raw)
@@ -55,7 +55,7 @@ def gateway_figures(a, prompts, report: dict):
 
 
 def live_dict(r) -> dict:
-    """A ``dflash.tools.probe.ProbeResult`` as the report's ``live`` entry."""
+    """A ``dflash_app.probe.ProbeResult`` as the report's ``live`` entry."""
     s = r.stats
     return {"tau": s.mean_acceptance_length, "per_position": s.per_position_rate,
             "draft_acceptance_rate": s.draft_acceptance_rate, "drafts": s.drafts,

@@ -59,7 +59,7 @@ class StackConfig:
 
 class Sidecar(Protocol):
     """A process the stack's services use (a trace UI): started before them, its ``env()``
-    added to theirs, stopped after them (``dflash.tools.traces_ui.TracesUI``)."""
+    added to theirs, stopped after them (``dflash_app.traces_ui.TracesUI``)."""
 
     def start(self) -> None: ...
 
@@ -121,7 +121,7 @@ class LocalStack:
         env = {**os.environ, **self.cfg.extra_env}
         if name in self.cfg.metrics_ports:
             env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)

@@ -90,7 +90,7 @@ def prompt_set(name: str, limit: int | None = None) -> list[tuple[str, list[dict
 
     Raises ``ValueError`` naming ``--prompts`` for an unknown name that is not a file."""
     if name == "humaneval":
-        from dflash.tools.humaneval import format_prompt, load_problems
+        from dflash_app.humaneval import format_prompt, load_problems
 
         items = [(tid, format_prompt(p)) for tid, p in load_problems(limit)]
     elif name == "chat":

@@ -12,7 +12,7 @@ the dense MLP (``E`` a power of two keeps the scaling exact in floating point; o
 order of the down projection changes, ~1e-6 relative). Attention, norms, embeddings and the head
 are copied unchanged, so the same trained drafter serves the converted target.
 
-Usage: ``python -m dflash.tools.moe_convert SRC DST [--experts 8]`` (or ``dflash convert-moe``).
+Usage: ``python -m dflash_app.moe_convert SRC DST [--experts 8]`` (or ``dflash convert-moe``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def convert(src: str | Path, dst: str | Path, *, num_experts: int = 8) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.tools.moe_convert", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash_app.moe_convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     a = p.parse_args(argv)
@@ -104,7 +104,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a) -> int:
-    from dflash.tools.target_setup import default_cache_dir, setup_target
+    from dflash_app.target_setup import default_cache_dir, setup_target
 
     src = a.src or str(setup_target())
     dst = a.dst or str(default_cache_dir() / f"smollm2-135m-instruct-moe{a.experts}")

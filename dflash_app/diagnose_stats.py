@@ -1,7 +1,7 @@
 """Paired statistics for ``dflash diagnose``: one drafter setting against the saved one, on the
 same anchors.
 
-Every anchor of the teacher-forced probe (``dflash.tools.diagnose_tf``) is scored under each setting,
+Every anchor of the teacher-forced probe (``dflash_app.diagnose_tf``) is scored under each setting,
 so two settings differ anchor by anchor and the comparison is paired: most of the variance
 between prompts and positions cancels. Neighbouring anchors are not independent (anchor ``a``'s
 draft position 2 is anchor ``a + 1``'s position 1, and they share their context), so the

@@ -11,10 +11,10 @@ special token, ``MASK_TOKEN`` = ``<reponame>`` (id 4 in SmolLM2's tokenizer): a 
 repository-metadata marker that chat answers never produce. The embedding is not resized.
 
 Where no package index is reachable (a lent GPU machine), ``--gguf FILE`` builds the target
-from that GGUF file instead (the same bytes, brought in parts: :mod:`dflash.tools.gguf_parts`);
+from that GGUF file instead (the same bytes, brought in parts: :mod:`dflash_app.gguf_parts`);
 its sha256 must be the pinned one.
 
-Usage: ``python -m dflash.tools.target_setup [--cache-dir DIR] [--gguf FILE]``; prints the target
+Usage: ``python -m dflash_app.target_setup [--cache-dir DIR] [--gguf FILE]``; prints the target
 directory.
 """
 

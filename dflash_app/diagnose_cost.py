@@ -1,8 +1,8 @@
 """Does speculation pay? Step costs (measured here, or as a deployment reports them) and the
-verifier's own arithmetic over them, mode by mode (``dflash.tools.diagnose_modes``).
+verifier's own arithmetic over them, mode by mode (``dflash_app.diagnose_modes``).
 
 In process (:func:`measure_costs`), the target and drafter are the ones the services would
-serve (``dflash.tools.served``: their threads, dtypes, skinny and packed products), timed on the
+serve (``dflash_app.served``: their threads, dtypes, skinny and packed products), timed on the
 thread that runs their forwards: each round times, for every candidate k, the drafter's
 ``propose`` of a block of k + 1 and the target's ``forward_batch`` of k + 1 tokens, into the
 verifier's ``StepCostModel``. Against a deployment (``--gateway`` with ``--metrics``), the
@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from dflash.core.speculation import MODE_OFF
-from dflash.tools.diagnose_modes import Context, Priced, best_speculative, price_modes
+from dflash_app.diagnose_modes import Context, Priced, best_speculative, price_modes
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES
 
@@ -45,7 +45,7 @@ class CostTable:
     draft_s: dict[int, float]       # k -> median draft seconds of a step
     source: str                     # "measured here" | "reported by <url>"
     rounds: list[StepCostModel] = dataclasses.field(default_factory=list)   # one per round
-    settings: dict = dataclasses.field(default_factory=dict)   # dflash.tools.served choices
+    settings: dict = dataclasses.field(default_factory=dict)   # dflash_app.served choices
 
     def as_dict(self) -> dict:
         return {"source": self.source,
@@ -63,7 +63,7 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
     ``StepCostModel`` (and one model per round, for the spread).
 
     ``target``: ``verifier_svc.target.TargetModel``; ``proposer``: a ``DrafterEngine``; call on
-    the thread that runs their forwards (``dflash.tools.served.Served.run``). After
+    the thread that runs their forwards (``dflash_app.served.Served.run``). After
     one prefill of ``prompt``, each round times, for every k in turn, what a decode step of
     the verifier calls: the drafter's ``propose`` of a block of k + 1 (with the one new
     context row a step sends) and the target's ``forward_batch`` of k + 1 tokens, the cache

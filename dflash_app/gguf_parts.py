@@ -13,9 +13,9 @@ file travelling. Errors are :class:`PartError` (a ``ValueError``) naming the par
 
 Usage::
 
-    python -m dflash.tools.gguf_parts split FILE OUT_DIR [--part-mib 38]
-    python -m dflash.tools.gguf_parts store --store DIR PATH...   # parts, or folders holding them
-    python -m dflash.tools.gguf_parts join --store DIR --out FILE [--sha256 HEX]
+    python -m dflash_app.gguf_parts split FILE OUT_DIR [--part-mib 38]
+    python -m dflash_app.gguf_parts store --store DIR PATH...   # parts, or folders holding them
+    python -m dflash_app.gguf_parts join --store DIR --out FILE [--sha256 HEX]
 
 ``join`` exits 3 when parts are missing (it names them), 1 on a damaged part or a wrong digest.
 """
@@ -28,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from dflash.tools.target_setup import GGUF_SHA256, file_sha256
+from dflash_app.target_setup import GGUF_SHA256, file_sha256
 
 PREFIX = "gguf-part-"
 _NAME = re.compile(rf"{PREFIX}(\d+)-of-(\d+)\.([0-9a-f]{{16}})")
@@ -165,7 +165,7 @@ def join(store_dir: str | Path, out: str | Path, sha256: str = GGUF_SHA256) -> P
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash.tools.gguf_parts",
+    ap = argparse.ArgumentParser(prog="python -m dflash_app.gguf_parts",
                                  description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("split", help="cut FILE into parts in OUT_DIR")

@@ -41,7 +41,7 @@ from dflash.core.stats import AcceptanceCounter
 def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
     from dflash.client import build_request
     from dflash.core.convert import stats_from_proto
-    from dflash.tools.bench import split_mode
+    from dflash_app.bench import split_mode
 
     name, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens,
@@ -220,8 +220,8 @@ def plot(levels: list[dict], path: Path) -> None:
 
 
 def cmd_load(a, prompts, out: Path) -> int:
-    """The ``--concurrency`` sweep (called by ``dflash.tools.bench.cmd_bench``)."""
-    # the flags arrive checked and normalised by their argparse types (dflash.tools.bench.add_parser)
+    """The ``--concurrency`` sweep (called by ``dflash_app.bench.cmd_bench``)."""
+    # the flags arrive checked and normalised by their argparse types (dflash_app.bench.add_parser)
     conc = [int(x) for x in a.concurrency.split(",")]
     modes = a.spec_modes.split(",")
     drafter = (a.use_drafter or [""])[0]

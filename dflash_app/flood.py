@@ -1,7 +1,7 @@
 """A stream flood against a stack of separate processes, with health probed from a third.
 
-``python -m dflash.tools.flood --tiny --streams 500`` starts drafter, verifier (``--max-batch``,
-``--max-waiting``) and gateway as processes (:class:`dflash.tools.launcher.LocalStack`), opens
+``python -m dflash_app.flood --tiny --streams 500`` starts drafter, verifier (``--max-batch``,
+``--max-waiting``) and gateway as processes (:class:`dflash_app.launcher.LocalStack`), opens
 ``--streams`` Generate streams on the gateway at once, and meanwhile a probe process checks
 ``grpc.health.v1`` every ``--probe-interval`` seconds, each address on its own channel: the
 gateway's and the verifier's service ports, and their health-only listeners (``--health-bind``,
@@ -87,7 +87,7 @@ def flood(gateway: str, streams: int, max_tokens: int, probes: dict[str, str], *
     all to end."""
     from dflash.v1 import gateway_pb2, gateway_pb2_grpc
 
-    probe = subprocess.Popen([sys.executable, "-m", "dflash.tools.flood", "probe",
+    probe = subprocess.Popen([sys.executable, "-m", "dflash_app.flood", "probe",
                               "--interval", str(interval_s), *probes.values()],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert probe.stdout is not None and probe.stdin is not None
@@ -127,7 +127,7 @@ def flood(gateway: str, streams: int, max_tokens: int, probes: dict[str, str], *
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dflash.tools.flood", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_app.flood", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd")
     pr = sub.add_parser("probe", help="(internal) the health probe process")
     pr.add_argument("addrs", nargs="+")
@@ -158,8 +158,8 @@ def run_stack_flood(a: argparse.Namespace) -> FloodResult:
     """Start the stack ``a`` describes on free ports, flood it, stop it."""
     import socket
 
-    from dflash.tools.cli import _tiny_models
-    from dflash.tools.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.cli import _tiny_models
+    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
 
     target, drafter = _tiny_models() if a.tiny else (a.target, a.drafter)
     if not target or not drafter:
