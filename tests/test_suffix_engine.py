@@ -212,6 +212,26 @@ def test_greedy_identical_with_a_drafter(stack, make_drafter, tiny_target, hf_ta
     assert nodes > 0
 
 
+def test_mode_suffix_sends_the_drafter_nothing_and_a_drafting_turn_catches_up(
+        stack, make_drafter, tiny_target, hf_target):
+    """Mode suffix never asks the drafter for drafts, so it sends no context either (on shared
+    cores those updates took the target's time: docs/suffix.md); the session's next turn in a
+    drafting mode sends every position the drafter lacks in its first call, without a gap."""
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
+    addr = stack.add_drafter(engine)
+    v = stack.verifier_stub()
+    p1 = repeating(PROMPTS[1])
+    got1, last1 = generate_ids(v, p1, max_tokens=MAX_NEW, session_id="s", speculation=spec(addr, "suffix"))
+    assert_same_tokens(hf_target, p1, got1, reference(hf_target, p1))
+    assert last1.stats.suffix_drafts > 0 and engine.cached_tokens == 0 and engine.num_sessions == 0
+    p2 = p1 + got1 + PROMPTS[0]                         # the next turn extends the conversation
+    got2, last2 = generate_ids(v, p2, max_tokens=MAX_NEW, session_id="s", speculation=spec(addr, "fixed"))
+    assert_same_tokens(hf_target, p2, got2, reference(hf_target, p2))
+    st = last2.stats
+    assert st.drafts > 0 and st.fallback_steps == 0      # no context gap on the drafter
+    assert engine.cached_tokens >= len(p2)               # the whole conversation, from its first call
+
+
 def test_speculation_off_verifies_no_suffix_candidates(stack):
     v = stack.verifier_stub()
     p = repeating(PROMPTS[1])

@@ -36,6 +36,7 @@ from dflash.core.sampling import InvalidParam
 from dflash.core.speculation import (
     MAX_TREE_BUDGET,
     MODE_FIXED,
+    MODE_SUFFIX,
 )
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.core import EngineCore
@@ -343,7 +344,10 @@ class VerifierEngine:
         ctx = req.trace.step_started(st.steps) if req.trace is not None else {}
         return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=r.cached,
                          anchor=s.tokens[-1], k=sh.k,
-                         room=st.block_limit > 1 and req.max_tokens - st.emitted > 1,
+                         # mode suffix never asks the drafter: it gets no context updates
+                         # either; a later turn that drafts sends all it lacks in one call
+                         room=st.mode != MODE_SUFFIX and st.block_limit > 1
+                         and req.max_tokens - st.emitted > 1,
                          sampling=req.sampling.for_drafter(), trace_context=ctx,
                          top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
                          no_learn=req.no_learn)
