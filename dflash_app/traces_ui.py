@@ -33,6 +33,11 @@ TRACE_SPANS = ("/dflash.v1.Gateway/Generate", "/dflash.v1.Verifier/Generate", "v
 # The SDK's batch delay is 5 s by default; 1 s keeps a finished request's trace visible within
 # the issue's 5 s target, at one export per second per service.
 EXPORT_DELAY_MS = "1000"
+# Step spans with the UI attached: every 8th decode step of a request (and every step that fell
+# back) instead of all of them. With every step, one 128-token request is ~155 spans and batch-1
+# serving ran at 0.86x tracing off on two shared cores, Phoenix niced (docs/observability.md);
+# DFLASH_TRACE_STEPS=all in the environment still asks for every step.
+TRACE_STEPS = "every:8"
 # Phoenix's niceness: on the cores the services share (one machine, `dflash up`), its span
 # ingest (~150 spans a request) took ~18% of batch-1 tokens/s at the default priority
 # (docs/observability.md, "The targets, measured"); niced, it runs in the cycles serving leaves.
@@ -95,7 +100,8 @@ class TracesUI:
             resource = base["OTEL_RESOURCE_ATTRIBUTES"] + "," + resource
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
                 "OTEL_RESOURCE_ATTRIBUTES": resource,
-                "OTEL_BSP_SCHEDULE_DELAY": base.get("OTEL_BSP_SCHEDULE_DELAY", EXPORT_DELAY_MS)}
+                "OTEL_BSP_SCHEDULE_DELAY": base.get("OTEL_BSP_SCHEDULE_DELAY", EXPORT_DELAY_MS),
+                "DFLASH_TRACE_STEPS": base.get("DFLASH_TRACE_STEPS", TRACE_STEPS)}
 
     def log_tail(self, lines: int = 30) -> str:
         path = self.run_dir / "phoenix.log"

@@ -58,6 +58,8 @@ def test_services_export_to_the_ui_in_its_project(tmp_path):
                                                f"openinference.project.name={traces_ui.PROJECT}")
     assert env["OTEL_BSP_SCHEDULE_DELAY"] == traces_ui.EXPORT_DELAY_MS
     assert ui.env({"OTEL_BSP_SCHEDULE_DELAY": "200"})["OTEL_BSP_SCHEDULE_DELAY"] == "200"  # the user's wins
+    assert env["DFLASH_TRACE_STEPS"] == traces_ui.TRACE_STEPS == "every:8"        # sampled steps ...
+    assert ui.env({"DFLASH_TRACE_STEPS": "all"})["DFLASH_TRACE_STEPS"] == "all"   # ... unless asked
     assert ui.trace_url("ab" * 16) == f"http://127.0.0.1:7006/redirects/traces/{'ab' * 16}"
 
 
