@@ -56,7 +56,8 @@ def start(tree: Path, base_port: int, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", CLI, "up",
          "--gateway-port", str(base_port), "--verifier-port", str(base_port + 1),
-         "--drafter-port", str(base_port + 2), "--run-dir", str(run_dir)],
+         "--drafter-port", str(base_port + 2), "--http-port", "0",   # two stacks: no shared :8000
+         "--run-dir", str(run_dir)],
         cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
