@@ -269,10 +269,11 @@ def test_sampled_penalties_follow_the_penalised_target(setting, mode):
 @pytest.mark.slow
 def test_the_test_catches_a_frozen_block_state(monkeypatch):
     """Every row of a block penalised with the state before the block (drafts not counted)."""
-    def frozen(j, logits, d, tree):
-        if j.processor is None:
+    def frozen(row):
+        logits, processor = row.logits, row.state.processor
+        if processor is None:
             return logits
-        return torch.cat([j.processor.apply(logits[r:r + 1]) for r in range(logits.shape[0])])
+        return torch.cat([processor.apply(logits[r:r + 1]) for r in range(logits.shape[0])])
 
     monkeypatch.setattr(engine_module, "_processed", frozen)
     sample_run.cache_clear()
