@@ -71,14 +71,24 @@ def mode_list(text: str) -> str:
 def bench_stack_config(a):
     """The stack ``--start`` runs: ``dflash up``'s, without the tenants' recent answers as
     suffix candidates (``--suffix-answer-tokens 0``) unless ``--suffix-answers``. Every prompt
-    runs once per mode, so from its second mode on its own earlier answer would be a candidate
-    and every mode after the first would copy it (docs/suffix.md, "Benchmarks")."""
+    runs once per mode, so with one tenant its own earlier answer would be a candidate from its
+    second mode on; ``--suffix-answers`` therefore runs each mode as its own tenant
+    (:func:`mode_tenant`), whose candidates are its earlier answers to other prompts
+    (docs/suffix.md, "Benchmarks")."""
     from dflash_app.cli import _stack_config
 
     cfg = _stack_config(a)
     if not getattr(a, "suffix_answers", False):
         cfg.verifier_args = [*cfg.verifier_args, "--suffix-answer-tokens", "0"]
     return cfg
+
+
+def mode_tenant(mode: str) -> list[tuple[str, str]]:
+    """The call metadata that makes bench mode ``mode`` its own tenant (``x-dflash-client``):
+    a tenant's recent answers are suffix candidates for its later requests only."""
+    from gateway.inputs import CLIENT_KEY
+
+    return [(CLIENT_KEY, "bench-" + "".join(c if c.isalnum() or c in "-_.:" else "_" for c in mode))]
 
 
 def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, speculation: bool,
@@ -290,12 +300,18 @@ def cmd_bench(a) -> int:
         a.gateway = stack.gateway_addr
     rows: dict[str, list[dict]] = {m[0]: [] for m in modes}
     client = peer = None
+    clients: dict = {}
     try:
         from dflash.client import GatewayClient
 
         require_gateway(a.gateway)
         client = GatewayClient(a.gateway)
-        runs = [(m, lambda t, p, m=m: gateway_row(client, t, p, max_tokens=a.max_tokens,
+        # with the answers kept, each mode its own tenant: never a candidate from another
+        # mode's answer to the same prompt
+        clients = {m[0]: GatewayClient(a.gateway, metadata=mode_tenant(m[0]))
+                   if getattr(a, "suffix_answers", False)
+                   else client for m in modes}
+        runs = [(m, lambda t, p, m=m: gateway_row(clients[m[0]], t, p, max_tokens=a.max_tokens,
                                                    speculation=m[1], drafter=m[2], mode=m[3]))
                 for m in modes]
         if a.peer:
@@ -321,6 +337,9 @@ def cmd_bench(a) -> int:
     finally:
         if client:
             client.close()
+            for c in clients.values():
+                if c is not client:
+                    c.close()
         if stack:
             stack.stop()
     results = {"config": {"prompts": len(prompts), "prompt_set": a.prompts, "max_tokens": a.max_tokens,
@@ -400,9 +419,9 @@ def add_parser(sub) -> None:
                    help="also run transformers' in-process DFlash generation with the same weights")
     b.add_argument("--out", default="bench_out", help="output directory")
     b.add_argument("--suffix-answers", action="store_true",
-                   help="with --start: keep recent answers as suffix candidates (off by default: "
-                        "each prompt runs once per mode, and a mode would copy the answer an "
-                        "earlier mode gave)")
+                   help="with --start: keep recent answers as suffix candidates, each mode its "
+                        "own tenant (off by default: each prompt runs once per mode, and in one "
+                        "tenant a mode would copy the answer an earlier mode gave)")
     b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")

@@ -1,7 +1,8 @@
 """Two commits' stacks side by side: the many-users sweep, levels interleaved, in one run.
 
     python scripts/ab_commits.py OLD_REV [--concurrency 1,4,16,32] [--spec-modes off,adaptive]
-        [--repeats 2] [--max-tokens 48] [--requests 8] [--requests-per-client 2] [--out DIR]
+        [--repeats 2] [--max-tokens 48] [--requests 8] [--requests-per-client 2] [--prompts SET]
+        [--out DIR]
 
 Checks ``OLD_REV`` out into a git worktree, starts its stack (``dflash up``, its own code) and
 this checkout's stack on other ports, both on the same target and drafter; then, for each
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompts", default="", help="the bench's prompt set (default: its own)")
     p.add_argument("--out", default="runs/ab_commits")
     p.add_argument("--worktree", default="/tmp/dflash-ab-old")
     a = p.parse_args()
@@ -94,6 +96,7 @@ def main() -> None:
                          "bench", "--gateway", f"127.0.0.1:{sides[name][1]}", "--concurrency", str(c),
                          "--spec-modes", a.spec_modes, "--repeats", "1", "--max-tokens", str(a.max_tokens),
                          "--requests", str(a.requests), "--requests-per-client", str(a.requests_per_client),
+                         *(["--prompts", a.prompts] if a.prompts else []),
                          "--out", str(cell)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
                     print(f"done {name} rep {rep} c={c}", flush=True)
     finally:

@@ -69,3 +69,19 @@ def test_bench_start_keeps_no_answers_across_modes_unless_asked(argv, kept):
                         suffix_answers=bool(argv))
     args = bench_stack_config(a).verifier_args
     assert ("--suffix-answer-tokens" in args and args[args.index("--suffix-answer-tokens") + 1] == "0") != kept
+
+
+def test_with_answers_kept_each_bench_mode_is_its_own_tenant():
+    """``--suffix-answers``: a mode's candidates are its own earlier answers to other prompts,
+    never another mode's answer to the same prompt, so each mode calls as its own tenant."""
+    from types import SimpleNamespace
+
+    from dflash_app.bench import mode_tenant
+    from gateway.inputs import client_identity
+
+    modes = ["spec[tree:15]", "spec[hybrid:15]", "spec[suffix]", "spec[adaptive]", "spec:d@2[suffix]", "off"]
+    tenants = [client_identity(SimpleNamespace(invocation_metadata=lambda m=m: mode_tenant(m),
+                                               peer=lambda: "ipv4:127.0.0.1:5"))
+               for m in modes]
+    assert len(set(tenants)) == len(modes)
+    assert all(t.startswith("client:bench-") for t in tenants)

@@ -72,6 +72,22 @@ def test_nothing_to_copy_runs_plain_steps():
         engine.close()
 
 
+def test_steps_of_suffix_candidates_alone_price_no_drafter_block():
+    # a suffix tree's step asks no drafter for drafts: it feeds its verify cell, never the step
+    # cell of its size, which prices the drafter's blocks with their draft time (a suffix step's
+    # cheaper seconds there made adaptive run chat's drafter chains at a loss)
+    target, order = cycle_target()
+    engine = VerifierEngine(target, spec_mode="suffix")
+    try:
+        _, events = run(engine, order[:] + order[:3], 60)
+        assert events[-1].stats.suffix_drafts > 0
+        costs = engine.policy.costs
+        assert any(k > 0 for _, k in costs.verify_cells)
+        assert not [k for _, k in costs.cells if k > 0]
+    finally:
+        engine.close()
+
+
 def test_suffix_off_verifies_no_candidates():
     target, order = cycle_target()
     engine = VerifierEngine(target, spec_mode="suffix", suffix=False)

@@ -109,9 +109,13 @@ class Arms:
         trees_ok = self.top and (not policy.tree_max_batch or len(shapes) <= policy.tree_max_batch)
         budgets = [n for n in policy.tree_budgets if n <= cap and self._priced(n)] if trees_ok else []
         self.trees = [Arm(budget=n) for n in budgets]
-        # suffix-only arms: valued from this step's candidates, never explored
+        # suffix-only arms, valued from this step's candidates and never explored: every size up
+        # to the largest tree budget, as mode suffix sizes its trees (SpeculationPolicy.
+        # suffix_size); at the tree budgets alone adaptive verified 4 or 8 rows where 2 or 3 paid
         offered = any(batch.offers[i] is not None and batch.suffix_limits[i] for i in adaptive)
-        self.suffix = [Arm(budget=n, suffix_only=True) for n in budgets] if offered else []
+        top_n = min(cap, max(policy.tree_budgets, default=0)) if trees_ok else 0
+        self.suffix = [Arm(budget=n, suffix_only=True) for n in range(1, top_n + 1)
+                       if self._priced(n)] if offered else []
 
     def _priced(self, rows: int) -> bool:
         return self.model is not None or self.costs.measured(self.bucket, max(rows, self.floor))

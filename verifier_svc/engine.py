@@ -453,10 +453,16 @@ class VerifierEngine:
         # carry a joining session's prompt to the drafter are not what a steady step costs.
         # Waiting on calls that brought no draft is the drafter's failure (the circuit
         # breaker's business), not the price of the block the step ended up verifying.
+        # A step that verified suffix candidates alone called no drafter: in the step cells
+        # it would price the drafter's blocks of its size without their draft time (its verify
+        # cell prices the suffix trees, SpeculationPolicy.suffix_cost).
+        k = max(len(r.block) for r in rows) - 1
+        called = any(r.draft.called for r in rows)
         self.policy.observe(StepFeedback(
-            batch=len(rows), k=max(len(r.block) for r in rows) - 1, verify_seconds=verify_s,
-            draft_seconds=max(0.0, draft_s - wasted_s) if any(r.draft.called for r in rows) else 0.0,
-            record_cost=not (plan.waiting or joining), blocks=by_label, trees=trees,
+            batch=len(rows), k=k, verify_seconds=verify_s,
+            draft_seconds=max(0.0, draft_s - wasted_s) if called else 0.0,
+            record_cost=not (plan.waiting or joining or (k and not any(r.shape.k for r in rows))),
+            blocks=by_label, trees=trees,
             committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead,
             fell_back=frozenset(i for i, r in enumerate(rows) if r.draft.fallback)))
         if log.isEnabledFor(logging.DEBUG):

@@ -41,8 +41,10 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   drafter's marginal node merged in (:meth:`SpeculationPolicy.drafter_node_value`).
 
   Adaptive trees are hybrid, their value the tree's plus what the suffix nodes add over the
-  drafter nodes they displace; a suffix-only tree is one more arm per budget, priced without
-  the drafter's time. Both need ``tree_budgets`` and a batch within ``tree_max_batch``.
+  drafter nodes they displace; suffix-only trees of every size up to the largest budget are
+  more arms, priced without the drafter's time by the verify cells (steps that verified suffix
+  candidates alone feed no step cell: theirs has no draft time). Both need ``tree_budgets`` and
+  a batch within ``tree_max_batch``.
 
   While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
   prefill chunk per step, so a longer step holds every waiting request out of the batch for
@@ -273,9 +275,11 @@ class SpeculationPolicy:
         the next tree, and the chains it beat were never measured again, docs/trees.md "Under
         load"); at either end the one neighbour every time (from k = 0 the alternation would
         make every other exploration a k = 0 step). A suffix-only tree's neighbours are its
-        drafter tree's."""
+        drafter arm nearest its size's."""
         by_size = sorted(arms.chains + arms.trees, key=lambda a: (a.rows, a.budget > 0))
-        i = by_size.index(Arm(budget=best.budget) if best.suffix_only else best)
+        if best.suffix_only:   # sized freely: the drafter arm of the nearest size stands in
+            best = min(by_size, key=lambda a: (abs(a.rows - best.rows), a.budget == 0))
+        i = by_size.index(best)
         up = (self._steps // self.explore_every) % 2 == 1 or i == 0
         return by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
             else by_size[max(i - 1, 0)]

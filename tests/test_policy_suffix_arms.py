@@ -1,0 +1,78 @@
+"""The adaptive policy's suffix-only arms: a suffix tree of any size the candidates pay for, as
+mode ``suffix`` sizes its own (the step cells they are priced against: test_suffix_engine.py)."""
+
+from __future__ import annotations
+
+from dflash.core.suffix import SuffixTrie
+from verifier_svc.policy import CANDIDATES, SpeculationPolicy
+from verifier_svc.shapes import Shape
+from verifier_svc.suffix_drafts import SuffixOffer
+
+from doubles import policy_job
+
+LABEL = "d@1"
+
+
+def offer(probs: list[float]) -> SuffixOffer:
+    """A chain of candidates (node j's parent is j - 1) with these calibrated probabilities of
+    being reached by the target's walk."""
+    n = len(probs)
+    trie = SuffixTrie(tokens=list(range(10, 10 + n)), parents=[-1] + list(range(n)),
+                      counts=[8] * (n + 1), match=2, depths=list(range(n + 1)))
+    p = [1.0] + probs
+    cum = [0.0]
+    for x in probs:
+        cum.append(cum[-1] + x)
+    return SuffixOffer(trie=trie, probs=p, order=list(range(1, n + 1)), cumulative=cum, rates=None)
+
+
+def trained(verify_ms: dict[int, float], draft_ms: float, rate: float) -> SpeculationPolicy:
+    """A policy whose drafter's every position is accepted with ``rate``, whose steps with
+    ``k`` rows verify in ``verify_ms[k]`` (interpolated where missing) and whose drafts cost
+    ``draft_ms`` more."""
+    p = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=(3, 7, 15))
+    for _ in range(200):
+        p.observe_acceptance(LABEL, [(15, int(rate * 15))])
+    for k in CANDIDATES:
+        if k <= 15:
+            v = verify_ms.get(k, verify_ms[max(x for x in verify_ms if x <= k)]) / 1e3
+            for _ in range(2):
+                p.observe_verify(1, k, v)
+                p.observe_step(1, k, v + (draft_ms / 1e3 if k else 0.0), 0.0)
+    for n in (3, 7, 15):
+        for _ in range(5):
+            p.acceptance.observe_trees(LABEL, [(n, 1)])   # the drafter's trees commit nothing
+    return p
+
+
+def job():
+    j = policy_job(LABEL, tree_budget=15)
+    j.suffix_limit = 15
+    return j
+
+
+def test_adaptive_verifies_a_suffix_tree_of_the_size_mode_suffix_would():
+    # two candidates worth nearly a token each, the rest worthless; rows cost as on the Xeon
+    # measured (2 rows 1.04, 3 rows 1.16, 4 rows 1.47 decodes): 2 nodes pay best, and 2 is no
+    # tree budget (3, 7, 15), the only sizes adaptive's suffix arms had
+    p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
+    o = offer([0.9, 0.8] + [0.01] * 6)
+    want = p.suffix_shape(o, 1, 15, 15)
+    assert want == Shape(0, 2, True)
+    c = p.choose_shapes([job()], offers=[o])
+    assert c.shapes == [want]
+    assert c.decision.suffix and c.decision.budget == 2
+    assert abs(c.decision.expected_tokens - o.expected(2)) < 1e-9
+
+
+def test_suffix_only_arm_explores_without_failing():
+    # exploration from a suffix-only best looks up the drafter arm nearest its size (2 nodes is
+    # no tree budget, so it is looked up by rows, not by budget)
+    p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
+    p.explore_every = 1
+    o = offer([0.9, 0.8] + [0.01] * 6)
+    for _ in range(4):
+        c = p.choose_shapes([job()], offers=[o])
+        assert c.decision.explored and not c.decision.suffix
+        assert 1 <= c.shapes[0].k <= 3      # a neighbour of 2 rows: chains of 1-3, the tree of 3
+
