@@ -160,6 +160,7 @@ def run(a) -> dict:
         version, t_start = a.drafter, time.time()
         refs = [b.generate(m, None, f"ref{i}")["tokens"] for i, m in enumerate(fresh)]
         report["throughput"] = throughput(b, eng, addr, served[:a.throughput_prompts])
+        write_report(report, Path(a.out))           # a run stopped early keeps what it measured
         per_round = max(1, (len(served) - a.throughput_prompts) // a.rounds)
         for r in range(a.rounds + 1):
             eng.capture, cap = None, eng.capture                # fresh prompts: never captured
@@ -184,6 +185,7 @@ def run(a) -> dict:
             out = rel.release(lr)
             gate = dict(rel.decisions(a.learn_dir)[-1], train_s=round(time.time() - t0, 1), round=r)
             report["gates"].append(gate)
+            write_report(report, Path(a.out))
             if out is not None:
                 report.setdefault("first_release_s", round(time.time() - t_start, 1))
                 eng.capture.close()
