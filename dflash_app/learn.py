@@ -11,6 +11,8 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
+    from dflash.learn.defaults import MIN_DRAFTS
+
     p = sub.add_parser("learn", help="online learning: status, train, release, rollback")
     lsub = p.add_subparsers(dest="learn_cmd", required=True)
 
@@ -38,8 +40,8 @@ def add_parser(sub) -> None:
     r.add_argument("--canary", type=float, default=0.1, help="its share of the traffic (0, 1]")
     r.add_argument("--verifier-metrics", help="verifier /metrics URL: watch the canary and roll "
                                               "it back automatically if its served tau is lower")
-    r.add_argument("--min-drafts", type=int, default=200, help="drafted steps per version before "
-                                                               "the watch decides")
+    r.add_argument("--min-drafts", type=int, default=MIN_DRAFTS,
+                   help="drafted steps per version before the watch decides")
     r.set_defaults(func=cmd_release)
     b = lsub.add_parser("rollback", help="all traffic back to the old version, the new one removed")
     common(b)

@@ -238,6 +238,8 @@ def write(res: dict, out: Path) -> bool:
 
 
 def main(argv=None) -> int:
+    from dflash.learn.defaults import MIN_DRAFTS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store-from", required=True, help="a learn dir with a captured store (bench_learn's)")
     p.add_argument("--target", help="target directory (default: the converted SmolLM2)")
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", type=int, default=24, help="fresh prompts the clients cycle through")
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--canary", type=float, default=0.5)
-    p.add_argument("--min-drafts", type=int, default=200)
+    p.add_argument("--min-drafts", type=int, default=MIN_DRAFTS)
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-chars", type=int, default=900, help="passage length cap (bench_learn's)")

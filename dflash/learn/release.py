@@ -23,6 +23,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflash.learn.defaults import MIN_DRAFTS
+
 DECISIONS = "decisions.jsonl"
 
 
@@ -122,7 +124,7 @@ def window(before: str, after: str) -> dict[str, ServedTau]:
             for k, v in b.items()}
 
 
-def rollback_check(win: dict[str, ServedTau], old: str, new: str, *, min_drafts: int = 200,
+def rollback_check(win: dict[str, ServedTau], old: str, new: str, *, min_drafts: int = MIN_DRAFTS,
                    tolerance: float = 0.0) -> tuple[str, dict]:
     """("rollback" | "keep" | "wait", figures): rollback when both versions drafted at least
     ``min_drafts`` steps in the window and the new one's τ is below the old one's by more than
@@ -148,7 +150,7 @@ def rollback(admin_stub, old: str, new: str, learn_dir: str | Path, figures: dic
 
 
 def watch_canary(admin_stub, scrape, old: str, new: str, learn_dir: str | Path, *,
-                 min_drafts: int = 200, tolerance: float = 0.0, poll_s: float = 5.0,
+                 min_drafts: int = MIN_DRAFTS, tolerance: float = 0.0, poll_s: float = 5.0,
                  timeout_s: float = 3600.0) -> tuple[str, dict]:
     """Poll ``scrape()`` (the verifier's /metrics text) from now until both versions drafted
     ``min_drafts`` steps, then keep the new version or roll it back (:func:`rollback`);
