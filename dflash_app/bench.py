@@ -299,18 +299,18 @@ def cmd_bench(a) -> int:
         stack = LocalStack(bench_stack_config(a)).start()
         a.gateway = stack.gateway_addr
     rows: dict[str, list[dict]] = {m[0]: [] for m in modes}
-    client = peer = None
+    peer = None
     clients: dict = {}
     try:
         from dflash.client import GatewayClient
 
         require_gateway(a.gateway)
-        client = GatewayClient(a.gateway)
         # with the answers kept, each mode its own tenant: never a candidate from another
         # mode's answer to the same prompt
-        clients = {m[0]: GatewayClient(a.gateway, metadata=mode_tenant(m[0]))
-                   if getattr(a, "suffix_answers", False)
-                   else client for m in modes}
+        per_mode = getattr(a, "suffix_answers", False)
+        shared = None if per_mode else GatewayClient(a.gateway)
+        clients = {m[0]: GatewayClient(a.gateway, metadata=mode_tenant(m[0])) if per_mode else shared
+                   for m in modes}
         runs = [(m, lambda t, p, m=m: gateway_row(clients[m[0]], t, p, max_tokens=a.max_tokens,
                                                    speculation=m[1], drafter=m[2], mode=m[3]))
                 for m in modes]
@@ -335,11 +335,8 @@ def cmd_bench(a) -> int:
                     rows[mode].append({**run(task_id, prompt), "t_start_s": start})
                     bar.update(1)
     finally:
-        if client:
-            client.close()
-            for c in clients.values():
-                if c is not client:
-                    c.close()
+        for c in set(clients.values()):
+            c.close()
         if stack:
             stack.stop()
     results = {"config": {"prompts": len(prompts), "prompt_set": a.prompts, "max_tokens": a.max_tokens,

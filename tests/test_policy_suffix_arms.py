@@ -52,9 +52,9 @@ def job():
 
 
 def test_adaptive_verifies_a_suffix_tree_of_the_size_mode_suffix_would():
-    # two candidates worth nearly a token each, the rest worthless; rows cost as on the Xeon
-    # measured (2 rows 1.04, 3 rows 1.16, 4 rows 1.47 decodes): 2 nodes pay best, and 2 is no
-    # tree budget (3, 7, 15), the only sizes adaptive's suffix arms had
+    # two candidates worth nearly a token each, the rest worthless; verify rows priced like a
+    # CPU's (2 rows 1.04, 3 rows 1.16, 4 rows 1.47 decodes): 2 nodes pay best, and 2 is no
+    # tree budget (3, 7, 15)
     p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
     o = offer([0.9, 0.8] + [0.01] * 6)
     want = p.suffix_shape(o, 1, 15, 15)

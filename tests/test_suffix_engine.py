@@ -74,8 +74,7 @@ def test_nothing_to_copy_runs_plain_steps():
 
 def test_steps_of_suffix_candidates_alone_price_no_drafter_block():
     # a suffix tree's step asks no drafter for drafts: it feeds its verify cell, never the step
-    # cell of its size, which prices the drafter's blocks with their draft time (a suffix step's
-    # cheaper seconds there made adaptive run chat's drafter chains at a loss)
+    # cell of its size, which prices the drafter's blocks with their draft time
     target, order = cycle_target()
     engine = VerifierEngine(target, spec_mode="suffix")
     try:

@@ -111,7 +111,7 @@ class Arms:
         self.trees = [Arm(budget=n) for n in budgets]
         # suffix-only arms, valued from this step's candidates and never explored: every size up
         # to the largest tree budget, as mode suffix sizes its trees (SpeculationPolicy.
-        # suffix_size); at the tree budgets alone adaptive verified 4 or 8 rows where 2 or 3 paid
+        # suffix_size): the few rows that usually pay are seldom a tree budget
         offered = any(batch.offers[i] is not None and batch.suffix_limits[i] for i in adaptive)
         top_n = min(cap, max(policy.tree_budgets, default=0)) if trees_ok else 0
         self.suffix = [Arm(budget=n, suffix_only=True) for n in range(1, top_n + 1)
