@@ -67,7 +67,8 @@ def _stack_config(a) -> "StackConfig":
     return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
                        http_port=getattr(a, "http_port", 0),
                        verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
-                       verifier_args=["--ep-size", str(ep)] if ep > 1 else [],
+                       verifier_args=(["--ep-size", str(ep)] if ep > 1 else [])
+                       + (["--suffix-corpus", a.suffix_corpus] if getattr(a, "suffix_corpus", "") else []),
                        tls=getattr(a, "tls", False))
 
 
@@ -84,6 +85,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "drafters where the CPU has bf16 instructions; the checkpoint's on a GPU), "
                         "bfloat16, float16 or float32")
     p.add_argument("--run-dir", default="runs/up", help="where service logs go")
+    p.add_argument("--suffix-corpus", default="",
+                   help="the verifier's --suffix-corpus: token shards (e.g. data/train, the "
+                        "default drafter's training data) whose answers are suffix candidates "
+                        "for every tenant (docs/suffix.md)")
     p.add_argument("--ep-size", type=int, default=1,
                    help="expert-parallel ranks for the verifier (a mixture-of-experts target; "
                         "dflash convert-moe makes one from a dense target)")

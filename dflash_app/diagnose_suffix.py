@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -57,11 +58,13 @@ TENANT = "diagnose"     # every probe prompt is one client's
 @dataclasses.dataclass(frozen=True)
 class SuffixSettings:
     """The verifier's suffix flags: ``--suffix`` (on: ``enabled``), ``--suffix-answer-tokens``,
-    ``--suffix-answer-total``."""
+    ``--suffix-answer-total``, ``--suffix-corpus`` (``""``: none) and ``--suffix-corpus-tokens``."""
 
     enabled: bool
     answer_tokens: int
     answer_total: int
+    corpus: str = ""
+    corpus_tokens: int = 0
 
     @classmethod
     def served(cls) -> "SuffixSettings":
@@ -70,11 +73,21 @@ class SuffixSettings:
         from verifier_svc import server
 
         va = server.parse_args(["--target", "-"])
-        return cls(va.suffix == "on", int(va.suffix_answer_tokens), int(va.suffix_answer_total))
+        return cls(va.suffix == "on", int(va.suffix_answer_tokens), int(va.suffix_answer_total),
+                   va.suffix_corpus, int(va.suffix_corpus_tokens))
+
+    @functools.cached_property
+    def corpus_index(self) -> SuffixIndex | None:
+        """The corpus, loaded once (``verifier_svc.suffix_corpus.load_corpus``)."""
+        if not self.corpus:
+            return None
+        from verifier_svc.suffix_corpus import load_corpus
+
+        return load_corpus(self.corpus, max_tokens=self.corpus_tokens, fingerprint=None)
 
     def answers(self) -> AnswerStore:
         """A fresh answer store as the verifier builds it (``verifier_svc.server``)."""
-        return AnswerStore(self.answer_tokens, self.answer_total)
+        return AnswerStore(self.answer_tokens, self.answer_total, corpus=self.corpus_index)
 
 
 @dataclasses.dataclass(frozen=True)

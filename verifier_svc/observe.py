@@ -65,8 +65,10 @@ class VerifierObserver:
             ("suffix_index_tokens", "suffix_index_tokens", "Tokens in the sessions' suffix indexes."),
             ("suffix_answer_tokens", "suffix_answer_tokens", "Tokens of recent answers kept for "
              "suffix candidates (all tenants)."),
+            ("suffix_corpus_tokens", "suffix_corpus_tokens", "Tokens of the operator's suffix "
+             "corpus (--suffix-corpus)."),
             ("suffix_memory_bytes", "suffix_index_bytes", "Approximate bytes of the suffix "
-             "indexes and the kept answers."),
+             "indexes, the kept answers and the corpus."),
             ("suffix_lookup_seconds_total", "suffix_lookup_seconds", "Seconds spent looking up "
              "suffix candidates (summed over decode steps)."),
             ("suffix_lookups_total", "suffix_lookups", "Decode steps that looked up suffix "

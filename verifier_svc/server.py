@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import threading
+import time
 
 from dflash.core.device import DeviceError, add_device_args
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODES
@@ -130,6 +131,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=env("DFLASH_SUFFIX_ANSWER_TOTAL", "262144"),
                    help="tokens of recent answers kept over all tenants (least recently used "
                         "tenants dropped first) [DFLASH_SUFFIX_ANSWER_TOTAL]")
+    p.add_argument("--suffix-corpus", default=env("DFLASH_SUFFIX_CORPUS", ""),
+                   help="a folder of token shards (dflash-tokens/1, e.g. data/train) whose answers "
+                        "every tenant's suffix lookups read after its own: the target's earlier "
+                        "answers; read-only, the operator's (docs/suffix.md) [DFLASH_SUFFIX_CORPUS]")
+    p.add_argument("--suffix-corpus-tokens", type=in_range(0, 1 << 26),
+                   default=env("DFLASH_SUFFIX_CORPUS_TOKENS", "524288"),
+                   help="tokens of --suffix-corpus kept (about 240 bytes each) "
+                        "[DFLASH_SUFFIX_CORPUS_TOKENS]")
     p.add_argument("--no-learn-tenants", default=env("DFLASH_NO_LEARN_TENANTS", ""),
                    help="comma-separated tenants (API key names) whose sessions a drafter with "
                         "--learn-dir never captures (docs/learning.md) [DFLASH_NO_LEARN_TENANTS]")
@@ -242,7 +251,8 @@ def main(argv=None) -> None:
                             threads=threads, tree_budget=a.tree_budget,
                             tree_budgets=parse_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
                             suffix=a.suffix == "on",
-                            answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total),
+                            answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total,
+                                                corpus=corpus_of(a, target)),
                             admission=Admission(max_waiting=a.max_waiting,
                                                 max_waiting_tokens=a.max_waiting_tokens))
     _warmup(engine)
@@ -293,6 +303,25 @@ def rank_devices_of(a) -> list:
         raise DeviceError("--cuda-graphs", "needs a CUDA device and one rank "
                                            f"(--device {a.device}, --ep-size {a.ep_size})")
     return devices
+
+
+def corpus_of(a, target):
+    """The ``--suffix-corpus`` index (None without one or with ``--suffix off``), checked against
+    ``target``'s fingerprint; a bad folder exits naming the flag."""
+    if not a.suffix_corpus or a.suffix != "on":
+        return None
+    from dflash.core.token_shards import DataError
+    from verifier_svc.suffix_corpus import load_corpus
+
+    t0 = time.perf_counter()
+    try:
+        index = load_corpus(a.suffix_corpus, max_tokens=a.suffix_corpus_tokens,
+                            fingerprint=getattr(target, "fingerprint", None))
+    except DataError as e:
+        raise SystemExit(f"python -m verifier_svc: error: {e}") from None
+    log.info("suffix corpus: %d tokens from %s in %.1f s (%.0f MB)", len(index), a.suffix_corpus,
+             time.perf_counter() - t0, index.nbytes / 2**20)
+    return index
 
 
 def load_target(a, devices, *, on_failure=None):

@@ -296,15 +296,21 @@ class AnswerStore:
             segment goes. A lookup reads ``segments + 1`` indexes at most, whatever the number
             of answers (one index per answer cost ~3 us each per step).
 
+        corpus: the operator's read-only corpus (``verifier_svc.suffix_corpus``), read by every
+            tenant after its own answers; None: none.
+
     A tenant (the gateway's client identity: the API key's name, else the peer's address) sees
     only its own answers: another tenant's text never becomes its candidate, and its lookups
     never read another's entries. The scheduler thread adds and reads; metrics read the sizes.
     """
 
-    def __init__(self, max_tokens: int = 16384, max_total: int = 262144, segments: int = 4):
+    def __init__(self, max_tokens: int = 16384, max_total: int = 262144, segments: int = 4,
+                 corpus: SuffixIndex | None = None):
         if min(max_tokens, max_total) < 0 or segments < 1:
             raise ValueError("suffix answer store bounds must be >= 0 (segments >= 1)")
         self.max_tokens, self.max_total = max_tokens, max_total
+        self.corpus = corpus if corpus is not None and len(corpus) else None
+        self._corpus_bytes = self.corpus.nbytes if self.corpus is not None else 0
         self.segment_tokens = max(1, max_tokens // segments)
         self._tenants: OrderedDict[str, list[SuffixIndex]] = OrderedDict()
         self._tokens = 0
@@ -315,9 +321,14 @@ class AnswerStore:
         return self._tokens
 
     @property
+    def corpus_tokens(self) -> int:
+        return len(self.corpus) if self.corpus is not None else 0
+
+    @property
     def nbytes(self) -> int:
+        """Approximate bytes of the tenants' answers and the corpus."""
         with self._lock:
-            return sum(ix.nbytes for segs in self._tenants.values() for ix in segs)
+            return self._corpus_bytes + sum(ix.nbytes for segs in self._tenants.values() for ix in segs)
 
     def add(self, tenant: str, answer: Sequence[int]) -> None:
         """Keep ``answer`` (token ids) for ``tenant``'s later lookups."""
@@ -344,9 +355,11 @@ class AnswerStore:
                 self._tokens -= sum(len(ix) for ix in drop)
 
     def indexes(self, tenant: str) -> list[SuffixIndex]:
-        """``tenant``'s segment indexes (a copy of the list)."""
+        """``tenant``'s segment indexes, then the corpus (a new list: ``build_trie`` prefers
+        the earlier indexes' occurrences when the trie fills)."""
         with self._lock:
-            return list(self._tenants.get(tenant, ()))
+            own = list(self._tenants.get(tenant, ()))
+        return own + [self.corpus] if self.corpus is not None else own
 
 
 def offer_for(index: SuffixIndex, answers: Sequence[SuffixIndex], depth: int,

@@ -20,32 +20,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from dflash_app.target_setup import file_sha256 as _sha256
+from dflash.core.token_shards import FORMAT, MANIFEST, DataError, TokenSeq, file_sha256, read_shard
 
-FORMAT = "dflash-tokens/1"
-MANIFEST = "manifest.json"
-
-
-class DataError(ValueError):
-    """A shard or manifest that cannot be used (truncated, foreign, or inconsistent)."""
-
-
-@dataclass
-class TokenSeq:
-    """One training sequence: ids ``[n]`` (prompt + response) and loss mask ``[n]`` (0/1)."""
-
-    ids: np.ndarray
-    loss_mask: np.ndarray
-
-    @property
-    def response_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+__all__ = ["FORMAT", "MANIFEST", "DataError", "TokenSeq", "TokenStore", "read_shard", "write_shard"]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -73,39 +54,9 @@ def write_shard(path: Path, seqs: list[TokenSeq], header: dict, vocab_size: int)
                         loss_mask=np.concatenate([s.loss_mask for s in seqs]).astype(np.uint8),
                         offsets=np.cumsum(lens), header=np.frombuffer(json.dumps(head).encode(), np.uint8))
     _atomic_write(path, buf.getvalue())
-    return {"name": path.name, "sha256": _sha256(path), "source": head["source"],
+    return {"name": path.name, "sha256": file_sha256(path), "source": head["source"],
             "sequences": head["sequences"], "tokens": head["tokens"],
             "response_tokens": head["response_tokens"]}
-
-
-def read_shard(path: Path, *, fingerprint: str | None = None, sha256: str | None = None
-               ) -> tuple[dict, list[TokenSeq]]:
-    """``(header, sequences)`` of one shard.
-
-    Raises ``DataError`` naming the shard when it is truncated or corrupt (sha256 differs from
-    the manifest's, or the archive does not parse), foreign (another format or target
-    fingerprint), or inconsistent (offsets do not cover the ids)."""
-    if sha256 is not None and _sha256(path) != sha256:
-        raise DataError(f"{path.name}: sha256 differs from the manifest (truncated or modified)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in ("ids", "loss_mask", "offsets", "header")}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        raise DataError(f"{path.name}: not a readable token shard ({e})") from None
-    try:
-        header = json.loads(arrays["header"].tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise DataError(f"{path.name}: header is not JSON") from None
-    if header.get("format") != FORMAT:
-        raise DataError(f"{path.name}: format {header.get('format')!r}, expected {FORMAT!r}")
-    if fingerprint is not None and header.get("target_fingerprint") != fingerprint:
-        raise DataError(f"{path.name}: target_fingerprint {header.get('target_fingerprint')!r} "
-                        f"is not this target's {fingerprint!r} (data of another target)")
-    ids, mask, off = arrays["ids"].astype(np.int64), arrays["loss_mask"], arrays["offsets"]
-    if (len(ids) != len(mask) or len(off) < 2 or off[0] != 0 or off[-1] != len(ids)
-            or np.any(np.diff(off) <= 0) or len(off) - 1 != header.get("sequences")):
-        raise DataError(f"{path.name}: offsets do not match the ids (corrupt shard)")
-    return header, [TokenSeq(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
 class TokenStore:
