@@ -76,3 +76,25 @@ def test_suffix_only_arm_explores_without_failing():
         assert c.decision.explored and not c.decision.suffix
         assert 1 <= c.shapes[0].k <= 3      # a neighbour of 2 rows: chains of 1-3, the tree of 3
 
+
+
+def test_a_hybrid_trees_suffix_gain_is_scaled_by_what_recent_hybrid_trees_realized():
+    # the candidates' predicted gain counts nodes the drafter's own tree may already hold; the
+    # steps' realized gain measures that: half realized halves every later prediction
+    p = trained({0: 25.0, 1: 26.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
+    o = offer([0.9, 0.8, 0.6])
+    raw = p._hybrid_gain(o, LABEL, 15, 15)
+    assert raw > 2.0
+    for _ in range(4):                           # too few steps to judge: the prediction stands
+        p.acceptance.observe_hybrid(LABEL, [(2.0, 1.0)])
+    assert p._hybrid_gain(o, LABEL, 15, 15) == raw
+    for _ in range(200):
+        p.acceptance.observe_hybrid(LABEL, [(2.0, 1.0)])
+    assert abs(p._hybrid_gain(o, LABEL, 15, 15) - 0.5 * raw) < 1e-6
+    assert p.acceptance.hybrid_factor("other@1") == 1.0     # per drafter version
+    for _ in range(200):                         # never above 1.5, never below 0
+        p.acceptance.observe_hybrid(LABEL, [(1.0, 4.0)])
+    assert p.acceptance.hybrid_factor(LABEL) == 1.5
+    for _ in range(200):                         # a gain never realized is no longer predicted
+        p.acceptance.observe_hybrid(LABEL, [(2.0, 0.0)])
+    assert p._hybrid_gain(o, LABEL, 15, 15) < 0.001 * raw

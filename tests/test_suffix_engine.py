@@ -225,6 +225,9 @@ def test_greedy_identical_with_a_drafter(stack, make_drafter, tiny_target, hf_ta
             assert st.suffix_nodes <= st.tree_nodes
             nodes += st.suffix_nodes
     assert nodes > 0
+    if mode == "hybrid":    # its trees taught the policy what their suffix candidates realized
+        (label, factor), = stack.engine.policy.acceptance.hybrid_table().items()
+        assert label == engine.card.label and 0.0 <= factor <= 1.5
 
 
 def test_mode_suffix_sends_the_drafter_nothing_and_a_drafting_turn_catches_up(

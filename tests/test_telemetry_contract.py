@@ -136,6 +136,7 @@ METRICS = {
     "dflash_spec_decode_wire_seconds",
     "dflash_spec_policy_acceptance_rate",
     "dflash_spec_policy_accuracy",
+    "dflash_spec_policy_hybrid_factor",
     "dflash_spec_policy_overhead_seconds",
     "dflash_spec_policy_step_seconds",
     "dflash_spec_policy_tree_tokens",

@@ -12,7 +12,12 @@ expected to commit.
 * trees (DDTree, ``verifier_svc/tree.py``): per drafter label and node budget, an EMA of the
   tokens one tree step commits (:meth:`AcceptanceEstimator.observe_trees`). A chain's
   per-position rates say nothing about the siblings a tree adds, so a tree budget is measured
-  as a whole rather than derived.
+  as a whole rather than derived;
+* hybrid trees: per drafter label, EMAs of the gain the suffix candidates were predicted to add
+  to a drafter's tree (before calibration) and of what they added (committed tokens beyond the
+  drafter's own nodes of the path); their ratio scales every predicted gain
+  (:meth:`AcceptanceEstimator.hybrid_factor`). A candidate the drafter's tree already holds
+  adds nothing, and the prediction, made before the drafter has drafted, cannot know which.
 
 How the policy weighs these against step cost: ``verifier_svc/policy.py``.
 """
@@ -27,6 +32,8 @@ from verifier_svc.cost_model import EMA
 SESSION_PRIOR_STEPS = 4.0
 # Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
 TREE_MEASURED_STEPS = 3
+# Hybrid tree steps of one label before their realized / predicted gain scales the prediction.
+HYBRID_MEASURED_STEPS = 5
 
 
 class PositionCounts(Protocol):
@@ -85,6 +92,7 @@ class AcceptanceEstimator:
         self._committed_extra = EMA(alpha)
         self._pending: dict[int, float] | None = None   # job index -> expected extra tokens
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
+        self._hybrid: dict[str, tuple[EMA, EMA]] = {}   # label -> (predicted, realized) gain per step
 
     # ------------------------------------------------------------------ rates
     def observe(self, label: str, blocks: Sequence[tuple[int, int]]) -> None:
@@ -152,6 +160,29 @@ class AcceptanceEstimator:
     def tree_table(self) -> dict[tuple[str, int], float]:
         """(label, budget) -> EMA committed tokens per tree step (a copy, for metrics)."""
         return {key: e.value for key, e in list(self._trees.items())}
+
+    def observe_hybrid(self, label: str, rows: Sequence[tuple[float, float]]) -> None:
+        """One step's hybrid trees of drafter ``label``: ``(predicted, realized)`` gain each, in
+        tokens: the suffix candidates' predicted gain before calibration
+        (``Sourced.gain``), and the tokens committed beyond what the drafter's own nodes of the
+        path commit. One EMA update of each sum per step."""
+        if not rows:
+            return
+        pred, real = self._hybrid.setdefault(label, (EMA(self.alpha), EMA(self.alpha)))
+        pred.add(sum(p for p, _ in rows))
+        real.add(sum(r for _, r in rows))
+
+    def hybrid_factor(self, label: str) -> float:
+        """Realized / predicted gain of drafter ``label``'s recent hybrid trees, in [0, 1.5];
+        1.0 until ``HYBRID_MEASURED_STEPS`` steps were seen."""
+        e = self._hybrid.get(label)
+        if e is None or e[0].n < HYBRID_MEASURED_STEPS or e[0].value <= 0:
+            return 1.0
+        return min(1.5, max(0.0, e[1].value / e[0].value))
+
+    def hybrid_table(self) -> dict[str, float]:
+        """drafter label -> :meth:`hybrid_factor` (for metrics)."""
+        return {label: self.hybrid_factor(label) for label in list(self._hybrid)}
 
     # ------------------------------------------------------------------ calibration
     def expect(self, indices: Sequence[int], extra: float | Sequence[float]) -> None:

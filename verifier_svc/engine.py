@@ -438,6 +438,7 @@ class VerifierEngine:
         """One observation of this step for the policy (``StepFeedback``)."""
         by_label: dict[str, list[tuple[int, int]]] = {}
         trees: dict[str, list[tuple[int, int]]] = {}
+        hybrid: dict[str, list[tuple[float, float]]] = {}
         for r, ev in zip(rows, events):
             proposer, src, v = r.state.req.proposer, r.sourced, r.verified
             if not ev.drafted or proposer is None or _no_drafter_node(src):
@@ -448,6 +449,9 @@ class VerifierEngine:
                 drafter = src.drafter_prefix(v.path) + 1 if src is not None and src.trie_nodes \
                     else len(ev.tokens)
                 trees.setdefault(label, []).append((r.shape.budget, min(drafter, len(ev.tokens))))
+                if src is not None and src.trie_nodes:
+                    hybrid.setdefault(label, []).append(
+                        (src.gain, len(ev.tokens) - min(drafter, len(ev.tokens))))
             else:
                 by_label.setdefault(label, []).append((ev.drafted, ev.accepted))
         verify_s, draft_s = timing.verify_seconds, timing.draft_seconds
@@ -467,7 +471,7 @@ class VerifierEngine:
             batch=len(rows), k=k, verify_seconds=verify_s,
             draft_seconds=max(0.0, draft_s - wasted_s) if called else 0.0,
             record_cost=not (plan.waiting or joining or (k and not any(r.shape.k for r in rows))),
-            blocks=by_label, trees=trees,
+            blocks=by_label, trees=trees, hybrid=hybrid,
             committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead,
             fell_back=frozenset(i for i, r in enumerate(rows) if r.draft.fallback)))
         if log.isEnabledFor(logging.DEBUG):

@@ -71,7 +71,7 @@ from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, se
 from verifier_svc.arms import Arms, Batch, Expectations, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
-from verifier_svc.suffix_drafts import SuffixOffer
+from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
 
 __all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Arm", "Decision", "PolicyJob",
            "Shape", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
@@ -135,6 +135,8 @@ class SpeculationPolicy:
             self.observe_acceptance(label, label_blocks)
         for label, rows in fb.trees.items():
             self.acceptance.observe_trees(label, rows)
+        for label, gains in fb.hybrid.items():
+            self.acceptance.observe_hybrid(label, gains)
         self.observe_outcome(fb.committed, fb.fell_back)
         if fb.cycle_overhead is not None:
             self.observe_overhead(fb.cycle_overhead)
@@ -333,11 +335,12 @@ class SpeculationPolicy:
 
     def _hybrid_gain(self, offer: SuffixOffer | None, label: str, budget: int, limit: int) -> float:
         """What ``offer``'s candidates add to a ``budget``-node drafter tree: each one worth
-        more than the drafter's marginal node adds the difference."""
+        more than the drafter's marginal node adds the difference (``suffix_gain``), scaled by
+        what recent hybrid trees realized of their prediction (``hybrid_factor``)."""
         if offer is None or not limit:
             return 0.0
         theta = self.drafter_node_value(label, budget, limit)
-        return sum(offer.probs[j] - theta for j in offer.above(theta, limit)[:budget])
+        return self.acceptance.hybrid_factor(label) * suffix_gain(offer, theta, limit, budget)
 
     # ------------------------------------------------------------------ the drafters' deadline
     def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape],

@@ -101,6 +101,8 @@ class StepFeedback:
     # drafter label -> (node budget, committed tokens) per verified tree (kept out of ``blocks``:
     # a tree's depth acceptance is not a chain's position acceptance)
     trees: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    # drafter label -> (predicted, realized) gain of the suffix candidates per hybrid tree
+    hybrid: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     # jobs (indices) whose wanted block is missing (the drafter failed, or its circuit is open):
     # they say nothing about how well the expectations predict acceptance
     fell_back: frozenset[int] = frozenset()

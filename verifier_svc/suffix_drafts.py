@@ -35,7 +35,7 @@ from dflash.core.suffix import MAX_MATCH, SEPARATOR, SuffixIndex, SuffixTrie, bu
 from verifier_svc.tree import DraftTree
 
 __all__ = ["DRAFTER", "SUFFIX", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
-           "suffix_tree", "hybrid_tree", "match_bucket", "Sourced"]
+           "suffix_tree", "hybrid_tree", "suffix_gain", "match_bucket", "Sourced"]
 
 DRAFTER = 1
 SUFFIX = 2
@@ -188,6 +188,7 @@ class Sourced:
     tree: DraftTree
     sources: list[int]
     trie_nodes: dict[int, int]
+    gain: float = 0.0       # a hybrid tree: its suffix candidates' :func:`suffix_gain`
 
     def suffix_only(self, path: Sequence[int]) -> int:
         """Accepted nodes of ``path`` (block indices) that only the suffix index proposed."""
@@ -218,6 +219,16 @@ def suffix_tree(offer: SuffixOffer, n: int, limit: int) -> Sourced | None:
     return _merge(None, offer, sorted(chosen))
 
 
+def suffix_gain(offer: SuffixOffer | None, threshold: float, limit: int, budget: int) -> float:
+    """What ``offer``'s candidates are predicted to add to a drafter's tree, uncalibrated: each
+    worth more than ``threshold`` (the drafter's marginal node), best first, at most ``budget``,
+    adds the difference. Overlap with the drafter's own nodes is not known before it drafts
+    (``AcceptanceEstimator.hybrid_factor`` measures it)."""
+    if offer is None or limit < 1:
+        return 0.0
+    return sum(offer.probs[j] - threshold for j in offer.above(threshold, limit)[:budget])
+
+
 def hybrid_tree(drafter: DraftTree, offer: SuffixOffer | None, budget: int, threshold: float,
                 limit: int) -> Sourced:
     """The drafter's tree ``drafter`` (pop order, at most ``budget`` nodes) with ``offer``'s
@@ -228,10 +239,11 @@ def hybrid_tree(drafter: DraftTree, offer: SuffixOffer | None, budget: int, thre
     if offer is None or not chosen:
         return Sourced(drafter, [0] + [DRAFTER] * len(drafter.tokens), {})
     n_d = len(drafter.tokens)
+    gain = suffix_gain(offer, threshold, limit, budget)
     for m in range(min(n_d, budget), -1, -1):
         merged = _merge(_prefix(drafter, m), offer, chosen)
         if len(merged.tree.tokens) <= budget:
-            return merged
+            return dataclasses.replace(merged, gain=gain)
     raise AssertionError("unreachable: m = 0 keeps at most budget suffix nodes")
 
 

@@ -160,6 +160,8 @@ class PolicyGauges:
       step of ``budget`` nodes commits (bonus included; the value adaptive gives that tree);
     * ``dflash_spec_policy_accuracy``: committed / expected drafted tokens of recent
       speculative adaptive steps (the factor on every expected gain);
+    * ``dflash_spec_policy_hybrid_factor{drafter_version}``: realized / predicted gain of the
+      suffix candidates in recent hybrid trees (the factor on every predicted suffix gain);
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
     """
 
@@ -203,6 +205,12 @@ class PolicyGauges:
                                 "steps (policy input).")
         acc.add_metric([], policy.accuracy)
         yield acc
+        hyb = GaugeMetricFamily("dflash_spec_policy_hybrid_factor",
+                                "Realized / predicted gain of the suffix candidates in recent hybrid "
+                                "trees (policy input).", labels=[V])
+        for label, f in policy.acceptance.hybrid_table().items():
+            hyb.add_metric([label], f)
+        yield hyb
         g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
         g.add_metric([], float(e.scheduler.batch_size))
         yield g
