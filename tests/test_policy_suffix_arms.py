@@ -98,3 +98,34 @@ def test_a_hybrid_trees_suffix_gain_is_scaled_by_what_recent_hybrid_trees_realiz
     for _ in range(200):                         # a gain never realized is no longer predicted
         p.acceptance.observe_hybrid(LABEL, [(2.0, 0.0)])
     assert p._hybrid_gain(o, LABEL, 15, 15) < 0.001 * raw
+
+
+def test_each_arm_family_is_calibrated_by_the_steps_that_ran_it():
+    # drafter trees measured at 4 tokens a step, a suffix tree of two good candidates: the
+    # tree arm wins; steps that ran it and committed only the bonus token teach the trees'
+    # calibration (and not the chains' nor the suffix trees'), until the suffix tree wins
+    p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
+    for n in (3, 7, 15):
+        for _ in range(200):
+            p.acceptance.observe_trees(LABEL, [(n, 4)])
+    o = offer([0.9, 0.5])
+    first = p.choose_shapes([job()], 0, [o]).shapes[0]
+    assert first.k and first.budget                      # a drafter tree
+    for step in range(100):
+        sh = p.choose_shapes([job()], 0, [o]).shapes[0]
+        if not sh.k:
+            break
+        p.observe_outcome([1])
+    assert sh.budget and sh.suffix and not sh.k, sh      # the suffix tree alone, in time
+    assert step >= 5                                     # not before 5 steps were seen
+    assert p.acceptance.accuracy_of("tree") < 0.5
+    assert p.acceptance.accuracy_of("chain") == p.accuracy == 1.0
+    assert p.acceptance.accuracy_of("suffix") == 1.0
+
+
+def test_a_step_of_an_unknown_arm_family_is_refused():
+    import pytest
+
+    p = SpeculationPolicy("adaptive")
+    with pytest.raises(ValueError, match="family"):
+        p.acceptance.expect([0], 1.0, "forest")

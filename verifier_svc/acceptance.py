@@ -7,8 +7,13 @@ expected to commit.
   the bonus token included (:meth:`AcceptanceEstimator.expected_table`);
 * per request: the drafter's table moved towards the request's own per-position counts, the
   drafter's rates weighing as ``SESSION_PRIOR_STEPS`` steps (:func:`session_table`);
-* calibration: ``accuracy`` = committed / expected drafted tokens of recent speculative steps,
-  by which the policy scales every expected drafted token (:attr:`AcceptanceEstimator.accuracy`);
+* calibration: per arm family (:data:`CHAIN`, :data:`TREE`: the drafter's trees, hybrid or
+  not, :data:`SUFFIX`: suffix candidates alone), committed / expected extra tokens of the
+  recent adaptive steps that ran one of them, by which the policy scales that family's expected
+  extra tokens (:meth:`AcceptanceEstimator.accuracy_of`; ``accuracy`` is the chains'). An arm is
+  run when its estimate is high, so its steps commit less than estimated on average (the
+  winner's curse): measured on the Xeon, the drafter's trees by about a quarter, the suffix
+  trees alone by less (docs/suffix.md);
 * trees (DDTree, ``verifier_svc/tree.py``): per drafter label and node budget, an EMA of the
   tokens one tree step commits (:meth:`AcceptanceEstimator.observe_trees`). A chain's
   per-position rates say nothing about the siblings a tree adds, so a tree budget is measured
@@ -32,6 +37,9 @@ from verifier_svc.cost_model import EMA
 SESSION_PRIOR_STEPS = 4.0
 # Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
 TREE_MEASURED_STEPS = 3
+# Arm families, each calibrated on its own (the adaptive steps that ran one of its arms).
+CHAIN, TREE, SUFFIX = "chain", "tree", "suffix"
+ARM_FAMILIES = (CHAIN, TREE, SUFFIX)
 # Hybrid tree steps of one label before their realized / predicted gain scales the prediction.
 HYBRID_MEASURED_STEPS = 5
 
@@ -86,11 +94,11 @@ class AcceptanceEstimator:
     def __init__(self, alpha: float = 0.05):
         self.alpha = alpha
         self._rates: dict[str, list[EMA]] = {}   # label -> per-position unconditional acceptance
-        # calibration: drafted tokens the speculative steps were expected to add (uncalibrated)
-        # and what they committed beyond the bonus token, EMAs per step
-        self._expected_extra = EMA(alpha)
-        self._committed_extra = EMA(alpha)
-        self._pending: dict[int, float] | None = None   # job index -> expected extra tokens
+        # calibration, per arm family: extra tokens the steps were expected to add
+        # (uncalibrated) and what they committed beyond the bonus token, EMAs per step
+        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in ARM_FAMILIES}
+        # the step about to run: its family and, per job index, its expected extra tokens
+        self._pending: tuple[str, dict[int, float]] | None = None
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
         self._hybrid: dict[str, tuple[EMA, EMA]] = {}   # label -> (predicted, realized) gain per step
 
@@ -185,13 +193,17 @@ class AcceptanceEstimator:
         return {label: self.hybrid_factor(label) for label in list(self._hybrid)}
 
     # ------------------------------------------------------------------ calibration
-    def expect(self, indices: Sequence[int], extra: float | Sequence[float]) -> None:
-        """The step about to run is speculative: jobs ``indices`` (positions in the step's job
-        list) are expected to commit ``extra`` drafted tokens (uncalibrated): a total spread
-        evenly over them, or one figure per job in the order of ``indices``."""
+    def expect(self, indices: Sequence[int], extra: float | Sequence[float],
+               family: str = CHAIN) -> None:
+        """The step about to run is speculative with an arm of ``family``: jobs ``indices``
+        (positions in the step's job list) are expected to commit ``extra`` tokens beyond the
+        bonus (before this family's calibration): a total spread evenly over them, or one
+        figure per job in the order of ``indices``. Raises ValueError for another family."""
+        if family not in self._calibration:
+            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
         each = [extra / len(indices)] * len(indices) if isinstance(extra, (int, float)) \
             else list(extra)
-        self._pending = dict(zip(indices, each))
+        self._pending = (family, dict(zip(indices, each)))
 
     def clear_expectation(self) -> None:
         """The step about to run feeds no calibration (no speculative adaptive job)."""
@@ -205,18 +217,25 @@ class AcceptanceEstimator:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        idx = [i for i in pending if i not in skip]
+        family, expected = pending
+        idx = [i for i in expected if i not in skip]
         if not idx:
             return
-        self._expected_extra.add(sum(pending[i] for i in idx))
-        self._committed_extra.add(sum(max(committed[i] - 1, 0) for i in idx))
+        exp_e, com_e = self._calibration[family]
+        exp_e.add(sum(expected[i] for i in idx))
+        com_e.add(sum(max(committed[i] - 1, 0) for i in idx))
+
+    def accuracy_of(self, family: str) -> float:
+        """Committed / expected extra tokens of the recent adaptive steps that ran an arm of
+        ``family`` (1.0 until 5 were seen), clamped to [0.25, 1.5]. Per-request estimates run
+        above what steps commit under load (acceptance falls within an answer faster than its
+        counts follow), by as much as the margin between speculating and not."""
+        exp_e, com_e = self._calibration[family]
+        if exp_e.n < 5 or exp_e.value <= 0:
+            return 1.0
+        return min(1.5, max(0.25, com_e.value / exp_e.value))
 
     @property
     def accuracy(self) -> float:
-        """Committed / expected drafted tokens of recent speculative steps (1.0 until 5 were
-        seen), clamped to [0.25, 1.5]. Per-request estimates run above what steps commit under
-        load (acceptance falls within an answer faster than its counts follow), by as much as
-        the margin between speculating and not."""
-        if self._expected_extra.n < 5 or self._expected_extra.value <= 0:
-            return 1.0
-        return min(1.5, max(0.25, self._committed_extra.value / self._expected_extra.value))
+        """The chains' calibration (:meth:`accuracy_of` ``CHAIN``)."""
+        return self.accuracy_of(CHAIN)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF, MODE_SUFFIX, SUFFIX_MODES
-from verifier_svc.acceptance import session_table
+from verifier_svc.acceptance import SUFFIX, TREE, session_table
 from verifier_svc.cost_model import bucket
 from verifier_svc.shapes import CANDIDATES, Arm, Decision, PolicyJob, Shape
 from verifier_svc.suffix_drafts import SuffixOffer
@@ -125,14 +125,25 @@ class Arms:
         return max(arm.rows, self.floor)
 
     def gain(self, arm: Arm) -> float:
-        """Expected committed tokens of the whole batch under ``arm``."""
+        """Expected committed tokens of the whole batch under ``arm``: each adaptive job's
+        :meth:`raw` extra tokens scaled by the calibration of the arm's family."""
+        if arm.suffix_only or arm.budget:
+            acc = self.policy.acceptance.accuracy_of(SUFFIX if arm.suffix_only else TREE)
+            return self.fixed_tokens + sum(1.0 + acc * x for x in self.raw(arm))
+        return self.fixed_tokens + sum(self.ex.chain(i, min(arm.k, self.batch.limits[i]))
+                                       for i in self.batch.adaptive)
+
+    def raw(self, arm: Arm) -> list[float]:
+        """Per adaptive job, the extra tokens (beyond the bonus) ``arm`` is expected to commit
+        before its family's calibration."""
         b, ex, n = self.batch, self.ex, arm.budget
         if arm.suffix_only:
-            return self.fixed_tokens + sum(offered(b.offers[i], n) for i in b.adaptive)
+            return [offered(b.offers[i], n) - 1.0 for i in b.adaptive]
         if n:
-            return self.fixed_tokens + sum(ex.tree(i, n) + self.policy._hybrid_gain(
-                b.offers[i], ex.label(i), n, b.suffix_limits[i]) for i in b.adaptive)
-        return self.fixed_tokens + sum(ex.chain(i, min(arm.k, b.limits[i])) for i in b.adaptive)
+            return [ex.tree(i, n) - 1.0 + self.policy._hybrid_gain(b.offers[i], ex.label(i), n,
+                                                                   b.suffix_limits[i])
+                    for i in b.adaptive]
+        return [ex.raw(i, min(arm.k, b.limits[i])) - 1.0 for i in b.adaptive]
 
     def price(self, arm: Arm) -> float:
         """Estimated seconds of the step under ``arm`` (a suffix-only tree: no drafter time)."""

@@ -478,10 +478,10 @@ class VerifierEngine:
             d = timing.decision
             log.debug("step batch=%d waiting=%d joining=%s k=%d budget=%d explored=%s "
                       "expected=%.2f committed=%d estimated=%.1fms measured verify=%.1fms "
-                      "draft=%.1fms mode=%s",
+                      "draft=%.1fms mode=%s rows=%d",
                       len(rows), plan.waiting, joining, d.k, d.budget, d.explored, d.expected_tokens,
                       sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
-                      1e3 * verify_s, 1e3 * draft_s, d.mode or "-")
+                      1e3 * verify_s, 1e3 * draft_s, d.mode or "-", k + 1)
 
     def close(self) -> None:
         """Stop the loop's thread (requests still running fail)."""
