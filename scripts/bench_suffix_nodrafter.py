@@ -27,12 +27,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tag", default="amd")
     p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--suffix-corpus", default="", help="the verifier's --suffix-corpus (e.g. data/train)")
     a = p.parse_args()
     cfg = StackConfig(target=str(setup_target()), gateway_port=52050, verifier_port=52051,
                       drafters=[DrafterSpec(path=str(ROOT / "models/smollm2-dflash-b16"), port=52061)],
                       run_dir=tempfile.mkdtemp(prefix="nodrafter-"),
                       # each prompt runs in both modes: no answer of one may be the other's candidate
-                      verifier_args=["--suffix-answer-tokens", "0"])
+                      verifier_args=["--suffix-answer-tokens", "0"]
+                      + (["--suffix-corpus", a.suffix_corpus] if a.suffix_corpus else []))
     with LocalStack(cfg) as stack:
         drafter = stack.procs["drafter0"]
         drafter.kill()
