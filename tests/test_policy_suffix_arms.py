@@ -111,13 +111,15 @@ def test_each_arm_family_is_calibrated_by_the_steps_that_ran_it():
     o = offer([0.9, 0.5])
     first = p.choose_shapes([job()], 0, [o]).shapes[0]
     assert first.k and first.budget                      # a drafter tree
-    for step in range(100):
+    ran = 0                                              # tree steps before the switch
+    for _ in range(100):
         sh = p.choose_shapes([job()], 0, [o]).shapes[0]
         if not sh.k:
             break
         p.observe_outcome([1])
+        ran += 1
     assert sh.budget and sh.suffix and not sh.k, sh      # the suffix tree alone, in time
-    assert step >= 5                                     # not before 5 steps were seen
+    assert ran >= 5                                      # not before 5 steps were seen
     assert p.acceptance.accuracy_of("tree") < 0.5
     assert p.acceptance.accuracy_of("chain") == p.accuracy == 1.0
     assert p.acceptance.accuracy_of("suffix") == 1.0
