@@ -114,7 +114,11 @@ def cmd_up(a) -> int:
     stack = new_stack(cfg, sidecars=sidecars)
     print("starting " + ("the traces UI, " if sidecars else "") + "drafter(s), verifier, gateway ...",
           flush=True)
-    stack.start()
+    from dflash_app.launcher import LaunchError
+    try:
+        stack.start()       # on failure it has stopped what it started
+    except LaunchError as e:   # the service's own error is the last line of its log tail
+        raise SystemExit(f"dflash up: error: {e}") from None
     for sc in sidecars:
         print(sc.describe())
     for i, d in enumerate(stack.cfg.drafters):

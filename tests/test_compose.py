@@ -784,6 +784,20 @@ def test_dflash_up_prometheus_without_binary_says_how_to_install(monkeypatch, ca
     assert e.value.code == local_prometheus.INSTALL_HINT and "apt-get install prometheus" in e.value.code
 
 
+
+def test_dflash_up_a_service_failing_to_start_exits_with_its_error_not_a_traceback(monkeypatch):
+    from dflash_app import cli, launcher
+
+    def start(self):
+        raise launcher.LaunchError("verifier exited with code 1 while starting:\n"
+                                   "python -m verifier_svc: error: --suffix-corpus: x: no manifest")
+
+    monkeypatch.setattr(launcher.LocalStack, "start", start)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["up", "--tiny", "--run-dir", "/tmp/dflash-up-test"])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("dflash up: error: verifier exited")
+    assert e.value.code.endswith("--suffix-corpus: x: no manifest")
+
 FAKE_PROMETHEUS = """\
 import http.server, json, sys
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:])

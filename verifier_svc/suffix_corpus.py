@@ -62,7 +62,7 @@ def load_corpus(root: str | Path, *, max_tokens: int, fingerprint: str | None) -
         try:
             _, seqs = read_shard(shard, fingerprint=fingerprint, sha256=entry.get("sha256"))
         except DataError as e:
-            raise DataError(f"--suffix-corpus: {e}") from None
+            raise DataError(f"--suffix-corpus: {Path(root)}/{e}") from None
         for s in seqs:
             answer = s.ids[np.asarray(s.loss_mask) > 0].tolist()
             if len(answer) > 1:
