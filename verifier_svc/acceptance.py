@@ -12,8 +12,7 @@ expected to commit.
   recent adaptive steps that ran one of them, by which the policy scales that family's expected
   extra tokens (:meth:`AcceptanceEstimator.accuracy_of`; ``accuracy`` is the chains'). An arm is
   run when its estimate is high, so its steps commit less than estimated on average (the
-  winner's curse): measured on the Xeon, the drafter's trees by about a quarter, the suffix
-  trees alone by less (docs/suffix.md);
+  winner's curse; docs/suffix.md);
 * trees (DDTree, ``verifier_svc/tree.py``): per drafter label and node budget, an EMA of the
   tokens one tree step commits (:meth:`AcceptanceEstimator.observe_trees`). A chain's
   per-position rates say nothing about the siblings a tree adds, so a tree budget is measured
@@ -82,6 +81,14 @@ def session_table(prior: list[float], stats: PositionCounts | None,
         total += r
         table.append(total)
     return table
+
+
+def ema_ratio(num: EMA, den: EMA, min_steps: int, low: float, high: float = 1.5) -> float:
+    """``num / den`` clamped to ``[low, high]``; 1.0 until ``den`` has seen ``min_steps``
+    steps or while it is not positive (a calibration's neutral value)."""
+    if den.n < min_steps or den.value <= 0:
+        return 1.0
+    return min(high, max(low, num.value / den.value))
 
 
 class AcceptanceEstimator:
@@ -184,9 +191,7 @@ class AcceptanceEstimator:
         """Realized / predicted gain of drafter ``label``'s recent hybrid trees, in [0, 1.5];
         1.0 until ``HYBRID_MEASURED_STEPS`` steps were seen."""
         e = self._hybrid.get(label)
-        if e is None or e[0].n < HYBRID_MEASURED_STEPS or e[0].value <= 0:
-            return 1.0
-        return min(1.5, max(0.0, e[1].value / e[0].value))
+        return ema_ratio(e[1], e[0], HYBRID_MEASURED_STEPS, 0.0) if e is not None else 1.0
 
     def hybrid_table(self) -> dict[str, float]:
         """drafter label -> :meth:`hybrid_factor` (for metrics)."""
@@ -231,9 +236,7 @@ class AcceptanceEstimator:
         above what steps commit under load (acceptance falls within an answer faster than its
         counts follow), by as much as the margin between speculating and not."""
         exp_e, com_e = self._calibration[family]
-        if exp_e.n < 5 or exp_e.value <= 0:
-            return 1.0
-        return min(1.5, max(0.25, com_e.value / exp_e.value))
+        return ema_ratio(com_e, exp_e, 5, 0.25)
 
     @property
     def accuracy(self) -> float:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF, MODE_SUFFIX, SUFFIX_MODES
-from verifier_svc.acceptance import SUFFIX, TREE, session_table
+from verifier_svc.acceptance import CHAIN, SUFFIX, TREE, session_table
 from verifier_svc.cost_model import bucket
 from verifier_svc.shapes import CANDIDATES, Arm, Decision, PolicyJob, Shape
 from verifier_svc.suffix_drafts import SuffixOffer
@@ -28,6 +28,12 @@ def tree_shape(limit: int, budget: int) -> Shape:
 def offered(offer: SuffixOffer | None, n: int) -> float:
     """Expected tokens of a tree of ``offer``'s ``n`` best candidates (1: none)."""
     return offer.expected(n) if offer is not None else 1.0
+
+
+def family(arm: Arm) -> str:
+    """The calibration family of ``arm`` (``verifier_svc.acceptance``): suffix trees alone,
+    the drafter's trees, or chains."""
+    return SUFFIX if arm.suffix_only else TREE if arm.budget else CHAIN
 
 
 def hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
@@ -127,11 +133,8 @@ class Arms:
     def gain(self, arm: Arm) -> float:
         """Expected committed tokens of the whole batch under ``arm``: each adaptive job's
         :meth:`raw` extra tokens scaled by the calibration of the arm's family."""
-        if arm.suffix_only or arm.budget:
-            acc = self.policy.acceptance.accuracy_of(SUFFIX if arm.suffix_only else TREE)
-            return self.fixed_tokens + sum(1.0 + acc * x for x in self.raw(arm))
-        return self.fixed_tokens + sum(self.ex.chain(i, min(arm.k, self.batch.limits[i]))
-                                       for i in self.batch.adaptive)
+        acc = self.policy.acceptance.accuracy_of(family(arm))
+        return self.fixed_tokens + sum(1.0 + acc * x for x in self.raw(arm))
 
     def raw(self, arm: Arm) -> list[float]:
         """Per adaptive job, the extra tokens (beyond the bonus) ``arm`` is expected to commit

@@ -67,8 +67,8 @@ from dflash.core.speculation import (
     MODE_TREE,
     MODES,
 )
-from verifier_svc.acceptance import CHAIN, SESSION_PRIOR_STEPS, SUFFIX, TREE, AcceptanceEstimator, session_table
-from verifier_svc.arms import Arms, Batch, Expectations, hybrid_shape, limits, tree_shape
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, session_table
+from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
@@ -232,8 +232,7 @@ class SpeculationPolicy:
         for i in batch.adaptive:
             shapes[i] = batch.adaptive_shape(i, best)
         if best.k > 0 or best.budget:      # a speculative arm: its family learns from the step
-            family = SUFFIX if best.suffix_only else TREE if best.budget else CHAIN
-            self.acceptance.expect(batch.adaptive, arms.raw(best), family)
+            self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
         return StepChoice(shapes, arms.decision(best, explored), ex)
 
     def _pinned_shape(self, batch: Batch, i: int) -> Shape:
