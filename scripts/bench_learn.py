@@ -7,11 +7,16 @@ repository's docs/*.md, text that is not in data/train. Paragraphs are split onc
 served pool (captured, trained on) and the fresh pool (never served with capture on, never
 trained on) share no paragraph.
 
-Per round: serve ``--per-round`` prompts of the served pool with capture on; measure served τ
+``--domain stdlib`` asks instead about Python standard-library callables ("What does
+`json.dumps()` do?"), one topic family with a steady answer shape; the fresh prompts name only
+modules the served ones never do.
+
+Per round: serve ``--per-round`` prompts of the served pool with capture on (``--concurrency``
+streams at once); measure served τ
 on the fresh prompts with capture off (tokens compared with speculation off: greedy must be
 identical); then, the stack idle, train the candidate (``dflash.learn.learner``) and gate it;
 a release starts a drafter service on the new version and the next round serves it. Before
-round 0, throughput with capture on vs off, prompts interleaved. Writes ``report.json`` and
+round 0, throughput with capture on vs off, each prompt both ways, the order alternating. Writes ``report.json`` and
 ``report.md`` to ``--out``.
 
 Usage:
@@ -26,6 +31,7 @@ import json
 import random
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 INSTRUCTIONS = ("Summarise this passage in two sentences:", "Explain this passage simply:",
@@ -44,6 +50,59 @@ def paragraphs(root: Path) -> list[str]:
             if 200 <= len(p) <= 900 and not p.startswith(("#", "|", "*", "-", "1.", ">")):
                 out.append(p)
     return out
+
+
+# Python standard-library help: one topic family with a steady answer shape (what it does, an
+# example). Not in data/train (its ``code`` source completes function stubs, it asks no questions).
+STDLIB_MODULES = (
+    "argparse array asyncio base64 binascii bisect calendar cmath codecs collections "
+    "configparser contextlib copy csv dataclasses datetime decimal difflib email.utils enum "
+    "fnmatch fractions functools getpass gettext glob gzip hashlib heapq hmac html "
+    "http.client inspect io itertools json locale logging math mimetypes numbers operator os "
+    "os.path pathlib platform pprint queue random re sched secrets shlex shutil socket sqlite3 "
+    "stat statistics string struct subprocess sys tarfile tempfile textwrap threading time "
+    "tomllib traceback types typing unicodedata urllib.parse urllib.request uuid warnings "
+    "weakref xml.etree.ElementTree zipfile zlib zoneinfo").split()
+STDLIB_QUESTIONS = ("What does `{q}` do in Python? Show a short example.",
+                    "Explain Python's `{q}` to a beginner, with an example.",
+                    "How do I use `{q}`? Give a short code example.",
+                    "When would I use `{q}` in Python? Keep it brief.",
+                    "Write a small example program that uses `{q}` and explain what it prints.")
+
+
+def stdlib_callables(module: str) -> list[str]:
+    """Public callables defined by ``module`` (or its C accelerator), as ``module.name`` with
+    ``()`` after functions; sorted, so the set is fixed for one Python version."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    top = module.split(".")[0]
+    out = []
+    for name in sorted(dir(mod)):
+        obj = getattr(mod, name, None)
+        owner = str(getattr(obj, "__module__", "") or "").lstrip("_").split(".")[0]
+        if name.startswith("_") or not callable(obj) or owner not in (top, "posixpath", "builtins"):
+            continue
+        out.append(f"{module}.{name}" + ("" if isinstance(obj, type) else "()"))
+    return out
+
+
+def stdlib_prompts(n_served: int, n_fresh: int, seed: int = 0) -> tuple[list, list]:
+    """(served, fresh) questions about standard-library callables; a fifth of the modules are
+    fresh only, so no fresh question names a module the served ones do. ValueError if short."""
+    mods = sorted(STDLIB_MODULES)
+    random.Random(seed).shuffle(mods)
+    k = len(mods) // 5
+    rng = random.Random(seed + 1)
+
+    def make(pool: list[str], n: int, field: str) -> list:
+        names = [c for m in pool for c in stdlib_callables(m)]
+        if len(names) < n:
+            raise ValueError(f"{field}: only {len(names)} standard-library callables, asked for {n}")
+        rng.shuffle(names)
+        return [[{"role": "user", "content": rng.choice(STDLIB_QUESTIONS).format(q=q)}] for q in names[:n]]
+
+    return make(mods[k:], n_served, "--prompts"), make(mods[:k], n_fresh, "--fresh")
 
 
 def domain_prompts(root: Path, n_served: int, n_fresh: int, seed: int = 0,
@@ -134,13 +193,15 @@ def served_tau(results: list[dict]) -> float:
 
 
 def throughput(b: Bench, eng, addr: str, prompts: list) -> dict:
-    """Tokens/s with capture on and off, prompts interleaved (on, off, on, ...)."""
+    """Tokens/s with capture on and off over the same prompts: each prompt runs both ways, the
+    order alternating (on then off, then off then on), so neither side gets the easier answers
+    or the warmer machine."""
     cap = eng.capture
     rows: dict[str, list[dict]] = {"on": [], "off": []}
     for i, m in enumerate(prompts):
-        mode = "on" if i % 2 == 0 else "off"
-        eng.capture = cap if mode == "on" else None
-        rows[mode].append(b.generate(m, addr, f"tp{i}"))
+        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            eng.capture = cap if mode == "on" else None
+            rows[mode].append(b.generate(m, addr, f"tp{mode}{i}"))
     eng.capture = cap
     rate = {k: sum(len(r["tokens"]) for r in v) / max(1e-9, sum(r["seconds"] for r in v))
             for k, v in rows.items()}
@@ -152,7 +213,10 @@ def run(a) -> dict:
     from dflash.learn import release as rel
     from dflash.learn.learner import LearnConfig, Learner
 
-    served, fresh = domain_prompts(Path(a.repo), a.prompts, a.fresh, max_chars=120 if a.tiny else 900)
+    if a.domain == "stdlib":
+        served, fresh = stdlib_prompts(a.prompts, a.fresh)
+    else:
+        served, fresh = domain_prompts(Path(a.repo), a.prompts, a.fresh, max_chars=120 if a.tiny else 900)
     b = Bench(a)
     report: dict = {"args": vars(a), "rounds": [], "gates": []}
     try:
@@ -174,8 +238,10 @@ def run(a) -> dict:
             if r == a.rounds:
                 break
             lo = a.throughput_prompts + r * per_round
-            for i, m in enumerate(served[lo:lo + per_round]):
-                b.generate(m, addr, f"s{r}-{i}")
+            with ThreadPoolExecutor(a.concurrency) as pool:     # captured traffic: batched
+                chunk = served[lo:lo + per_round]
+                list(pool.map(b.generate, chunk, [addr] * len(chunk),
+                              [f"s{r}-{i}" for i in range(len(chunk))]))
             eng.capture.flush_idle()
             time.sleep(eng.capture.idle_s + 1.0)                 # the writer catches up
             lr = Learner(a.learn_dir, version, a.target,
@@ -204,7 +270,7 @@ def write_report(report: dict, out: Path) -> None:
     lines += [f"| {r['round']} | {r['version']} | {r['fresh_tau']} | {r['identical']} |" for r in report["rounds"]]
     t = report["throughput"]
     lines += ["", f"Throughput with capture {t['tokens_per_s_capture']} tokens/s, without "
-              f"{t['tokens_per_s_plain']} ({t['ratio']}x, {t['prompts']} prompts interleaved).",
+              f"{t['tokens_per_s_plain']} ({t['ratio']}x, {t['prompts']} prompts, each both ways).",
               f"First release after {report.get('first_release_s', 'none')} s.", "",
               "| round | decision | τ serving | τ candidate | gain | lower bound |", "|---|---|---|---|---|---|"]
     lines += [f"| {g['round']} | {g['decision']} | {g['tau_serving']} | {g['tau_candidate']} | "
@@ -220,6 +286,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="report directory")
     p.add_argument("--learn-dir", help="capture + learner directory (default <out>/learn)")
     p.add_argument("--learn-bytes", type=int, default=1 << 30)
+    p.add_argument("--domain", choices=("passages", "stdlib"), default="passages",
+                   help="passages: instructions over docs/*.md paragraphs; stdlib: questions about "
+                        "Python standard-library callables, fresh prompts from modules never served")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="streams at once while serving a round's captured prompts (fresh prompts: one)")
     p.add_argument("--prompts", type=int, default=400, help="served prompts in all")
     p.add_argument("--fresh", type=int, default=40, help="fresh prompts measured each round")
     p.add_argument("--rounds", type=int, default=4)
