@@ -181,8 +181,9 @@ def _in_process(a, prompts, report, costs, budgets):
     import torch
     from transformers import AutoTokenizer
 
+    from dflash.core.token_shards import DataError
     from dflash_app.diagnose_modes import LABEL
-    from dflash_app.diagnose_suffix import replays as suffix_replays
+    from dflash_app.diagnose_suffix import SuffixSettings, replays as suffix_replays
     from dflash_app.diagnose_tf import Head, counter, score, walk
     from dflash_app.diagnose_trees import drafter_tops, tree_steps, tree_summary
     from dflash_app.diagnose_wiring import (
@@ -264,8 +265,13 @@ def _in_process(a, prompts, report, costs, budgets):
         steps = tree_steps(net, net_head, rows_head, seqs, sizes, layer_ids=probe.layer_ids,
                            mask_token_id=cfg.mask_token_id, tops=tops)
         # suffix candidates replayed over the continuations (diagnose_suffix), per domain
+        suffix_settings = SuffixSettings.served(probe.target.fingerprint)
+        try:                                    # the corpus as the verifier would load it
+            _ = suffix_settings.corpus_index
+        except DataError as e:
+            raise SystemExit(f"dflash diagnose: error: {e}") from None
         replays = suffix_replays(seqs, scores, tops, block_size=cfg.block_size,
-                                 max_tokens=a.max_tokens, label=LABEL)
+                                 max_tokens=a.max_tokens, label=LABEL, settings=suffix_settings)
         trees = {dom: tree_summary(v) for dom, v in steps.items() if dom in blocks}
         for dom, tv in trees.items():
             domains[dom]["tree_tokens"] = {n: round(x, 3) for n, x in tv.items()}

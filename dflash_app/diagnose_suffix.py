@@ -58,32 +58,37 @@ TENANT = "diagnose"     # every probe prompt is one client's
 @dataclasses.dataclass(frozen=True)
 class SuffixSettings:
     """The verifier's suffix flags: ``--suffix`` (on: ``enabled``), ``--suffix-answer-tokens``,
-    ``--suffix-answer-total``, ``--suffix-corpus`` (``""``: none) and ``--suffix-corpus-tokens``."""
+    ``--suffix-answer-total``, ``--suffix-corpus`` (``""``: none) and ``--suffix-corpus-tokens``;
+    ``fingerprint``: the target's, which the corpus must have been written for (None: not
+    checked)."""
 
     enabled: bool
     answer_tokens: int
     answer_total: int
     corpus: str = ""
     corpus_tokens: int = 0
+    fingerprint: str | None = None
 
     @classmethod
-    def served(cls) -> "SuffixSettings":
+    def served(cls, fingerprint: str | None = None) -> "SuffixSettings":
         """What ``python -m verifier_svc`` runs with: its parser's defaults and ``DFLASH_*``
-        environment (``DFLASH_SUFFIX``, ``DFLASH_SUFFIX_ANSWER_TOKENS``, ...)."""
+        environment (``DFLASH_SUFFIX``, ``DFLASH_SUFFIX_ANSWER_TOKENS``, ...), for the target
+        of ``fingerprint``."""
         from verifier_svc import server
 
         va = server.parse_args(["--target", "-"])
         return cls(va.suffix == "on", int(va.suffix_answer_tokens), int(va.suffix_answer_total),
-                   va.suffix_corpus, int(va.suffix_corpus_tokens))
+                   va.suffix_corpus, int(va.suffix_corpus_tokens), fingerprint)
 
     @functools.cached_property
     def corpus_index(self) -> SuffixIndex | None:
-        """The corpus, loaded once (``verifier_svc.suffix_corpus.load_corpus``)."""
+        """The corpus, loaded once (``verifier_svc.suffix_corpus.load_corpus``; a DataError
+        naming ``--suffix-corpus`` when it is another target's, as the verifier refuses it)."""
         if not self.corpus:
             return None
         from verifier_svc.suffix_corpus import load_corpus
 
-        return load_corpus(self.corpus, max_tokens=self.corpus_tokens, fingerprint=None)
+        return load_corpus(self.corpus, max_tokens=self.corpus_tokens, fingerprint=self.fingerprint)
 
     def answers(self) -> AnswerStore:
         """A fresh answer store as the verifier builds it (``verifier_svc.server``)."""

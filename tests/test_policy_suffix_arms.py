@@ -83,21 +83,21 @@ def test_a_hybrid_trees_suffix_gain_is_scaled_by_what_recent_hybrid_trees_realiz
     # steps' realized gain measures that: half realized halves every later prediction
     p = trained({0: 25.0, 1: 26.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
     o = offer([0.9, 0.8, 0.6])
-    raw = p._hybrid_gain(o, LABEL, 15, 15)
+    raw = p.hybrid_gain(o, LABEL, 15, 15)
     assert raw > 2.0
     for _ in range(4):                           # too few steps to judge: the prediction stands
         p.acceptance.observe_hybrid(LABEL, [(2.0, 1.0)])
-    assert p._hybrid_gain(o, LABEL, 15, 15) == raw
+    assert p.hybrid_gain(o, LABEL, 15, 15) == raw
     for _ in range(200):
         p.acceptance.observe_hybrid(LABEL, [(2.0, 1.0)])
-    assert abs(p._hybrid_gain(o, LABEL, 15, 15) - 0.5 * raw) < 1e-6
+    assert abs(p.hybrid_gain(o, LABEL, 15, 15) - 0.5 * raw) < 1e-6
     assert p.acceptance.hybrid_factor("other@1") == 1.0     # per drafter version
     for _ in range(200):                         # never above 1.5, never below 0
         p.acceptance.observe_hybrid(LABEL, [(1.0, 4.0)])
     assert p.acceptance.hybrid_factor(LABEL) == 1.5
     for _ in range(200):                         # a gain never realized is no longer predicted
         p.acceptance.observe_hybrid(LABEL, [(2.0, 0.0)])
-    assert p._hybrid_gain(o, LABEL, 15, 15) < 0.001 * raw
+    assert p.hybrid_gain(o, LABEL, 15, 15) < 0.001 * raw
 
 
 def test_each_arm_family_is_calibrated_by_the_steps_that_ran_it():

@@ -105,3 +105,16 @@ def test_a_continuation_only_in_the_corpus_is_accepted_and_output_is_unchanged(t
     finally:
         for e in (engine, bare, base):
             e.close()
+
+
+def test_diagnose_replays_refuse_another_targets_corpus(tmp_path):
+    """diagnose's suffix replay loads the corpus as the verifier does: for the probed target's
+    fingerprint, or not at all."""
+    from dflash_app.diagnose_suffix import SuffixSettings
+
+    write(tmp_path, [seq([1], [2, 3])])
+    other = SuffixSettings(True, 0, 0, str(tmp_path), 100, fingerprint="sha256:another")
+    with pytest.raises(DataError, match="--suffix-corpus.*target_fingerprint"):
+        _ = other.corpus_index
+    ours = SuffixSettings(True, 0, 0, str(tmp_path), 100, fingerprint=FP)
+    assert ours.corpus_index is not None and ours.corpus_index.tokens == [2, 3, SEPARATOR]

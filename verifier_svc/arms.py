@@ -143,7 +143,7 @@ class Arms:
         if arm.suffix_only:
             return [offered(b.offers[i], n) - 1.0 for i in b.adaptive]
         if n:
-            return [ex.tree(i, n) - 1.0 + self.policy._hybrid_gain(b.offers[i], ex.label(i), n,
+            return [ex.tree(i, n) - 1.0 + self.policy.hybrid_gain(b.offers[i], ex.label(i), n,
                                                                    b.suffix_limits[i])
                     for i in b.adaptive]
         return [ex.raw(i, min(arm.k, b.limits[i])) - 1.0 for i in b.adaptive]

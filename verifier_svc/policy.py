@@ -333,7 +333,7 @@ class SpeculationPolicy:
         table = self.acceptance.expected_table(label, k)
         return max(MIN_NODE_VALUE, table[k] - table[k - 1])
 
-    def _hybrid_gain(self, offer: SuffixOffer | None, label: str, budget: int, limit: int) -> float:
+    def hybrid_gain(self, offer: SuffixOffer | None, label: str, budget: int, limit: int) -> float:
         """What ``offer``'s candidates add to a ``budget``-node drafter tree: each one worth
         more than the drafter's marginal node adds the difference (``suffix_gain``), scaled by
         what recent hybrid trees realized of their prediction (``hybrid_factor``)."""
