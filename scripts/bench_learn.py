@@ -225,7 +225,7 @@ def run(a) -> dict:
         refs = [b.generate(m, None, f"ref{i}")["tokens"] for i, m in enumerate(fresh)]
         report["throughput"] = throughput(b, eng, addr, served[:a.throughput_prompts])
         write_report(report, Path(a.out))           # a run stopped early keeps what it measured
-        per_round = max(1, (len(served) - a.throughput_prompts) // a.rounds)
+        per_round = max(1, (len(served) - a.throughput_prompts) // max(1, a.rounds))
         for r in range(a.rounds + 1):
             eng.capture, cap = None, eng.capture                # fresh prompts: never captured
             res = [b.generate(m, addr, f"f{r}-{i}") for i, m in enumerate(fresh)]
