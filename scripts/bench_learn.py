@@ -11,16 +11,17 @@ trained on) share no paragraph.
 `json.dumps()` do?"), one topic family with a steady answer shape; the fresh prompts name only
 modules the served ones never do.
 
-Per round: serve ``--per-round`` prompts of the served pool with capture on (``--concurrency``
-streams at once); measure served τ
-on the fresh prompts with capture off (tokens compared with speculation off: greedy must be
-identical); then, the stack idle, train the candidate (``dflash.learn.learner``) and gate it;
-a release starts a drafter service on the new version and the next round serves it. Before
-round 0, throughput with capture on vs off, each prompt both ways, the order alternating. Writes ``report.json`` and
-``report.md`` to ``--out``.
+Per round: serve the round's share of the served pool with capture on (``--concurrency``
+streams at once); measure served τ on the fresh prompts with capture off (tokens compared with
+speculation off: greedy must be identical); then, the stack idle, train the candidate
+(``dflash.learn.learner``) and gate it; a release starts a drafter service on the new version
+and the next round serves it. Before round 0, throughput with capture on vs off, each prompt
+both ways, the order alternating. Writes ``report.json`` and ``report.md`` to ``--out``.
 
 Usage:
   python scripts/bench_learn.py --out docs/bench/learn-passages          # the lead's run
+  python scripts/bench_learn.py --domain stdlib --concurrency 4 --rounds 3 --fresh 32 \
+      --steps 400 --out docs/bench/learn-stdlib                          # docs/learning.md
   python scripts/bench_learn.py --tiny --out /tmp/bench_learn            # smoke test
 """
 
