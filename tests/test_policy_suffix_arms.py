@@ -131,3 +131,25 @@ def test_a_step_of_an_unknown_arm_family_is_refused():
     p = SpeculationPolicy("adaptive")
     with pytest.raises(ValueError, match="family"):
         p.acceptance.expect([0], 1.0, "forest")
+
+
+def test_an_unmeasured_tree_is_scaled_by_the_trees_calibration_alone():
+    # before its budget is measured a tree is valued as the chain of as many drafts; the arm's
+    # value is then scaled by the trees' calibration, so the chains' must not scale it too
+    from verifier_svc.arms import Arms, Batch, Expectations
+    from verifier_svc.shapes import Arm
+
+    p = SpeculationPolicy("adaptive", explore_every=0, tree_budgets=(3, 7, 15))
+    for _ in range(50):
+        p.observe_acceptance(LABEL, [(15, 9)])
+    for _ in range(10):                         # chain steps that committed only the bonus
+        p.acceptance.expect([0], 2.0, "chain")
+        p.observe_outcome([1])
+    assert p.accuracy == 0.25
+    jobs = [job()]
+    batch = Batch.of(jobs, [None])
+    ex = Expectations(p, jobs, batch.limits)
+    arms = Arms(p, batch, [Shape(0)], ex)
+    assert arms.raw(Arm(budget=7)) == [ex.raw(0, 7) - 1.0]
+    assert ex.tree(0, 7) == ex.chain(0, 7) < ex.raw(0, 7)    # the deadline's figure: calibrated
+    assert arms.gain(Arm(budget=7)) == 1.0 + ex.raw(0, 7) - 1.0   # trees' calibration: 1.0

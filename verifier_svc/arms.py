@@ -143,7 +143,7 @@ class Arms:
         if arm.suffix_only:
             return [offered(b.offers[i], n) - 1.0 for i in b.adaptive]
         if n:
-            return [ex.tree(i, n) - 1.0 + self.policy.hybrid_gain(b.offers[i], ex.label(i), n,
+            return [ex.tree(i, n, calibrated=False) - 1.0 + self.policy.hybrid_gain(b.offers[i], ex.label(i), n,
                                                                    b.suffix_limits[i])
                     for i in b.adaptive]
         return [ex.raw(i, min(arm.k, b.limits[i])) - 1.0 for i in b.adaptive]
@@ -206,11 +206,17 @@ class Expectations:
     def chain(self, i: int, k: int) -> float:
         return 1.0 + self.accuracy * (self.raw(i, k) - 1.0)
 
-    def tree(self, i: int, n: int) -> float:
+    def tree(self, i: int, n: int, calibrated: bool = True) -> float:
+        """A tree of ``n`` nodes: measured, else the chain of ``min(n, limit)`` drafts, with
+        the chains' calibration (``calibrated``) or without it (:meth:`raw`, for a value the
+        trees' own calibration scales: both would scale it twice)."""
         if not self.limits[i]:
             return 1.0
         measured = self.acceptance.tree_expected(self.label(i), n)
-        return measured if measured is not None else self.chain(i, min(n, self.limits[i]))
+        if measured is not None:
+            return measured
+        k = min(n, self.limits[i])
+        return self.chain(i, k) if calibrated else self.raw(i, k)
 
     def shape(self, i: int, sh: Shape) -> float:
         """Job ``i``'s expected tokens with block ``sh`` (1 without drafts)."""
