@@ -39,6 +39,9 @@ TREE_MEASURED_STEPS = 3
 # Arm families, each calibrated on its own (the adaptive steps that ran one of its arms).
 CHAIN, TREE, SUFFIX = "chain", "tree", "suffix"
 ARM_FAMILIES = (CHAIN, TREE, SUFFIX)
+# Adaptive steps of one arm family before its committed / expected ratio scales its arms, and
+# the ratio's floor (a family is never valued at less than a quarter of its estimate).
+CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR = 5, 0.25
 # Hybrid tree steps of one label before their realized / predicted gain scales the prediction.
 HYBRID_MEASURED_STEPS = 5
 
@@ -232,11 +235,12 @@ class AcceptanceEstimator:
 
     def accuracy_of(self, family: str) -> float:
         """Committed / expected extra tokens of the recent adaptive steps that ran an arm of
-        ``family`` (1.0 until 5 were seen), clamped to [0.25, 1.5]. Per-request estimates run
+        ``family`` (1.0 until ``CALIBRATION_MIN_STEPS`` were seen), clamped to
+        [``CALIBRATION_FLOOR``, 1.5]. Per-request estimates run
         above what steps commit under load (acceptance falls within an answer faster than its
         counts follow), by as much as the margin between speculating and not."""
         exp_e, com_e = self._calibration[family]
-        return ema_ratio(com_e, exp_e, 5, 0.25)
+        return ema_ratio(com_e, exp_e, CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR)
 
     @property
     def accuracy(self) -> float:
