@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from dflash.core.checkpoint import load_drafter, load_target_head, save_drafter
-from dflash.learn.gate import GateResult, gate, score
+from dflash.core.draft_vocab import load_draft_vocab
+from dflash.learn.gate import METRICS, GateResult, gate, score
 from dflash.learn.store import CaptureStore
 from dflash.recipe import ckpt
 from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
@@ -46,9 +47,14 @@ class LearnConfig:
     ckpt_every: int = 25            # optimizer steps between checkpoints
     eval_every: int = 50            # optimizer steps between held-out points of the curve
     margin: float = 0.02            # the gate's relative τ margin
+    gate_metric: str = "served"     # the gate's measure: "served" (replayed chain) or "teacher_forced"
     vocab_subset: bool = True       # softmax over the ids seen in the captured answers ...
     full_vocab_after: float = 0.8   # ... until this fraction of max_steps, then the full one
     seed: int = 0
+
+    def __post_init__(self):
+        if self.gate_metric not in METRICS:
+            raise ValueError(f"gate_metric: {self.gate_metric!r} is not one of {', '.join(METRICS)}")
 
 
 class Learner:
@@ -70,6 +76,8 @@ class Learner:
         self.serving = load_drafter(serving_dir, dtype=torch.float32).to(self.device).eval()
         self.drafter = load_drafter(serving_dir, dtype=torch.float32).to(self.device)
         self.base = self.serving.cfg.name + "@" + self.serving.cfg.version
+        # the gate's served replay drafts over what serving drafts over
+        self.vocab = load_draft_vocab(serving_dir, self.serving.cfg.vocab_size)
         self.store = CaptureStore(self.dir / "store", writer=False,
                                   fingerprint=self.serving.cfg.target_fingerprint)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
@@ -165,8 +173,9 @@ class Learner:
 
     # ------------------------------------------------------------------ held-out and gate
     def log_heldout(self) -> dict:
-        """The candidate's held-out τ now, appended to the curve (``heldout_curve.csv``)."""
-        sc = score(self.drafter, self.head, self.heldout(), gamma=self.gamma)
+        """The candidate's held-out τ now, teacher-forced (the cheap measure: a point every
+        ``eval_every`` steps), appended to the curve (``heldout_curve.csv``)."""
+        sc = score(self.drafter, self.head, self.heldout(), metric="teacher_forced", gamma=self.gamma)
         blocks = sum(s.blocks for s in sc)
         point = {"step": self.step, "seconds": round(self.seconds, 1), "conversations": len(sc),
                  "tau": round(1 + sum(s.accepted for s in sc) / max(1, blocks), 4),
@@ -182,11 +191,13 @@ class Learner:
         return point
 
     def evaluate(self) -> GateResult:
-        """The gate on the held-out split: the candidate against the serving version."""
+        """The gate on the held-out split: the candidate against the serving version, by
+        ``gate_metric``."""
         held = self.heldout()
-        serving = score(self.serving, self.head, held, gamma=self.gamma)
-        cand = score(self.drafter, self.head, held, gamma=self.gamma)
-        return gate(serving, cand, margin=self.cfg.margin)
+        kw = {"metric": self.cfg.gate_metric, "vocab": self.vocab, "gamma": self.gamma}
+        serving = score(self.serving, self.head, held, **kw)
+        cand = score(self.drafter, self.head, held, **kw)
+        return gate(serving, cand, margin=self.cfg.margin, metric=self.cfg.gate_metric)
 
     def save_candidate(self, out_dir: str | Path, version: str) -> Path:
         """The candidate as a drafter directory (bf16, the serving version's draft vocabulary)."""
