@@ -80,6 +80,13 @@ def test_gate_statistics():
     assert not gate(same[:4], better[:4]).release         # too few conversations
     with pytest.raises(ValueError, match="candidate"):
         gate(same, better[1:])
+    # Served walks: a drafter that accepts more takes fewer steps through the same tokens, so
+    # each side's τ is over its own blocks (27 tokens: 27 steps of 1, or 7 of about 4).
+    plain = [ConvScore(i, 0.0, 27) for i in range(8)]
+    walks = [ConvScore(i, 20.0, 7) for i in range(8)]
+    g = gate(plain, walks)
+    assert g.release and g.tau_serving == 1.0 and g.tau_candidate == pytest.approx(27 / 7, abs=1e-4)
+    assert g.wins == 8 and not gate(walks, plain).release
 
 
 def test_learner_resumes_from_its_checkpoint(stores, tiny_target):

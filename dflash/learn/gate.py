@@ -12,7 +12,8 @@ Both drafters are scored on the same held-out conversations, by one of two measu
   +19-26% teacher-forced gain served +12%: docs/learning.md).
 
 The statistic is the relative gain
-in τ = 1 + accepted / blocks over all conversations; a paired bootstrap over conversations
+in τ = 1 + accepted / blocks over all conversations, each drafter over its own blocks (a
+served walk takes fewer steps where it accepts more); a paired bootstrap over conversations
 (resampling whole conversations, both drafters together) gives its one-sided lower bound, and
 the candidate is released only if that bound exceeds ``margin``.
 """
@@ -93,7 +94,7 @@ class GateResult:
     tau_candidate: float
     gain: float            # tau_candidate / tau_serving - 1
     gain_lower: float      # one-sided lower confidence bound of ``gain``
-    wins: int              # conversations where the candidate accepts more per block
+    wins: int              # conversations where the candidate accepts more drafts per block
     losses: int
     margin: float
     confidence: float
@@ -110,13 +111,16 @@ def gate(serving: list[ConvScore], candidate: list[ConvScore], *, margin: float 
     if [s.seq for s in serving] != [c.seq for c in candidate]:
         raise ValueError("candidate: scored on other conversations than the serving version")
     n = len(serving)
-    blocks = np.array([s.blocks for s in serving], dtype=np.float64)
+    # Each drafter's own blocks: a served walk takes fewer steps where it accepts more.
+    b_s = np.array([s.blocks for s in serving], dtype=np.float64)
+    b_c = np.array([c.blocks for c in candidate], dtype=np.float64)
     a_s = np.array([s.accepted for s in serving])
     a_c = np.array([c.accepted for c in candidate])
-    tau_s = 1 + a_s.sum() / max(1.0, blocks.sum())
-    tau_c = 1 + a_c.sum() / max(1.0, blocks.sum())
+    tau_s = 1 + a_s.sum() / max(1.0, b_s.sum())
+    tau_c = 1 + a_c.sum() / max(1.0, b_c.sum())
     gain = tau_c / tau_s - 1
-    wins, losses = int((a_c > a_s).sum()), int((a_c < a_s).sum())
+    per_s, per_c = a_s / np.maximum(b_s, 1), a_c / np.maximum(b_c, 1)
+    wins, losses = int((per_c > per_s).sum()), int((per_c < per_s).sum())
     base = GateResult(release=False, reason="", conversations=n, tau_serving=round(float(tau_s), 4),
                       tau_candidate=round(float(tau_c), 4), gain=round(float(gain), 4),
                       gain_lower=float("nan"), wins=wins, losses=losses, margin=margin,
@@ -125,8 +129,8 @@ def gate(serving: list[ConvScore], candidate: list[ConvScore], *, margin: float 
         return dataclasses.replace(
             base, reason=f"{n} held-out conversations, fewer than {min_conversations}")
     idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    b = blocks[idx].sum(1)
-    boot = (1 + a_c[idx].sum(1) / b) / (1 + a_s[idx].sum(1) / b) - 1
+    boot = ((1 + a_c[idx].sum(1) / np.maximum(b_c[idx].sum(1), 1))
+            / (1 + a_s[idx].sum(1) / np.maximum(b_s[idx].sum(1), 1)) - 1)
     lower = float(np.quantile(boot, 1 - confidence))
     ok = lower > margin
     reason = (f"gain {gain:+.2%}, lower bound {lower:+.2%} {'>' if ok else '<='} margin {margin:.2%}")
