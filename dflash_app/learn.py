@@ -76,7 +76,7 @@ def cmd_status(a) -> int:
         print(f"candidate of {ln['base']}: step {ln['step']}/{ln['max_steps']}, "
               f"{ln['train_seconds']:.0f} s trained, loss {ln['loss']}")
         for pt in ln["heldout_curve"]:
-            print(f"  held-out tau {pt['tau']:.3f} at step {pt['step']} ({pt['conversations']} conversations)")
+            print(f"  held-out tau (teacher-forced) {pt['tau']:.3f} at step {pt['step']} ({pt['conversations']} conversations)")
     else:
         print("learner: not started")
     for dcs in s["decisions"]:
@@ -105,7 +105,7 @@ def cmd_train(a) -> int:
     done = lr.run(a.steps)
     point = lr.log_heldout()
     print(f"trained {done} steps on {n} conversations in {time.time() - t0:.0f} s (step "
-          f"{lr.step}); held-out tau {point['tau']} on {point['conversations']} conversations")
+          f"{lr.step}); held-out tau (teacher-forced) {point['tau']} on {point['conversations']} conversations")
     return 0
 
 

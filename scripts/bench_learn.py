@@ -246,7 +246,8 @@ def run(a) -> dict:
             eng.capture.flush_idle()
             time.sleep(eng.capture.idle_s + 1.0)                 # the writer catches up
             lr = Learner(a.learn_dir, version, a.target,
-                         cfg=LearnConfig(lr=a.lr, max_steps=a.steps * a.rounds, margin=a.margin))
+                         cfg=LearnConfig(lr=a.lr, gamma=a.gamma, max_steps=a.steps * a.rounds,
+                                         margin=a.margin))
             t0 = time.time()
             lr.run(a.steps)
             out = rel.release(lr)
@@ -281,6 +282,8 @@ def write_report(report: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
+    from dflash.learn.learner import LearnConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", help="target directory (default: the converted SmolLM2)")
     p.add_argument("--drafter", default="models/smollm2-dflash-b16", help="the starting version")
@@ -296,7 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", type=int, default=40, help="fresh prompts measured each round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps between rounds")
-    p.add_argument("--lr", type=float, default=6e-5)
+    p.add_argument("--lr", type=float, default=LearnConfig.lr)
+    p.add_argument("--gamma", type=float, default=LearnConfig.gamma, help="the loss's position decay")
     p.add_argument("--margin", type=float, default=0.02)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--throughput-prompts", type=int, default=20)
