@@ -70,6 +70,27 @@ def test_gate_refuses_a_candidate_trained_on_a_poisoned_store(stores, tiny_targe
     assert not on_clean.release and on_clean.gain < 0, on_clean
 
 
+def test_gate_refuses_a_store_that_does_not_replay_what_was_served(stores, tiny_target, tmp_path):
+    """The poisoned store, recorded as served by version v1 before its labels were shuffled:
+    v1's replay finds a fraction of the τ it served, so the gate refuses whatever the gain;
+    the clean store with the same records replays all of it."""
+    _, v1, _, _ = stores
+    cfg = load_drafter(v1).cfg
+    for name, poisoned in (("clean", False), ("poison", True)):
+        fill_store(tmp_path / name / "store", tiny_target, cfg.target_layer_ids, N_CONVS,
+                   poisoned=poisoned, fingerprint=cfg.target_fingerprint, served_by=v1)
+    clean = Learner(tmp_path / "clean", v1, tiny_target, cfg=FAST).evaluate()
+    assert clean.replay == 1.0 and clean.replay_conversations == 6
+    lr = Learner(tmp_path / "poison", v1, tiny_target, cfg=FAST)
+    lr.run(20)
+    res = lr.evaluate()
+    assert res.replay < 0.5 and res.replay_conversations == 6, res
+    assert not res.release and "does not replay what was served" in res.reason
+    forced = dataclasses.replace(FAST, margin=-1.0)          # a gate that would pass anything ...
+    lr2 = Learner(tmp_path / "poison", v1, tiny_target, cfg=forced)
+    assert not lr2.evaluate().release                          # ... still refuses this store
+
+
 def test_gate_statistics():
     same = [ConvScore(i, 5.0, 10) for i in range(8)]
     better = [ConvScore(i, 8.0, 10) for i in range(8)]

@@ -120,3 +120,41 @@ def test_served_score_and_an_unknown_metric(trained, tiny_target):
         score(drafter, head, convs, metric="uniform")
     with pytest.raises(ValueError, match="gate_metric"):
         LearnConfig(gate_metric="uniform")
+
+
+def test_a_captured_conversation_replays_what_was_served(stack, make_drafter, tiny_target, hf_target,
+                                                        tmp_path):
+    """Through the verifier: a candidate that memorised two answers serves them again with
+    capture on; the capture's record of each conversation (steps, tokens) is what the walk of
+    that drafter over the stored conversation takes, and every stream equals the target's."""
+    from dflash.learn.capture import Capture
+    from dflash.learn.store import CaptureStore
+
+    from helpers import MAX_NEW, PROMPTS, assert_same_tokens, generate_ids, reference, spec, wait_until
+
+    def serve(drafter_dir, learn_dir, tag):
+        engine = DrafterEngine.from_pretrained(drafter_dir, tiny_target)
+        store = CaptureStore(learn_dir / "store", max_bytes=1 << 30,
+                             fingerprint=engine.card.target_fingerprint)
+        engine.capture = Capture(store, min_answer_tokens=1, served_by=engine.card.label)
+        addr = stack.add_drafter(engine)
+        for i, prompt in enumerate(PROMPTS):
+            got, _ = generate_ids(stack.verifier_stub(), prompt, max_tokens=MAX_NEW,
+                                  session_id=f"{tag}{i}", speculation=spec(addr))
+            assert_same_tokens(hf_target, prompt, got, reference(hf_target, prompt))
+        wait_until(lambda: engine.capture.written >= len(PROMPTS), 30, "the captured conversations")
+        return store.read("train") + store.read("heldout"), engine.card.label
+
+    d0 = make_drafter(block_size=4)
+    serve(d0, tmp_path / "a", "a")
+    lr = Learner(tmp_path / "a", d0, tiny_target, cfg=FAST)
+    lr.run(150)                                  # memorises the two training conversations
+    v2 = lr.save_candidate(tmp_path / "v2", version="2")
+    convs, label = serve(v2, tmp_path / "b", "b")
+    assert label == "tiny-drafter@2" and len(convs) == len(PROMPTS)
+    drafter = load_drafter(v2, dtype=torch.float32)
+    walks = chain_walk(drafter, load_target_head(tiny_target), convs,
+                       vocab=load_draft_vocab(v2, drafter.cfg.vocab_size))
+    assert [(c["served"].by, c["served"].steps, c["served"].tokens) for c in convs] == \
+        [(label, w.steps, w.tokens) for w in walks]
+    assert sum(w.accepted for w in walks) >= 10              # it did accept drafts

@@ -27,7 +27,8 @@ import time
 import torch
 
 from dflash.core.proposer import DraftError, Proposal, ProposalRequest
-from dflash.learn.store import CaptureStore
+from dflash.core.sampling import GREEDY_EPS
+from dflash.learn.store import CaptureStore, Served
 
 log = logging.getLogger("dflash.learn")
 #: Positions kept per conversation: a longer one keeps what it had below MAX_POSITIONS.
@@ -48,6 +49,9 @@ class _Record:
     stopped: bool = False        # recording ended (a gap, the length cap): later calls ignored
     last: float = 0.0            # time.monotonic() of its last call
     dirty: bool = False          # grown since it was last written
+    steps: int = 0               # verify steps seen (draft calls after the first) ...
+    tokens: int = 0              # ... and the tokens they committed
+    greedy_chain: bool = True    # every call a greedy chain whose accepted drafts are known
 
 
 class Capture:
@@ -58,11 +62,15 @@ class Capture:
         stop_ids: the target's stop token ids: ids after one are a new turn's prompt, unknown.
         min_answer_tokens: a conversation with fewer labelled tokens is not kept.
         idle_s: a session with no call for this long is written as it stands.
+        served_by: the drafter's ``name@version``: a conversation served by greedy chains only
+            is stored with its steps and tokens (:class:`dflash.learn.store.Served`), which
+            the gate checks a replay against. Empty: not recorded.
     """
 
     def __init__(self, store: CaptureStore, *, stop_ids: set[int] = frozenset(),  # type: ignore[assignment]
-                 min_answer_tokens: int = 2, idle_s: float = 2.0):
+                 min_answer_tokens: int = 2, idle_s: float = 2.0, served_by: str = ""):
         self.store = store
+        self.served_by = served_by
         self.idle_s = idle_s
         self.stop_ids = set(stop_ids)
         self.min_answer_tokens = min_answer_tokens
@@ -108,7 +116,10 @@ class Capture:
             if rec.rows == 0:
                 rec.ids = [UNKNOWN] * n             # the prompt: only its taps arrive
             else:
-                rec.ids += self._accepted(rec, n - 1)
+                got = self._accepted(rec, n - 1)
+                rec.greedy_chain &= rec.drafts is not None and UNKNOWN not in got
+                rec.ids += got
+                rec.steps, rec.tokens = rec.steps + 1, rec.tokens + n
             rec.rows += n
             rec.ids.append(r.anchor_token)
         elif not rec.ids:
@@ -117,6 +128,7 @@ class Capture:
             rec.ids[-1] = r.anchor_token
         chain = r.block_size > 1 and r.top_k == 0 and out.tokens.numel() == r.block_size - 1
         rec.drafts = out.tokens.tolist() if chain else None
+        rec.greedy_chain &= chain and r.sampling.temperature < GREEDY_EPS
 
     def _accepted(self, rec: _Record, k: int) -> list[int]:
         """Ids of the k positions after the last anchor: the accepted drafts, else unknown."""
@@ -156,9 +168,11 @@ class Capture:
         if rec.seq is None:
             rec.seq = self.store.new_seq()
         rec.dirty = False
+        served = (Served(self.served_by, rec.steps, rec.tokens)
+                  if self.served_by and rec.greedy_chain and rec.steps else None)
         # copies of the lists (the tensors are never written again): the writer thread
         # concatenates, so a release on the serving path costs no tensor work
-        self._queue.put((rec.seq, list(rec.ids), list(rec.taps)))
+        self._queue.put((rec.seq, list(rec.ids), list(rec.taps), served))
 
     def flush_idle(self) -> None:
         """Queue every session quiet for ``idle_s`` (the writer thread calls it)."""
@@ -177,10 +191,11 @@ class Capture:
                 continue
             if item is None:
                 return
-            seq, ids, taps = item
+            seq, ids, taps, served = item
             try:
                 conv = to_sequence(ids, torch.cat(taps))
-                if self.store.add(conv["input_ids"], conv["loss_mask"], conv["taps"], seq) is not None:
+                if self.store.add(conv["input_ids"], conv["loss_mask"], conv["taps"], seq,
+                                  served=served) is not None:
                     self.written += 1
             except Exception:                      # noqa: BLE001 -- capture must never stop serving
                 log.exception("capture: a conversation could not be written")
@@ -193,6 +208,7 @@ def _crop(rec: _Record, start: int) -> None:
     rec.rows = min(rec.rows, start)
     rec.ids = rec.ids[:rec.rows + 1] if rec.rows else []
     rec.drafts = None
+    rec.greedy_chain = False        # a rewind: its steps are no longer the ones served
 
 
 def to_sequence(ids: list[int], taps: torch.Tensor) -> dict[str, torch.Tensor]:

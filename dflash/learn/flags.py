@@ -56,7 +56,7 @@ def capture_from_args(a, card) -> Capture | None:
     store = CaptureStore(root / "store", max_bytes=int(a.learn_bytes),
                          fingerprint=card.target_fingerprint, layer_ids=card.target_layer_ids)
     log.info("capturing served conversations into %s (at most %d bytes)", store.path, store.max_bytes)
-    return Capture(store, stop_ids=stop_ids(a.target))
+    return Capture(store, stop_ids=stop_ids(a.target), served_by=card.label)
 
 
 def learner_from_args(a, engine, registry=None):

@@ -99,6 +99,32 @@ class GateResult:
     margin: float
     confidence: float
     metric: str = "served"  # what the figures measure (``score``'s metric)
+    replay: float | None = None   # the serving version's replayed / served τ (:func:`replay_check`)
+    replay_conversations: int = 0
+
+
+#: The serving version's replayed τ on the conversations it served must be at least this
+#: fraction of the τ it served there (a healthy store replays within 1%: docs/learning.md).
+REPLAY_TOLERANCE = 0.9
+
+
+def replay_check(convs: list[dict], serving: list[ConvScore], label: str, *,
+                 min_conversations: int = 5) -> tuple[float, int] | None:
+    """Does the store replay what was served? Over the conversations that ``label`` (the
+    serving version, ``name@version``) served with greedy chains (their ``served`` record,
+    ``dflash.learn.store.Served``): its replayed τ (``serving``: served-metric scores, by
+    ``seq``) over the τ the capture recorded. A store whose labels do not follow its taps
+    (corrupted, misaligned, poisoned) replays far below what was served; a healthy one
+    replays it (the walk is the served chain). Returns (ratio, conversations), or None with
+    fewer than ``min_conversations`` such conversations."""
+    by_seq = {s.seq: s for s in serving}
+    rec = [(c["served"], by_seq[int(c["seq"])]) for c in convs
+           if getattr(c.get("served"), "by", None) == label and int(c["seq"]) in by_seq]
+    if len(rec) < min_conversations:
+        return None
+    served = sum(r.tokens for r, _ in rec) / max(1, sum(r.steps for r, _ in rec))
+    replayed = sum(s.accepted + s.blocks for _, s in rec) / max(1, sum(s.blocks for _, s in rec))
+    return replayed / served, len(rec)
 
 
 def gate(serving: list[ConvScore], candidate: list[ConvScore], *, margin: float = 0.02,

@@ -24,7 +24,7 @@ import torch
 
 from dflash.core.checkpoint import load_drafter, load_target_head, save_drafter
 from dflash.core.draft_vocab import load_draft_vocab
-from dflash.learn.gate import METRICS, GateResult, gate, score
+from dflash.learn.gate import METRICS, REPLAY_TOLERANCE, GateResult, gate, replay_check, score
 from dflash.learn.store import CaptureStore
 from dflash.recipe import ckpt
 from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
@@ -194,12 +194,26 @@ class Learner:
 
     def evaluate(self) -> GateResult:
         """The gate on the held-out split: the candidate against the serving version, by
-        ``gate_metric``."""
+        ``gate_metric``; refused whatever the gain when the store does not replay what the
+        serving version served there (:func:`dflash.learn.gate.replay_check`)."""
         held = self.heldout()
         kw = {"metric": self.cfg.gate_metric, "vocab": self.vocab, "gamma": self.gamma}
         serving = score(self.serving, self.head, held, **kw)
         cand = score(self.drafter, self.head, held, **kw)
-        return gate(serving, cand, margin=self.cfg.margin, metric=self.cfg.gate_metric)
+        res = gate(serving, cand, margin=self.cfg.margin, metric=self.cfg.gate_metric)
+        walks = serving if self.cfg.gate_metric == "served" else score(
+            self.serving, self.head, [c for c in held if "served" in c], vocab=self.vocab)
+        check = replay_check(held, walks, self.base)
+        if check is None:
+            return res
+        ratio, n = check
+        res = dataclasses.replace(res, replay=round(ratio, 4), replay_conversations=n)
+        if ratio < REPLAY_TOLERANCE:
+            return dataclasses.replace(res, release=False, reason=(
+                f"the store does not replay what was served: {self.base} replays "
+                f"{ratio:.0%} of the τ it served on {n} held-out conversations (labels do not "
+                f"follow the taps); {res.reason}"))
+        return res
 
     def save_candidate(self, out_dir: str | Path, version: str) -> Path:
         """The candidate as a drafter directory (bf16, the serving version's draft vocabulary)."""

@@ -6,8 +6,10 @@ One file per conversation, ``<dir>/conv_<seq:08d>.safetensors`` (seq = capture o
   ``loss_mask``  uint8 [n]         1 where the id is a token the target committed in an answer
   ``taps``       bfloat16 [n, kH]  the target's tap features at each position (last row zeros:
                                    the last token's taps never reach the drafter)
-metadata: ``split`` ("train" | "heldout"), ``target_fingerprint``, ``target_layer_ids`` (JSON).
-The dicts :meth:`CaptureStore.read` returns are what ``dflash.recipe.blocks.build_batch`` takes.
+metadata: ``split`` ("train" | "heldout"), ``target_fingerprint``, ``target_layer_ids`` (JSON),
+and for a conversation served by greedy chains only ``served_by`` / ``served_steps`` /
+``served_tokens`` (:class:`Served`; ``read`` gives it as ``served``). The dicts
+:meth:`CaptureStore.read` returns are what ``dflash.recipe.blocks.build_batch`` takes.
 
 Every ``HELDOUT_EVERY``-th conversation (seq % 20 == 0) is held out: never trained on, it is the
 release gate's slice. Files are written to ``.tmp`` names (mode 0600), fsynced and renamed, so a
@@ -18,6 +20,7 @@ the oldest conversations are dropped first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +33,18 @@ from safetensors.torch import load_file, save
 
 HELDOUT_EVERY = 20
 _NAME = re.compile(r"^conv_(\d{8})\.safetensors$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """How a conversation was served, recorded by the capture when every step was a greedy
+    chain: drafter ``by`` (``name@version``) took ``steps`` verify steps after the first draft
+    call, committing ``tokens`` tokens. A replay of that drafter on the stored conversation
+    (``dflash.learn.walk``) should find the same τ; the gate checks it."""
+
+    by: str
+    steps: int
+    tokens: int
 
 
 class CaptureStore:
@@ -87,10 +102,12 @@ class CaptureStore:
             return self._next - 1
 
     def add(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, taps: torch.Tensor,
-            seq: int | None = None) -> Path | None:
+            seq: int | None = None, served: Served | None = None) -> Path | None:
         """Write one conversation (int64 [n], uint8 [n], bfloat16 [n, kH]) as number ``seq``
         (None = a new one; an existing one is replaced: a conversation that grew); returns its
         path, or None when it alone exceeds the budget. Drops the oldest files over the budget.
+        ``served``: how it was served, when every step was a greedy chain (metadata
+        ``served_by``, ``served_steps``, ``served_tokens``; :meth:`read` gives it back).
 
         Raises ValueError when the three lengths differ."""
         n = input_ids.shape[0]
@@ -103,6 +120,9 @@ class CaptureStore:
             meta = {"split": "heldout" if seq % HELDOUT_EVERY == 0 else "train",
                     "target_fingerprint": self.fingerprint,
                     "target_layer_ids": json.dumps(list(self.layer_ids))}
+            if served is not None:
+                meta.update(served_by=served.by, served_steps=str(served.steps),
+                            served_tokens=str(served.tokens))
             data = save({"input_ids": input_ids.to(torch.int64).contiguous(),
                          "loss_mask": loss_mask.to(torch.uint8).contiguous(),
                          "taps": taps.to(torch.bfloat16).contiguous()}, metadata=meta)
@@ -158,6 +178,11 @@ class CaptureStore:
         except Exception:             # noqa: BLE001 -- removed or torn under us: skip it
             return None
         d["seq"] = torch.tensor(seq)
+        if "served_by" in meta:
+            try:
+                d["served"] = Served(meta["served_by"], int(meta["served_steps"]), int(meta["served_tokens"]))
+            except (KeyError, ValueError):
+                pass
         return d
 
     def counts(self) -> dict[str, int]:
