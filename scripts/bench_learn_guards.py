@@ -84,7 +84,7 @@ def poisoned_gate(a) -> tuple[dict, Path]:
     res = {"conversations": convs, "steps": a.steps, "train_s": round(train_s, 1),
            "released_by_gate": released is not None,
            "gate": {k: refused.get(k) for k in ("decision", "tau_serving", "tau_candidate", "gain",
-                                                "gain_lower", "wins", "conversations")},
+                                                "gain_lower", "wins", "conversations", "replay", "reason")},
            "on_clean_heldout": {"tau_serving": on_clean.tau_serving,
                                 "tau_candidate": on_clean.tau_candidate, "gain": on_clean.gain},
            "forced_version": forced.name}
@@ -239,6 +239,7 @@ def write(res: dict, out: Path) -> bool:
 
 def main(argv=None) -> int:
     from dflash.learn.defaults import MIN_DRAFTS
+    from dflash.learn.learner import LearnConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store-from", required=True, help="a learn dir with a captured store (bench_learn's)")
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/learn-guards",
                    help="the poisoned learn dir and the forced version (users' traffic: not in --out)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=6e-5)
+    p.add_argument("--lr", type=float, default=LearnConfig.lr)
     p.add_argument("--fresh", type=int, default=24, help="fresh prompts the clients cycle through")
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--canary", type=float, default=0.5)
