@@ -8,8 +8,9 @@ Both drafters are scored on the same held-out conversations, by one of two measu
   vocabulary): verify steps and the drafts they accept. This is the τ a release would serve.
 * ``teacher_forced``: the trainer's held-out measure (``dflash.recipe.loss.batch_loss`` over
   the full vocabulary) at fixed anchors seeded by the conversation's number, accepted drafts
-  per block. Cheaper, but its uniform anchors overstate a served gain (on the stdlib domain a
-  +19-26% teacher-forced gain served +12%: docs/learning.md).
+  per block. Cheaper, but its uniform anchors overstate a served gain: they fall as often on
+  easy stretches as on the positions right after a miss, where a served step starts
+  (docs/learning.md, "The gate").
 
 The statistic is the relative gain
 in τ = 1 + accepted / blocks over all conversations, each drafter over its own blocks (a
@@ -104,7 +105,8 @@ class GateResult:
 
 
 #: The serving version's replayed τ on the conversations it served must be at least this
-#: fraction of the τ it served there (a healthy store replays within 1%: docs/learning.md).
+#: fraction of the τ it served there: a healthy store replays the served chain itself, so only
+#: numerics separate the two (docs/learning.md, "The gate").
 REPLAY_TOLERANCE = 0.9
 
 

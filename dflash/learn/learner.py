@@ -34,9 +34,8 @@ from dflash.recipe.loss import batch_loss
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnConfig:
     """The learner's recipe: the trainer's (``docs/training.md``) with a higher learning rate
-    and a steeper position decay, for what a release serves (docs/learning.md, "The online
-    recipe": on the stdlib domain lr 5e-4 and gamma 3 served τ +21% on fresh prompts, the
-    trainer's 6e-5 and 7 +12%)."""
+    and a steeper position decay, chosen by the τ a release serves (docs/learning.md, "A second
+    domain", has the comparison)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -95,10 +94,6 @@ class Learner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
 
-    @property
-    def gamma(self) -> float:
-        return self.cfg.gamma
-
     # ------------------------------------------------------------------ data
     def reload(self) -> int:
         """Re-read the training split (conversations written meanwhile); returns its size."""
@@ -143,7 +138,7 @@ class Learner:
         anchors = [sample_anchors(c["loss_mask"], self.cfg.anchors_per_seq, self.rng) for c in picked]
         cfg = self.drafter.cfg
         batch = build_batch(picked, anchors, block_size=cfg.block_size,
-                            mask_token_id=cfg.mask_token_id, gamma=self.gamma).to(self.device)
+                            mask_token_id=cfg.mask_token_id, gamma=self.cfg.gamma).to(self.device)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_now()
         head_w, label_map = self.softmax_head()
@@ -177,7 +172,7 @@ class Learner:
     def log_heldout(self) -> dict:
         """The candidate's held-out τ now, teacher-forced (the cheap measure: a point every
         ``eval_every`` steps), appended to the curve (``heldout_curve.csv``)."""
-        sc = score(self.drafter, self.head, self.heldout(), metric="teacher_forced", gamma=self.gamma)
+        sc = score(self.drafter, self.head, self.heldout(), metric="teacher_forced", gamma=self.cfg.gamma)
         blocks = sum(s.blocks for s in sc)
         point = {"step": self.step, "seconds": round(self.seconds, 1), "conversations": len(sc),
                  "tau": round(1 + sum(s.accepted for s in sc) / max(1, blocks), 4),
@@ -197,7 +192,7 @@ class Learner:
         ``gate_metric``; refused whatever the gain when the store does not replay what the
         serving version served there (:func:`dflash.learn.gate.replay_check`)."""
         held = self.heldout()
-        kw = {"metric": self.cfg.gate_metric, "vocab": self.vocab, "gamma": self.gamma}
+        kw = {"metric": self.cfg.gate_metric, "vocab": self.vocab, "gamma": self.cfg.gamma}
         serving = score(self.serving, self.head, held, **kw)
         cand = score(self.drafter, self.head, held, **kw)
         res = gate(serving, cand, margin=self.cfg.margin, metric=self.cfg.gate_metric)

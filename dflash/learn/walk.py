@@ -8,11 +8,9 @@ longest prefix equal to its own tokens and adds one (the bonus token), so the ne
 ``a + accepted + 1``. Replaying that walk on the stored taps gives the τ the drafter would serve
 on that traffic, which teacher-forced scoring at uniform anchors does not: its anchors fall as
 often on stock phrases, where any drafter does well, as on the positions right after a miss,
-where a served step starts (docs/learning.md, "What the gate measures").
-
-The replay agrees with serving: on 32 fresh stdlib prompts, versions 6, 7 and 8 replay at τ
-1.458 / 1.589 / 1.644 against 1.461 / 1.592 / 1.646 served. Requests that were sampled are
-walked as if greedy (the drafts are argmax), an approximation of what they served.
+where a served step starts (docs/learning.md, "The gate", has how closely it agrees with
+serving). Requests that were sampled are walked as if greedy (the drafts are argmax), an
+approximation of what they served.
 """
 
 from __future__ import annotations
