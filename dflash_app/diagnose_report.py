@@ -76,7 +76,7 @@ def render(report: dict) -> str:
         st = c.get("settings")
         if st:
             side = lambda x: (f"{x['dtype']}, skinny rows {x['skinny_max_rows']}, "   # noqa: E731
-                              f"packed {x['packed_linear']}")
+                              f"packed {x['packed_linear']}, panel {x.get('panel_linear', 'off')}")
             lines.append(f"  as served: {st['threads']} thread(s); target {side(st['target'])}; "
                          f"drafter {side(st['drafter'])}; tree budgets "
                          f"{','.join(map(str, st['tree_budgets'])) or 'none'} (mode tree "

@@ -52,9 +52,11 @@ class Served:
         t, d = self.target, self.drafter
         return {"threads": self.threads,
                 "target": {"dtype": str(t.dtype).replace("torch.", ""),
-                           "skinny_max_rows": t.skinny_max_rows, "packed_linear": t.packed_linear},
+                           "skinny_max_rows": t.skinny_max_rows, "packed_linear": t.packed_linear,
+                           "panel_linear": getattr(t, "panel_linear", "off")},
                 "drafter": {"dtype": d.card.dtype, "skinny_max_rows": d.skinny_max_rows,
-                            "packed_linear": d.packed_linear},
+                            "packed_linear": d.packed_linear,
+                            "panel_linear": getattr(d, "panel_linear", "off")},
                 "tree_budgets": list(self.tree_budgets), "tree_budget": self.tree_budget}
 
     def close(self) -> None:

@@ -35,9 +35,11 @@ from kernels.skinny_linear import (
     DEFAULT_MAX_ROWS,
     packed_state,
     packed_summary,
+    panel_summary,
     switch_linear,
     tune_max_rows,
     tune_packed,
+    tune_panel,
     tuning_summary,
 )
 
@@ -81,6 +83,8 @@ class DrafterEngine:
         packed_linear: "on": linear layers and the LM head take oneDNN products on prepacked
             weights (``kernels.packed_linear``; CPU only); "auto": measured at :meth:`warmup`;
             "off" (default) never. Raises ValueError for other values.
+        panel_linear: the same for the float32 panel product on AVX-512 CPUs
+            (``kernels.panel_linear``; a bfloat16 drafter never takes it).
         threads: torch threads of the engine's compute thread, which runs every draft (calls
             come from any gRPC thread); it then is the process's only multi-threaded torch
             thread (``dflash.serving.threads.claim``). 0 = leave torch's threads alone.
@@ -104,7 +108,8 @@ class DrafterEngine:
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
-                 context_sched: str = "idle", capture: Capture | None = None):
+                 context_sched: str = "idle", capture: Capture | None = None,
+                 panel_linear: str = "off"):
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -118,8 +123,9 @@ class DrafterEngine:
         if head.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"vocab_size: drafter has {self.cfg.vocab_size}, target head has "
                              f"{head.vocab_size} rows")
-        self.packed_linear = switch_linear(drafter, skinny_max_rows, packed_linear, self.device,
-                                           also=[head])
+        self.packed_linear, self.panel_linear = switch_linear(
+            drafter, skinny_max_rows, packed_linear, self.device, also=[head],
+            panel_linear=panel_linear)
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
         self._compute_ident: int | None = None
@@ -160,7 +166,7 @@ class DrafterEngine:
                         version: str | None = None, draft_vocab_size: int = -1,
                         skinny_max_rows: int = DEFAULT_MAX_ROWS, packed_linear: str = "off",
                         threads: int = 0, context_threads: int = 1,
-                        context_sched: str = "idle") -> "DrafterEngine":
+                        context_sched: str = "idle", panel_linear: str = "off") -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -186,7 +192,7 @@ class DrafterEngine:
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
                    packed_linear=packed_linear, threads=threads, context_threads=context_threads,
-                   context_sched=context_sched)
+                   context_sched=context_sched, panel_linear=panel_linear)
 
     @property
     def num_sessions(self) -> int:
@@ -234,6 +240,17 @@ class DrafterEngine:
             packed, ptimes = self._compute.submit(tune_p).result()
             self.packed_linear = packed_state(packed)
             log.info("%s", packed_summary(packed, ptimes))
+        if self.panel_linear == "auto":
+            blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
+
+            def tune_q():
+                return tune_panel(self.drafter,
+                                  lambda n: self._propose_on([req(n, 1 if n == 1 else 64)]),
+                                  rows=blocks, also=[self.head])
+
+            panel, qtimes = self._compute.submit(tune_q).result()
+            self.panel_linear = packed_state(panel)
+            log.info("%s", panel_summary(panel, qtimes))
         self.release(["__warmup__"])
 
     # ------------------------------------------------------------------ Proposer

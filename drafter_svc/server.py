@@ -85,6 +85,7 @@ def load_engine(a, device, threads: int):
                                            version=a.version, draft_vocab_size=a.draft_vocab_size,
                                            skinny_max_rows=a.skinny_max_rows,
                                            packed_linear=a.packed_linear, threads=threads,
+                                           panel_linear=a.panel_linear,
                                            context_threads=a.context_threads,
                                            context_sched=a.context_sched)
     engine.warmup()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from dflash.core.flags import PACKED_CHOICES
 from kernels.packed_linear import available as packed_available, try_packed_linear
+from kernels.panel_linear import available as panel_available, try_panel_linear
 
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
@@ -44,7 +45,7 @@ MARGIN = 0.03
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   max_rows: int = DEFAULT_MAX_ROWS, one_row: bool = False,
-                  packed: int = 0) -> torch.Tensor:
+                  packed: int = 0, panel: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``(weight @ x2d.T).T`` when it has 2..``max_rows`` rows
     (and, with ``one_row``, for one row, computed as two copies of it); with ``packed``, as the
     oneDNN product on the prepacked weight (:mod:`kernels.packed_linear`) at every row count
@@ -63,12 +64,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         packed: from this many rows on (0 = never), take
             :func:`kernels.packed_linear.packed_linear` (CPU, float32 or bfloat16, no autograd)
             before either; :func:`tune_packed` decides it.
+        panel: from this many rows on (0 = never), take
+            :func:`kernels.panel_linear.try_panel_linear` (CPU float32 on AVX-512) before all
+            of them; :func:`tune_panel` decides it.
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if panel and rows >= panel:
+        out = try_panel_linear(x, weight, bias)
+        if out is not None:
+            return out
     if packed and rows >= packed:
         out = try_packed_linear(x, weight, bias)
         if out is not None:
@@ -98,10 +106,11 @@ class SkinnyLinear(torch.nn.Linear):
     skinny_max_rows: int = DEFAULT_MAX_ROWS
     skinny_one_row: bool = False
     skinny_packed: int = 0
+    skinny_panel: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows, self.skinny_one_row,
-                             self.skinny_packed)
+                             self.skinny_packed, self.skinny_panel)
 
 
 def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
@@ -148,22 +157,27 @@ def set_max_rows(model: torch.nn.Module, max_rows: int, also: Iterable[Any] = ()
 
 
 def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, device: torch.device,
-                  also: Iterable[Any] = ()) -> str:
+                  also: Iterable[Any] = (), panel_linear: str = "off") -> tuple[str, str]:
     """A model service's linear layers at load: :func:`use_skinny_linear` with ``max_rows``
-    (switching even at 0 when packed products may be taken), and the packed product on at every
-    row count for ``packed_linear`` "on" (``model``'s layers and ``also``'s).
+    (switching even at 0 when packed or panel products may be taken), and the packed product
+    (``packed_linear`` "on") and the panel product (``panel_linear`` "on") at every row count
+    (``model``'s layers and ``also``'s).
 
     Returns:
-        The packed mode in force: ``packed_linear``, or "off" off the CPU.
+        The packed and panel modes in force: the flags' values, each "off" off the CPU.
     Raises:
-        ValueError: ``packed_linear`` not one of ``PACKED_CHOICES``; ``max_rows`` below AUTO.
+        ValueError: ``packed_linear`` / ``panel_linear`` not one of ``PACKED_CHOICES``;
+            ``max_rows`` below AUTO.
     """
-    if packed_linear not in PACKED_CHOICES:
-        raise ValueError(f"packed_linear: one of {', '.join(PACKED_CHOICES)}, got {packed_linear!r}")
+    for name, value in (("packed_linear", packed_linear), ("panel_linear", panel_linear)):
+        if value not in PACKED_CHOICES:
+            raise ValueError(f"{name}: one of {', '.join(PACKED_CHOICES)}, got {value!r}")
     mode = packed_linear if device.type == "cpu" else "off"
-    use_skinny_linear(model, max_rows, always=mode != "off")
+    panel = panel_linear if device.type == "cpu" else "off"
+    use_skinny_linear(model, max_rows, always=mode != "off" or panel != "off")
     set_packed(model, int(mode == "on"), also)
-    return mode
+    set_panel(model, int(panel == "on"), also)
+    return mode, panel
 
 
 def packed_state(threshold: int) -> str:
@@ -228,6 +242,68 @@ def packed_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> s
         return "packed linear: unavailable (no oneDNN or no switchable layer)"
     parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
     return f"packed linear: {packed_state(threshold)} (ms, packed vs other: {parts})"
+
+
+def set_panel(model: torch.nn.Module, panel: int, also: Iterable[Any] = ()) -> None:
+    """Set the panel product's row threshold (:mod:`kernels.panel_linear`; 0 = off, 1 = every
+    row count, N = N rows or more) of every :class:`SkinnyLinear` in ``model`` and of each
+    object in ``also`` (``skinny_panel``)."""
+    for m in model.modules():
+        if isinstance(m, SkinnyLinear):
+            m.skinny_panel = panel
+    for o in also:
+        o.skinny_panel = panel
+
+
+def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
+               rows: tuple[int, ...] = (1, 2, 4, 8, 16), reps: int = 5, margin: float = MARGIN,
+               also: Iterable[Any] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
+    """Decide the panel product (:mod:`kernels.panel_linear`) of ``model``'s float32 skinny
+    layers (and ``also``'s) by timing the real workload, after :func:`tune_max_rows` and
+    :func:`tune_packed` chose the other paths (the "other" side of each timing).
+
+    ``probe(n)`` runs ``reps`` times per ``n`` in ``rows`` with the panel product at every row
+    count and ``reps`` times without, interleaved, after one untimed call each way (which also
+    packs the weights and, the first time on a machine, builds the extension). The threshold is
+    the smallest ``n`` in ``rows`` from which the panel product's median beats the other's by
+    more than ``margin`` at that and every larger tested ``n``; 0 when it does not win at the
+    largest. ``model`` (and ``also``) are left at the result. Returns (threshold for
+    :func:`set_panel`, {n: (panel median s, other median s)}); (0, {}) when no float32 layer
+    is a :class:`SkinnyLinear` or the extension is unavailable.
+    """
+    also = list(also)
+    layers = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
+    if (not any(m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" for m in layers)
+            or not panel_available()):
+        return 0, {}
+    runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
+    for state in (True, False):
+        set_panel(model, int(state), also)
+        for n in rows:
+            probe(n)
+    for r in range(reps):
+        for state in ((True, False) if r % 2 else (False, True)):
+            set_panel(model, int(state), also)
+            for n in rows:
+                t0 = time.perf_counter()
+                probe(n)
+                runs[n][state].append(time.perf_counter() - t0)
+    timings = {n: (statistics.median(v[True]), statistics.median(v[False])) for n, v in runs.items()}
+    threshold = 0
+    for n in sorted(rows, reverse=True):
+        if not wins(*timings[n], margin):
+            break
+        threshold = n
+    set_panel(model, threshold, also)
+    return threshold, timings
+
+
+def panel_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:
+    """One log line for a :func:`tune_panel` result."""
+    if not timings:
+        return "panel linear: unavailable (no AVX-512, no compiler or no float32 layer)"
+    parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
+    return f"panel linear: {packed_state(threshold)} (ms, panel vs other: {parts})"
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,

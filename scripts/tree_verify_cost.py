@@ -2,6 +2,7 @@
 
     python scripts/tree_verify_cost.py [--context 300] [--nodes 4,8,16,32] [--reps 15]
                                        [--skinny-max-rows -1] [--packed-linear auto]
+                                       [--panel-linear auto]
                                        [--threads 0] [--json out.json]
                                        [--batch 1]
 
@@ -71,6 +72,8 @@ def main() -> None:
                    help="as the verifier's flag; -1 (default) = tune at start, as it does")
     p.add_argument("--packed-linear", default="auto", choices=("auto", "on", "off"),
                    help="as the verifier's flag; auto (default) = tune at start, as it does")
+    p.add_argument("--panel-linear", default="auto", choices=("auto", "on", "off"),
+                   help="as the verifier's flag; auto (default) = tune at start, as it does")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--batch", type=int, default=1,
@@ -85,7 +88,8 @@ def main() -> None:
         from dflash_app.target_setup import setup_target
 
         path = setup_target()
-    t = TargetModel(path, skinny_max_rows=a.skinny_max_rows, packed_linear=a.packed_linear)
+    t = TargetModel(path, skinny_max_rows=a.skinny_max_rows, packed_linear=a.packed_linear,
+                    panel_linear=a.panel_linear)
     rows = t.tune_skinny()
     g = torch.Generator().manual_seed(0)
     vocab = min(t.vocab_size, 20000)
@@ -132,6 +136,7 @@ def main() -> None:
     med, paired = summarize(samples, sizes)
     print(f"target {path}: {a.context} cached positions, batch 1, torch threads "
           f"{torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, "
+          f"panel {t.panel_linear}, "
           f"median of {a.reps} interleaved rounds")
     print(f"{'shape':<10} {'tokens':>6} {'depth':>5} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
     print(f"{'decode':<10} {1:>6} {'':>5} {med['decode']:>8.1f} {1.0:>9.2f}")
@@ -166,7 +171,8 @@ def write_json(a, t, path, rows, samples, med, paired, **extra) -> None:
     with open(a.json, "w") as f:
         json.dump({"target": str(path), "context": a.context, "reps": a.reps,
                    "threads": torch.get_num_threads(), "skinny_max_rows": rows,
-                   "packed_linear": t.packed_linear, **extra, "median_ms": med,
+                   "packed_linear": t.packed_linear,
+                   "panel_linear": t.panel_linear, **extra, "median_ms": med,
                    "tree_over_chain_paired": paired, "samples_ms": samples}, f, indent=1)
 
 
@@ -201,6 +207,7 @@ def batched(a, t, caches, lens, sizes, trees, tokens, timed, path, rows) -> None
     med, paired = summarize(samples, sizes)
     print(f"target {path}: batch {b}, {a.context}-{a.context + 7} cached positions, torch "
           f"threads {torch.get_num_threads()}, skinny rows {rows}, packed {t.packed_linear}, "
+          f"panel {t.panel_linear}, "
           f"median of {a.reps} rounds")
     print(f"{'shape':<10} {'rows':>6} {'ms':>8} {'x decode':>9} {'tree/chain':>10}")
     print(f"{'decode':<10} {b:>6} {med['decode']:>8.1f} {1.0:>9.2f}")

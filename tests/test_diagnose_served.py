@@ -44,7 +44,7 @@ def diagnose_json(*args) -> tuple[int, dict]:
 # ---------------------------------------------------------------------- the services' settings
 @pytest.mark.slow
 def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
-    """Every timed forward runs with the thread count, skinny rows and packed products the
+    """Every timed forward runs with the thread count, skinny rows, packed and panel products the
     services take from their flags' environment, the drafter in the dtype its service picks,
     and the tree budgets priced are the verifier's. The choices differ from the model
     classes' own defaults (packed off, 16 skinny rows, a float32 drafter), so measuring with
@@ -54,7 +54,7 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     from kernels.skinny_linear import SkinnyLinear
     from verifier_svc.target import TargetModel
 
-    for k, v in {"DFLASH_TORCH_THREADS": "2", "DFLASH_PACKED_LINEAR": "on",
+    for k, v in {"DFLASH_TORCH_THREADS": "2", "DFLASH_PACKED_LINEAR": "on", "DFLASH_PANEL_LINEAR": "on",
                  "DFLASH_SKINNY_MAX_ROWS": "4", "DFLASH_TREE_BUDGETS": "2,5",
                  "DFLASH_TREE_BUDGET": "6"}.items():
         monkeypatch.setenv(k, v)
@@ -62,7 +62,7 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     seen: dict[str, set] = {"target": set(), "drafter": set()}
 
     def layers(model):
-        return {(m.skinny_max_rows, m.skinny_packed) for m in model.modules()
+        return {(m.skinny_max_rows, m.skinny_packed, m.skinny_panel) for m in model.modules()
                 if isinstance(m, SkinnyLinear)}
 
     forward_batch, propose_on = TargetModel.forward_batch, DrafterEngine._propose_on
@@ -83,13 +83,14 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     rc, r = diagnose_json("--target", target, "--drafter", dirs[TAPPED], *PROMPTS,
                           "--no-offset-probe")
     bf16 = torch.bfloat16 if cpu_native_bf16() else torch.float32
-    assert seen["target"] == {(2, frozenset({(4, 1)}), torch.float32)}
-    assert seen["drafter"] == {(2, frozenset({(4, 1)}), bf16)}
+    assert seen["target"] == {(2, frozenset({(4, 1, 1)}), torch.float32)}
+    assert seen["drafter"] == {(2, frozenset({(4, 1, 1)}), bf16)}
     assert r["costs"]["settings"] == {
         "threads": 2, "tree_budgets": [2, 5], "tree_budget": 6,
-        "target": {"dtype": "float32", "skinny_max_rows": 4, "packed_linear": "on"},
+        "target": {"dtype": "float32", "skinny_max_rows": 4, "packed_linear": "on",
+                   "panel_linear": "on"},
         "drafter": {"dtype": str(bf16).replace("torch.", ""), "skinny_max_rows": 4,
-                    "packed_linear": "on"}}
+                    "packed_linear": "on", "panel_linear": "on"}}
     assert r["threads"] == 2 and rc in (0, 3)       # (pays or not: test_exit_status)
     dom = r["probe"]["domains"]["all"]           # acceptance priced with the served drafter
     assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)

@@ -335,7 +335,7 @@ def load_target(a, devices, *, on_failure=None):
     if a.ep_size <= 1:
         target = TargetModel(a.target, dtype=a.dtype, device=devices[0],
                              skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs,
-                             packed_linear=a.packed_linear)
+                             packed_linear=a.packed_linear, panel_linear=a.panel_linear)
         log.info("target on %s in %s%s", target.device, target.dtype,
                  ", CUDA graphs" if a.cuda_graphs else "")
         return target

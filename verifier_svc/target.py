@@ -32,9 +32,11 @@ from kernels.skinny_linear import (
     DEFAULT_MAX_ROWS,
     packed_state,
     packed_summary,
+    panel_summary,
     switch_linear,
     tune_max_rows,
     tune_packed,
+    tune_panel,
     tuning_summary,
 )
 from verifier_svc.tree import ancestor_mask, check_tree
@@ -80,6 +82,8 @@ class TargetModel:
         packed_linear: "on": the linear layers (LM head included) take oneDNN products on
             prepacked weights (``kernels.packed_linear``; CPU only); "auto": measured against
             the other paths by :meth:`tune_skinny`; "off" (default) never.
+        panel_linear: the same choices for the float32 panel product on AVX-512 CPUs
+            (``kernels.panel_linear``), tuned after the other two.
 
     On CPU it calls :func:`grouped_kv_attention` before loading.
 
@@ -91,7 +95,7 @@ class TargetModel:
 
     def __init__(self, path: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS,
-                 cuda_graphs: bool = False, packed_linear: str = "off"):
+                 cuda_graphs: bool = False, packed_linear: str = "off", panel_linear: str = "off"):
         self.path = Path(path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
@@ -103,7 +107,8 @@ class TargetModel:
             grouped_kv_attention()
         self.model = self._load()
         self.skinny_max_rows = skinny_max_rows
-        self.packed_linear = switch_linear(self.model, skinny_max_rows, packed_linear, self.device)
+        self.packed_linear, self.panel_linear = switch_linear(
+            self.model, skinny_max_rows, packed_linear, self.device, panel_linear=panel_linear)
         self.config = self.model.config
         raw = json.loads((self.path / "config.json").read_text())
         text = raw.get("text_config", raw)
@@ -282,10 +287,12 @@ class TargetModel:
         row (``kernels.skinny_linear.tune_max_rows``).
         With ``packed_linear`` "auto", then time 1 / 4 / 16 tokens with and without the
         prepacked product and keep it when faster (``kernels.skinny_linear.tune_packed``).
+        With ``panel_linear`` "auto", last, time 1 / 2 / 4 / 8 / 16 tokens with and without the
+        panel product (``kernels.skinny_linear.tune_panel``).
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
         when it was set explicitly, or off the CPU: the transposed product is CPU-only)."""
         tune_rows = self.skinny_max_rows == AUTO and self.device.type == "cpu"
-        if not tune_rows and self.packed_linear != "auto":
+        if not tune_rows and "auto" not in (self.packed_linear, self.panel_linear):
             return self.skinny_max_rows
         cache = self.new_cache()
         ids = [i % self.vocab_size for i in range(1, context + 1)]
@@ -303,6 +310,10 @@ class TargetModel:
                 packed, ptimes = tune_packed(self.model, probe)
                 self.packed_linear = packed_state(packed)
                 log.info("%s", packed_summary(packed, ptimes))
+            if self.panel_linear == "auto":
+                panel, qtimes = tune_panel(self.model, probe)
+                self.panel_linear = packed_state(panel)
+                log.info("%s", panel_summary(panel, qtimes))
         return self.skinny_max_rows
 
     def crop(self, cache: PoolSeq, length: int) -> None:

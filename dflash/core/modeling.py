@@ -200,6 +200,7 @@ class TargetHead(nn.Module):
 
     skinny_max_rows: int = 0
     skinny_packed: int = 0
+    skinny_panel: int = 0
     embed: torch.Tensor        # [V, H] buffer
     lm_head: torch.Tensor      # [V, H] buffer
 
@@ -219,8 +220,8 @@ class TargetHead(nn.Module):
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (float32). ``weight`` [N, H]: a subset of the LM
         head's rows (a draft vocabulary, ``dflash.core.draft_vocab``) -> logits [..., N].
-        ``skinny_max_rows`` (attribute, 0 = off) and ``skinny_packed``: see
+        ``skinny_max_rows`` (attribute, 0 = off), ``skinny_packed`` and ``skinny_panel``: see
         ``kernels.skinny_linear``."""
         w = self.lm_head if weight is None else weight
         return skinny_linear(hidden, w, max_rows=self.skinny_max_rows,
-                             packed=self.skinny_packed).float()
+                             packed=self.skinny_packed, panel=self.skinny_panel).float()

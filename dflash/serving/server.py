@@ -363,7 +363,8 @@ def add_compute_args(p, thread: str) -> None:
     """The flags of the services that run a model (verifier, drafter): ``--threads`` (torch
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and
     ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS) and
-    ``--packed-linear`` (``kernels.packed_linear``; env DFLASH_PACKED_LINEAR)."""
+    ``--packed-linear`` (``kernels.packed_linear``; env DFLASH_PACKED_LINEAR) and
+    ``--panel-linear`` (``kernels.panel_linear``; env DFLASH_PANEL_LINEAR)."""
     from dflash.core.flags import PACKED_CHOICES
     from kernels.skinny_linear import AUTO  # here: the gateway never imports torch
 
@@ -381,6 +382,12 @@ def add_compute_args(p, thread: str) -> None:
                    help="CPU: linear layers take oneDNN products on weights prepacked once (one "
                         "more copy of the weights in memory); auto = measure at start and keep "
                         "the faster (kernels/packed_linear.py) [DFLASH_PACKED_LINEAR]")
+    p.add_argument("--panel-linear", choices=PACKED_CHOICES,
+                   default=env("DFLASH_PANEL_LINEAR", "auto"),
+                   help="CPU float32 on AVX-512: linear layers take this project's kernel on "
+                        "weights packed once into column panels (compiled on first use; one more "
+                        "copy of the weights); auto = measure at start from which row count it "
+                        "wins (kernels/panel_linear.py) [DFLASH_PANEL_LINEAR]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:

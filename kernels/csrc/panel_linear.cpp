@@ -1,0 +1,113 @@
+// y = x @ W.T in float32 for the few rows of a decode or verify step, on a weight packed once into
+// column panels: panel p holds W's rows 32p..32p+31 transposed, [K][32], so each k reads one
+// 128-byte line pair. A micro-kernel keeps an 8-row x 32-column tile in 16 AVX-512 registers;
+// blocks of up to 8 rows take turns on each 64-deep slice of a panel while it is in L1, and
+// the first block prefetches the same slice of the thread's next panel (the weights stream
+// from memory once per call, whatever the row count).
+//
+// Every output is one FMA chain over k = 0..K-1 in order, whatever the row count, the row's
+// place in its block or the thread that ran it: a row's result does not depend on how many
+// rows share the call.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NR = 32;   // columns per panel (two 16-float registers)
+constexpr int MR = 8;        // rows per register tile
+constexpr int64_t KC = 64;   // k-slice shared by a panel's row blocks
+
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* w, const float* prefetch, int64_t k0,
+                 int64_t k1, float* acc) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_loadu_ps(acc + r * NR);
+    hi[r] = _mm512_loadu_ps(acc + r * NR + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR + 16), _MM_HINT_T0);
+    }
+    const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+      lo[r] = _mm512_fmadd_ps(xr, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xr, w1, hi[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * NR, lo[r]);
+    _mm512_storeu_ps(acc + r * NR + 16, hi[r]);
+  }
+}
+
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* w, const float* prefetch,
+               int64_t k0, int64_t k1, float* acc) {
+  switch (rows) {
+    case 1: return tile<1>(x, ldx, w, prefetch, k0, k1, acc);
+    case 2: return tile<2>(x, ldx, w, prefetch, k0, k1, acc);
+    case 3: return tile<3>(x, ldx, w, prefetch, k0, k1, acc);
+    case 4: return tile<4>(x, ldx, w, prefetch, k0, k1, acc);
+    case 5: return tile<5>(x, ldx, w, prefetch, k0, k1, acc);
+    case 6: return tile<6>(x, ldx, w, prefetch, k0, k1, acc);
+    case 7: return tile<7>(x, ldx, w, prefetch, k0, k1, acc);
+    default: return tile<8>(x, ldx, w, prefetch, k0, k1, acc);
+  }
+}
+
+// x: float32 [M, K] contiguous; panels: float32 [P, K, 32] contiguous; returns [M, n_out].
+torch::Tensor panel_mm(torch::Tensor x, torch::Tensor panels, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32,
+              "panel_mm: float32 only");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR, "panel_mm: shapes");
+  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(), "panel_mm: contiguous inputs");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.size(1) == K && n_out > (P - 1) * NR && n_out <= P * NR, "panel_mm: sizes");
+  auto y = torch::empty({M, n_out}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (M + MR - 1) / MR;
+  // OpenMP directly, on the calling thread's own thread count: ATen's parallel_for, inlined
+  // here, would run its lazy per-thread init from this library's copy of its flag and reset a
+  // thread that claimed N threads (dflash.serving.threads.claim) to the process default.
+  const int threads = omp_in_parallel() ? 1 : static_cast<int>(std::min<int64_t>(omp_get_max_threads(), P));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p0 = P * t / n, p1 = P * (t + 1) / n;
+    std::vector<float> acc(blocks * MR * NR);
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* w = wp + p * K * NR;
+      const float* next = p + 1 < p1 ? w + K * NR : nullptr;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = std::min(K, k0 + KC);
+        for (int64_t b = 0; b < blocks; ++b)
+          tile_rows(std::min<int64_t>(MR, M - b * MR), xp + b * MR * K, K, w,
+                    b == 0 ? next : nullptr, k0, k1, acc.data() + b * MR * NR);
+      }
+      const int64_t cols = std::min(NR, n_out - p * NR);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(yp + m * n_out + p * NR, acc.data() + m * NR, cols * sizeof(float));
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("panel_mm", &panel_mm, "x [M, K] @ W.T from W's [P, K, 32] column panels (float32)");
+}
