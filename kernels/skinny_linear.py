@@ -32,7 +32,11 @@ import torch.nn.functional as F
 
 from dflash.core.flags import PACKED_CHOICES
 from kernels.packed_linear import available as packed_available, try_packed_linear
-from kernels.panel_linear import available as panel_available, try_panel_linear
+from kernels.panel_linear import (
+    MAX_ROWS as PANEL_MAX_ROWS,
+    available as panel_available,
+    try_panel_linear,
+)
 
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
@@ -64,16 +68,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         packed: from this many rows on (0 = never), take
             :func:`kernels.packed_linear.packed_linear` (CPU, float32 or bfloat16, no autograd)
             before either; :func:`tune_packed` decides it.
-        panel: from this many rows on (0 = never), take
-            :func:`kernels.panel_linear.try_panel_linear` (CPU float32 on AVX-512) before all
-            of them; :func:`tune_panel` decides it.
+        panel: from this many rows on (0 = never) up to ``kernels.panel_linear.MAX_ROWS``,
+            take :func:`kernels.panel_linear.try_panel_linear` (CPU float32 on AVX-512) before
+            all of them; :func:`tune_panel` decides it.
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if panel and rows >= panel:
+    if panel and panel <= rows <= PANEL_MAX_ROWS:
         out = try_panel_linear(x, weight, bias)
         if out is not None:
             return out

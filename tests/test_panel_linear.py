@@ -114,9 +114,10 @@ def test_skinny_layers_take_it_from_their_threshold(monkeypatch):
     real = ql.try_panel_linear
     monkeypatch.setattr(sk, "try_panel_linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
     w = torch.randn(8, 4)
+    big = ql.MAX_ROWS + 1                        # a prefill chunk keeps the vendor's kernels
     with torch.no_grad():
         for threshold in (0, 1, 4):
-            for rows in (1, 2, 16):
+            for rows in (1, 2, 16, big):
                 out = sk.skinny_linear(torch.ones(rows, 4), w, max_rows=16, panel=threshold)
                 torch.testing.assert_close(out, F.linear(torch.ones(rows, 4), w))
             seen.append("|")
