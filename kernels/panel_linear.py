@@ -98,6 +98,18 @@ def panel_weight(weight: torch.Tensor) -> torch.Tensor:
     return held[1]
 
 
+def release(weights) -> int:
+    """Drop the panel copies held by ``weights`` (tensors); returns how many were held. A tune
+    that leaves the panels off calls it, so their memory (one more copy of the weights) is not
+    kept for nothing."""
+    n = 0
+    for w in weights:
+        if getattr(w, _ATTR, None) is not None:
+            delattr(w, _ATTR)
+            n += 1
+    return n
+
+
 def try_panel_linear(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` on the panel copy of ``weight``, or None where

@@ -35,6 +35,7 @@ from kernels.packed_linear import available as packed_available, try_packed_line
 from kernels.panel_linear import (
     MAX_ROWS as PANEL_MAX_ROWS,
     available as panel_available,
+    release as panel_release,
     try_panel_linear,
 )
 
@@ -271,7 +272,8 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
     packs the weights and, the first time on a machine, builds the extension). The threshold is
     the smallest ``n`` in ``rows`` from which the panel product's median beats the other's by
     more than ``margin`` at that and every larger tested ``n``; 0 when it does not win at the
-    largest. ``model`` (and ``also``) are left at the result. Returns (threshold for
+    largest (the panel copies the probes made are then dropped). ``model`` (and ``also``) are
+    left at the result. Returns (threshold for
     :func:`set_panel`, {n: (panel median s, other median s)}); (0, {}) when no float32 layer
     is a :class:`SkinnyLinear` or the extension is unavailable.
     """
@@ -299,7 +301,16 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
             break
         threshold = n
     set_panel(model, threshold, also)
+    if not threshold:        # the probes packed every weight: free that copy
+        panel_release([m.weight for m in layers] + [w for o in also for w in _tensors(o)])
     return threshold, timings
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors an ``also`` object holds as attributes or buffers (a drafter's target head)."""
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
 
 
 def panel_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:

@@ -137,8 +137,15 @@ def test_tune_panel_keeps_the_faster_from_where_it_wins(wins_from, expected):
         # the behaviour: a product that costs what the test says
         time.sleep(0.002 if on == (n >= wins_from) else 0.012)
 
-    threshold, timings = sk.tune_panel(m, probe, rows=(1, 4, 16), reps=3, also=[head])
+    def probe_and_pack(n):
+        probe(n)
+        with torch.no_grad():                    # what a real probe does: packs the weight
+            sk.skinny_linear(torch.ones(4, 4), m[0].weight, panel=m[0].skinny_panel)
+
+    threshold, timings = sk.tune_panel(m, probe_and_pack, rows=(1, 4, 16), reps=3, also=[head])
     assert threshold == expected
+    # a tune that leaves the panels off frees the copy its probes made; one that keeps them not
+    assert hasattr(m[0].weight, "_dflash_panels") is (expected != 0)
     assert m[0].skinny_panel == head.skinny_panel == expected         # left at the result
     assert sorted(timings) == [1, 4, 16]
     assert {(n, on) for n, on in calls} == {(n, on) for n in (1, 4, 16) for on in (True, False)}
