@@ -33,13 +33,9 @@ from drafter_svc.forward import append_context, draft_blocks
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
-    packed_state,
-    packed_summary,
-    panel_summary,
     switch_linear,
     tune_max_rows,
-    tune_packed,
-    tune_panel,
+    tune_products,
     tuning_summary,
 )
 
@@ -208,8 +204,8 @@ class DrafterEngine:
         ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
         compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
         and without the transposed product; ``kernels.skinny_linear.tune_max_rows``); with
-        ``packed_linear`` "auto", a one-row context update and blocks of 4 / 16 with and without
-        the prepacked product (``kernels.skinny_linear.tune_packed``)."""
+        ``packed_linear`` / ``panel_linear`` "auto", a one-row context update and blocks of 4 /
+        16 with and without the prepacked / panel product (``kernels.skinny_linear``)."""
         from dflash.core.sampling import Sampling
 
         def req(block: int, rows: int = 2) -> ProposalRequest:
@@ -228,29 +224,14 @@ class DrafterEngine:
 
             self.skinny_max_rows, timings = self._compute.submit(tune).result()
             log.info("%s", tuning_summary(self.skinny_max_rows, timings))
-        if self.packed_linear == "auto":
-            blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
+        blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
 
-            def tune_p():
-                # block 1 = a context update: of one row, the products' one-row case
-                return tune_packed(self.drafter,
-                                   lambda n: self._propose_on([req(n, 1 if n == 1 else 64)]),
-                                   rows=blocks, also=[self.head])
+        def probe(n: int) -> object:    # block 1 = a context update: the products' one-row case
+            return self._propose_on([req(n, 1 if n == 1 else 64)])
 
-            packed, ptimes = self._compute.submit(tune_p).result()
-            self.packed_linear = packed_state(packed)
-            log.info("%s", packed_summary(packed, ptimes))
-        if self.panel_linear == "auto":
-            blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
-
-            def tune_q():
-                return tune_panel(self.drafter,
-                                  lambda n: self._propose_on([req(n, 1 if n == 1 else 64)]),
-                                  rows=blocks, also=[self.head])
-
-            panel, qtimes = self._compute.submit(tune_q).result()
-            self.panel_linear = packed_state(panel)
-            log.info("%s", panel_summary(panel, qtimes))
+        self.packed_linear, self.panel_linear = self._compute.submit(
+            lambda: tune_products(self.drafter, probe, self.packed_linear, self.panel_linear,
+                                  rows=blocks, also=[self.head])).result()
         self.release(["__warmup__"])
 
     # ------------------------------------------------------------------ Proposer

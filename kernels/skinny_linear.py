@@ -22,6 +22,7 @@ The torch reference is ``F.linear`` itself; ``tests/test_skinny_linear.py`` comp
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +39,8 @@ from kernels.panel_linear import (
     release as panel_release,
     try_panel_linear,
 )
+
+log = logging.getLogger("dflash.kernels")
 
 #: Default row limit: a block of 16 (an anchor and 15 drafts).
 DEFAULT_MAX_ROWS = 16
@@ -319,6 +322,27 @@ def panel_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> st
         return "panel linear: unavailable (no AVX-512, no compiler or no float32 layer)"
     parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
     return f"panel linear: {packed_state(threshold)} (ms, panel vs other: {parts})"
+
+
+def tune_products(model: torch.nn.Module, probe: Callable[[int], object], packed: str,
+                  panel: str, *, rows: tuple[int, ...] | None = None,
+                  also: Iterable[Any] = ()) -> tuple[str, str]:
+    """A service's product tunes after its row-limit tune: :func:`tune_packed` where
+    ``packed`` is "auto", then :func:`tune_panel` where ``panel`` is "auto" (``rows``: both
+    tunes' row counts; None = each one's default), each result logged. Call on the thread that
+    runs the forwards. Returns the packed and panel modes in force (:func:`packed_state` of a
+    tuned one; the other unchanged)."""
+    also = list(also)
+    kw: dict[str, Any] = {"also": also} | ({"rows": rows} if rows else {})
+    if packed == "auto":
+        threshold, timings = tune_packed(model, probe, **kw)
+        packed = packed_state(threshold)
+        log.info("%s", packed_summary(threshold, timings))
+    if panel == "auto":
+        threshold, timings = tune_panel(model, probe, **kw)
+        panel = packed_state(threshold)
+        log.info("%s", panel_summary(threshold, timings))
+    return packed, panel
 
 
 def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,

@@ -158,9 +158,10 @@ def test_target_auto_tunes_packed_on_the_scheduler_thread(tiny_target, monkeypat
 
     def spy(*a, **kw):
         seen.append(threading.current_thread().name)
-        return sk.tune_packed(*a, **kw)
+        return real(*a, **kw)
 
-    monkeypatch.setattr("verifier_svc.target.tune_packed", spy)
+    real = sk.tune_packed
+    monkeypatch.setattr("kernels.skinny_linear.tune_packed", spy)
     t = TargetModel(tiny_target, skinny_max_rows=8, packed_linear="auto")
     engine = VerifierEngine(t)
     try:

@@ -224,9 +224,10 @@ def test_target_auto_tunes_panel_on_the_scheduler_thread(tiny_target, monkeypatc
 
     def spy(*a, **kw):
         seen.append(threading.current_thread().name)
-        return sk.tune_panel(*a, **kw)
+        return real(*a, **kw)
 
-    monkeypatch.setattr("verifier_svc.target.tune_panel", spy)
+    real = sk.tune_panel
+    monkeypatch.setattr("kernels.skinny_linear.tune_panel", spy)
     t = TargetModel(tiny_target, skinny_max_rows=0, panel_linear="auto")
     engine = VerifierEngine(t)
     try:

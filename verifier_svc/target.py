@@ -30,13 +30,9 @@ from dflash.core.taps import hidden_state_indices
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
-    packed_state,
-    packed_summary,
-    panel_summary,
     switch_linear,
     tune_max_rows,
-    tune_packed,
-    tune_panel,
+    tune_products,
     tuning_summary,
 )
 from verifier_svc.tree import ancestor_mask, check_tree
@@ -306,14 +302,8 @@ class TargetModel:
             if tune_rows:
                 self.skinny_max_rows, timings = tune_max_rows(self.model, probe, rows=(1, 2, 4, 8, 16))
                 log.info("%s", tuning_summary(self.skinny_max_rows, timings))
-            if self.packed_linear == "auto":
-                packed, ptimes = tune_packed(self.model, probe)
-                self.packed_linear = packed_state(packed)
-                log.info("%s", packed_summary(packed, ptimes))
-            if self.panel_linear == "auto":
-                panel, qtimes = tune_panel(self.model, probe)
-                self.panel_linear = packed_state(panel)
-                log.info("%s", panel_summary(panel, qtimes))
+            self.packed_linear, self.panel_linear = tune_products(
+                self.model, probe, self.packed_linear, self.panel_linear)
         return self.skinny_max_rows
 
     def crop(self, cache: PoolSeq, length: int) -> None:
