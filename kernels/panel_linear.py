@@ -15,7 +15,7 @@ equal a decode's, where both take this path). Against ``F.linear`` the summation
 so results differ in the last bits (< 1e-5 on a 576-wide row of unit inputs).
 
 The extension is compiled on first use with the system's C++ compiler
-(``torch.utils.cpp_extension.load``, cached under torch's extensions folder, ~20 s once per
+(``torch.utils.cpp_extension.load``, cached under torch's extensions folder, about 16 s once per
 machine and source version). Where that fails (no compiler, no AVX-512), :func:`available` is
 False and every caller keeps its other path; the packed copy costs one more copy of the weight's
 bytes (SmolLM2-135M: +540 MB with the LM head). The torch reference is ``F.linear``;
@@ -25,7 +25,10 @@ bytes (SmolLM2-135M: +540 MB with the LM head). The torch reference is ``F.linea
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -42,19 +45,49 @@ MAX_ROWS = 64
 #: Attribute on a weight tensor holding ``(key, panels)``.
 _ATTR = "_dflash_panels"
 _SOURCE = Path(__file__).with_name("csrc") / "panel_linear.cpp"
+_CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
+#: id -> weak reference of every weight holding panels (:func:`release_new`).
+_PACKED: dict[int, weakref.ref] = {}
+
+
+def build_directory() -> tuple[str, Path]:
+    """The extension's module name and build folder: under torch's extensions root
+    (``TORCH_EXTENSIONS_DIR``), named by a hash of the source, torch's version and the flags."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    tag = hashlib.sha256("\n".join([_SOURCE.read_text(), torch.__version__, *_CFLAGS]).encode())
+    name = f"dflash_panel_linear_{tag.hexdigest()[:12]}"
+    return name, Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
 
 
 @functools.cache
 def _extension():
-    """The compiled extension module, or None where this CPU or toolchain cannot build it."""
+    """The compiled extension module, or None where this CPU or toolchain cannot build it.
+
+    Built in :func:`build_directory`, from a copy of the source kept there: every checkout of
+    the same source shares one build, and a changed source builds anew. The build runs under
+    an exclusive ``flock`` that the kernel releases when its holder dies, and torch's own lock
+    file found under it is stale and removed: a build killed half-way (a Ctrl-C during the
+    first start) would otherwise leave a lock every later start waits on forever."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     try:
+        import fcntl
+
         from torch.utils.cpp_extension import load
 
-        return load(name="dflash_panel_linear", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        src = _SOURCE.read_text()
+        name, build = build_directory()
+        root = build.parent
+        build.mkdir(parents=True, exist_ok=True)
+        with open(root / f"{name}.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            source = build / _SOURCE.name
+            if not source.exists() or source.read_text() != src:
+                source.write_text(src)
+            return load(name=name, sources=[str(source)], build_directory=str(build),
+                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:    # no compiler, headers or ninja: the other paths stay
         log.warning("panel linear unavailable: the extension did not build (%s)", str(e)[:300])
         return None
@@ -88,23 +121,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The panel copy of ``weight``, made once per storage and version (a weight changed in
-    place is packed again)."""
+    """The panel copy of ``weight``, made once per storage and version: a weight changed in
+    place through torch (``copy_``, ``mul_``, ``load_state_dict``) bumps its version and is
+    packed again; a change that bypasses the version counter (through ``.data`` or a NumPy
+    view) is not seen, as with ``kernels.packed_linear``."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     held = getattr(weight, _ATTR, None)
     if held is None or held[0] != key:
         held = (key, pack(weight))
         setattr(weight, _ATTR, held)
+        _PACKED[id(weight)] = weakref.ref(weight)
     return held[1]
 
 
-def release(weights) -> int:
-    """Drop the panel copies held by ``weights`` (tensors); returns how many were held. A tune
-    that leaves the panels off calls it, so their memory (one more copy of the weights) is not
-    kept for nothing."""
+def packed_ids() -> set[int]:
+    """The ids of the live weights that hold panels now (a marker for :func:`release_new`)."""
+    for i in [i for i, r in _PACKED.items() if r() is None]:
+        del _PACKED[i]
+    return set(_PACKED)
+
+
+def release_new(before: set[int]) -> int:
+    """Drop the panel copies of every weight packed since ``before`` (:func:`packed_ids`);
+    returns how many. A tune that leaves the panels off calls it: its probes packed every
+    weight they reached (layers, LM heads, a drafter's draft-vocabulary head), and the copies
+    (one more copy of the weights) would stay for nothing."""
     n = 0
-    for w in weights:
-        if getattr(w, _ATTR, None) is not None:
+    for i in packed_ids() - before:
+        w = _PACKED.pop(i)()
+        if w is not None and getattr(w, _ATTR, None) is not None:
             delattr(w, _ATTR)
             n += 1
     return n
@@ -121,8 +166,8 @@ def try_panel_linear(x: torch.Tensor, weight: torch.Tensor,
         bias: [out_features] or None.
     Returns:
         [..., out_features] float32, contiguous; or None.
-    Raises:
-        RuntimeError: ``x``'s last dimension is not ``in_features`` (from the extension).
+    None too where ``x``'s width or the bias's dtype does not match, so that the caller's
+    ``F.linear`` raises torch's own error.
     """
     held = getattr(weight, _ATTR, None)
     # the common case, checked cheaply (a forward makes ~200 of these calls)
@@ -132,6 +177,8 @@ def try_panel_linear(x: torch.Tensor, weight: torch.Tensor,
         if not applies(x, weight):
             return None
         held = (None, panel_weight(weight))
+    if x.shape[-1] != weight.shape[1] or (bias is not None and bias.dtype != torch.float32):
+        return None                  # F.linear raises its own error for these
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = _extension().panel_mm(x2, held[1], weight.shape[0])
     if bias is not None:

@@ -36,7 +36,8 @@ from kernels.packed_linear import available as packed_available, try_packed_line
 from kernels.panel_linear import (
     MAX_ROWS as PANEL_MAX_ROWS,
     available as panel_available,
-    release as panel_release,
+    packed_ids as panel_packed_ids,
+    release_new as panel_release_new,
     try_panel_linear,
 )
 
@@ -172,7 +173,9 @@ def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, dev
     (``model``'s layers and ``also``'s).
 
     Returns:
-        The packed and panel modes in force: the flags' values, each "off" off the CPU.
+        The packed and panel modes in force: the flags' values, each "off" off the CPU, and the
+        panel mode "off" (with a warning) where "on" cannot apply (no float32 weight, no
+        AVX-512 or no extension).
     Raises:
         ValueError: ``packed_linear`` / ``panel_linear`` not one of ``PACKED_CHOICES``;
             ``max_rows`` below AUTO.
@@ -182,6 +185,11 @@ def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, dev
             raise ValueError(f"{name}: one of {', '.join(PACKED_CHOICES)}, got {value!r}")
     mode = packed_linear if device.type == "cpu" else "off"
     panel = panel_linear if device.type == "cpu" else "off"
+    if panel == "on" and not (panel_available() and any(
+            p.dtype == torch.float32 for p in model.parameters())):
+        log.warning("panel linear: on was asked, but it needs float32 weights on a CPU with "
+                    "AVX-512 and a built extension: off")
+        panel = "off"
     use_skinny_linear(model, max_rows, always=mode != "off" or panel != "off")
     set_packed(model, int(mode == "on"), also)
     set_panel(model, int(panel == "on"), also)
@@ -286,6 +294,7 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
             or not panel_available()):
         return 0, {}
     runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
+    before = panel_packed_ids()
     for state in (True, False):
         set_panel(model, int(state), also)
         for n in rows:
@@ -304,16 +313,9 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
             break
         threshold = n
     set_panel(model, threshold, also)
-    if not threshold:        # the probes packed every weight: free that copy
-        panel_release([m.weight for m in layers] + [w for o in also for w in _tensors(o)])
+    if not threshold:        # the probes packed every weight they reached: free those copies
+        panel_release_new(before)
     return threshold, timings
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors an ``also`` object holds as attributes or buffers (a drafter's target head)."""
-    if isinstance(obj, torch.nn.Module):
-        return [*obj.parameters(), *obj.buffers()]
-    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
 
 
 def panel_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:

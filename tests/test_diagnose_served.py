@@ -51,6 +51,7 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     anything but the services' settings fails here."""
     from dflash.core.device import cpu_native_bf16
     from drafter_svc.engine import DrafterEngine
+    from kernels.panel_linear import available as panel_available
     from kernels.skinny_linear import SkinnyLinear
     from verifier_svc.target import TargetModel
 
@@ -83,14 +84,17 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     rc, r = diagnose_json("--target", target, "--drafter", dirs[TAPPED], *PROMPTS,
                           "--no-offset-probe")
     bf16 = torch.bfloat16 if cpu_native_bf16() else torch.float32
-    assert seen["target"] == {(2, frozenset({(4, 1, 1)}), torch.float32)}
-    assert seen["drafter"] == {(2, frozenset({(4, 1, 1)}), bf16)}
+    # "on" holds where the panels can apply: float32 weights, AVX-512 and the extension
+    panel_t = int(panel_available())
+    panel_d = panel_t if bf16 == torch.float32 else 0
+    assert seen["target"] == {(2, frozenset({(4, 1, panel_t)}), torch.float32)}
+    assert seen["drafter"] == {(2, frozenset({(4, 1, panel_d)}), bf16)}
     assert r["costs"]["settings"] == {
         "threads": 2, "tree_budgets": [2, 5], "tree_budget": 6,
         "target": {"dtype": "float32", "skinny_max_rows": 4, "packed_linear": "on",
-                   "panel_linear": "on"},
+                   "panel_linear": ["off", "on"][panel_t]},
         "drafter": {"dtype": str(bf16).replace("torch.", ""), "skinny_max_rows": 4,
-                    "packed_linear": "on", "panel_linear": "on"}}
+                    "packed_linear": "on", "panel_linear": ["off", "on"][panel_d]}}
     assert r["threads"] == 2 and rc in (0, 3)       # (pays or not: test_exit_status)
     dom = r["probe"]["domains"]["all"]           # acceptance priced with the served drafter
     assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)

@@ -76,6 +76,60 @@ def test_a_thread_that_claimed_threads_keeps_them():
     assert got == [2, 2]
 
 
+def test_a_stale_build_lock_does_not_hang_the_build():
+    """A build killed half-way (Ctrl-C on a first start) leaves torch's lock file in the build
+    folder, which torch's loader waits on forever; the loader drops it under its own flock."""
+    import threading
+
+    _, build = ql.build_directory()
+    (build / "lock").write_text("")               # what a killed build leaves
+    ql._extension.cache_clear()
+    got = []
+    t = threading.Thread(target=lambda: got.append(ql._extension()), daemon=True)
+    t.start()
+    t.join(120)
+    assert got and got[0] is not None, "the build waited on a stale lock"
+    assert not (build / "lock").exists()
+
+
+def test_the_product_releases_the_gil():
+    """Other Python threads (gRPC handlers, the drafter's context thread) run while a product
+    does, as beside F.linear: a thread counting during one long call gets ticks in."""
+    import threading
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8192, 4096, generator=g)
+    x = torch.randn(64, 4096, generator=g)
+    ql.try_panel_linear(x[:1], w)                 # packs outside the timed call
+    span, ticks, done = [], [], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                ql.try_panel_linear(x, w)
+            span.append((t0, time.perf_counter()))
+    finally:
+        done.set()
+        t.join()
+    inside = sum(a < tick < b for a, b in span for tick in ticks)
+    assert inside >= 3 * len(span), (inside, [b - a for a, b in span])
+
+
+def test_mismatches_raise_f_linear_errors():
+    w = torch.randn(40, 8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        sk.skinny_linear(torch.randn(3, 7), w, max_rows=0, panel=1)
+    assert ql.try_panel_linear(torch.randn(3, 8), w, torch.zeros(40, dtype=torch.float64)) is None
+
+
 def test_pack_layout_and_padding():
     w = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
     p = ql.pack(w)
@@ -137,15 +191,19 @@ def test_tune_panel_keeps_the_faster_from_where_it_wins(wins_from, expected):
         # the behaviour: a product that costs what the test says
         time.sleep(0.002 if on == (n >= wins_from) else 0.012)
 
+    outside = torch.randn(8, 4)                  # a weight of neither model nor also (a draft head)
+
     def probe_and_pack(n):
         probe(n)
-        with torch.no_grad():                    # what a real probe does: packs the weight
+        with torch.no_grad():                    # what a real probe does: packs the weights
             sk.skinny_linear(torch.ones(4, 4), m[0].weight, panel=m[0].skinny_panel)
+            sk.skinny_linear(torch.ones(4, 4), outside, panel=m[0].skinny_panel)
 
     threshold, timings = sk.tune_panel(m, probe_and_pack, rows=(1, 4, 16), reps=3, also=[head])
     assert threshold == expected
     # a tune that leaves the panels off frees the copy its probes made; one that keeps them not
     assert hasattr(m[0].weight, "_dflash_panels") is (expected != 0)
+    assert hasattr(outside, "_dflash_panels") is (expected != 0)
     assert m[0].skinny_panel == head.skinny_panel == expected         # left at the result
     assert sorted(timings) == [1, 4, 16]
     assert {(n, on) for n, on in calls} == {(n, on) for n in (1, 4, 16) for on in (True, False)}
@@ -179,6 +237,8 @@ def test_target_with_panel_products_decodes_as_without(tiny_target):
     assert hasattr(on.model.get_output_embeddings().weight, "_dflash_panels")
     with pytest.raises(ValueError, match="panel_linear"):
         TargetModel(tiny_target, panel_linear="yes")
+    # "on" where it cannot apply (bfloat16 weights) is reported off, not on
+    assert TargetModel(tiny_target, panel_linear="on", dtype="bfloat16").panel_linear == "off"
 
 
 def test_greedy_speculation_on_panels_is_identical_to_decoding(tiny_target):
@@ -261,3 +321,20 @@ def test_drafter_with_panel_products_drafts_as_without(tiny_target, make_drafter
     torch.testing.assert_close(a.top_logprobs, b.top_logprobs, rtol=1e-4, atol=1e-4)
     for d in (on, off):
         d.close()
+
+
+def test_a_bad_environment_value_is_refused_naming_the_flag(monkeypatch, capsys):
+    import argparse
+
+    from dflash.serving.server import add_compute_args
+
+    monkeypatch.setenv("DFLASH_PANEL_LINEAR", "yes")
+    p = argparse.ArgumentParser()
+    add_compute_args(p, "verifier")
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+    assert "--panel-linear" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH_PANEL_LINEAR", "off")
+    p = argparse.ArgumentParser()                 # defaults are read when the flags are added
+    add_compute_args(p, "verifier")
+    assert p.parse_args([]).panel_linear == "off"

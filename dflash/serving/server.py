@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dflash.serving.argtypes import at_least, host_port_or_empty
+from dflash.serving.argtypes import at_least, host_port_or_empty, one_of
 from dflash.serving.authz import DEFAULT_TRUST_DOMAIN, AuthzConfigError, PeerIds, RoleAuthz
 
 if typing.TYPE_CHECKING:
@@ -377,12 +377,12 @@ def add_compute_args(p, thread: str) -> None:
                    help="CPU float32: linear layers with 2..N input rows (a verify block) use the "
                         "transposed product, 0 = off, -1 = measure both at start and keep the "
                         "faster (kernels/skinny_linear.py) [DFLASH_SKINNY_MAX_ROWS]")
-    p.add_argument("--packed-linear", choices=PACKED_CHOICES,
+    p.add_argument("--packed-linear", type=one_of(PACKED_CHOICES),
                    default=env("DFLASH_PACKED_LINEAR", "auto"),
                    help="CPU: linear layers take oneDNN products on weights prepacked once (one "
                         "more copy of the weights in memory); auto = measure at start and keep "
                         "the faster (kernels/packed_linear.py) [DFLASH_PACKED_LINEAR]")
-    p.add_argument("--panel-linear", choices=PACKED_CHOICES,
+    p.add_argument("--panel-linear", type=one_of(PACKED_CHOICES),
                    default=env("DFLASH_PANEL_LINEAR", "auto"),
                    help="CPU float32 on AVX-512: linear layers take this project's kernel on "
                         "weights packed once into column panels (compiled on first use; one more "

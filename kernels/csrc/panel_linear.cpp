@@ -72,7 +72,8 @@ torch::Tensor panel_mm(torch::Tensor x, torch::Tensor panels, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR, "panel_mm: shapes");
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(), "panel_mm: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K && n_out > (P - 1) * NR && n_out <= P * NR, "panel_mm: sizes");
+  TORCH_CHECK(P > 0 && panels.size(1) == K && n_out > (P - 1) * NR && n_out <= P * NR,
+              "panel_mm: sizes");
   auto y = torch::empty({M, n_out}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -109,5 +110,8 @@ torch::Tensor panel_mm(torch::Tensor x, torch::Tensor panels, int64_t n_out) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_mm", &panel_mm, "x [M, K] @ W.T from W's [P, K, 32] column panels (float32)");
+  // no Python object is touched inside: other Python threads (gRPC handlers, a drafter's
+  // context thread) run while the product does, as they do beside F.linear
+  m.def("panel_mm", &panel_mm, "x [M, K] @ W.T from W's [P, K, 32] column panels (float32)",
+        py::call_guard<py::gil_scoped_release>());
 }
