@@ -212,6 +212,27 @@ def set_packed(model: torch.nn.Module, packed: int, also: Iterable[Any] = ()) ->
         o.skinny_packed = packed
 
 
+def _medians_both_ways(probe: Callable[[int], object], rows: tuple[int, ...], reps: int,
+                       use: Callable[[bool], None]) -> dict[int, tuple[float, float]]:
+    """{n: (median s with ``use(True)``, median s with ``use(False)``)} of ``reps`` calls of
+    ``probe(n)`` each way per ``n`` in ``rows``, the two ways interleaved (the order alternating
+    by round) after one untimed call each way, so drift falls on both alike. Leaves the last
+    state set (False or True); the caller sets the result."""
+    runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
+    for state in (True, False):
+        use(state)
+        for n in rows:
+            probe(n)
+    for r in range(reps):
+        for state in ((True, False) if r % 2 else (False, True)):
+            use(state)
+            for n in rows:
+                t0 = time.perf_counter()
+                probe(n)
+                runs[n][state].append(time.perf_counter() - t0)
+    return {n: (statistics.median(v[True]), statistics.median(v[False])) for n, v in runs.items()}
+
+
 def tune_packed(model: torch.nn.Module, probe: Callable[[int], object], *,
                 rows: tuple[int, ...] = (1, 4, 16), reps: int = 5, margin: float = MARGIN,
                 also: Iterable[Any] = ()) -> tuple[int, dict[int, tuple[float, float]]]:
@@ -231,19 +252,7 @@ def tune_packed(model: torch.nn.Module, probe: Callable[[int], object], *,
     if not packed_available(torch.float32) or (
             not also and not any(isinstance(m, SkinnyLinear) for m in model.modules())):
         return 0, {}
-    runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
-    for state in (True, False):
-        set_packed(model, int(state), also)
-        for n in rows:
-            probe(n)
-    for r in range(reps):
-        for state in ((True, False) if r % 2 else (False, True)):
-            set_packed(model, int(state), also)
-            for n in rows:
-                t0 = time.perf_counter()
-                probe(n)
-                runs[n][state].append(time.perf_counter() - t0)
-    timings = {n: (statistics.median(v[True]), statistics.median(v[False])) for n, v in runs.items()}
+    timings = _medians_both_ways(probe, rows, reps, lambda on: set_packed(model, int(on), also))
     multi = [t for n, t in timings.items() if n > 1]
     threshold = 0
     if multi and wins(sum(t[0] for t in multi), sum(t[1] for t in multi), margin):
@@ -293,20 +302,8 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
     if (not any(m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" for m in layers)
             or not panel_available()):
         return 0, {}
-    runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
     before = panel_packed_ids()
-    for state in (True, False):
-        set_panel(model, int(state), also)
-        for n in rows:
-            probe(n)
-    for r in range(reps):
-        for state in ((True, False) if r % 2 else (False, True)):
-            set_panel(model, int(state), also)
-            for n in rows:
-                t0 = time.perf_counter()
-                probe(n)
-                runs[n][state].append(time.perf_counter() - t0)
-    timings = {n: (statistics.median(v[True]), statistics.median(v[False])) for n, v in runs.items()}
+    timings = _medians_both_ways(probe, rows, reps, lambda on: set_panel(model, int(on), also))
     threshold = 0
     for n in sorted(rows, reverse=True):
         if not wins(*timings[n], margin):
