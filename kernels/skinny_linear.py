@@ -263,10 +263,16 @@ def tune_packed(model: torch.nn.Module, probe: Callable[[int], object], *,
 
 def packed_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:
     """One log line for a :func:`tune_packed` result."""
+    return _summary("packed", "no oneDNN or no switchable layer", threshold, timings)
+
+
+def _summary(what: str, why_not: str, threshold: int,
+             timings: dict[int, tuple[float, float]]) -> str:
+    """``"<what> linear: <state> (ms, <what> vs other: ...)"``, or unavailable ``why_not``."""
     if not timings:
-        return "packed linear: unavailable (no oneDNN or no switchable layer)"
+        return f"{what} linear: unavailable ({why_not})"
     parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
-    return f"packed linear: {packed_state(threshold)} (ms, packed vs other: {parts})"
+    return f"{what} linear: {packed_state(threshold)} (ms, {what} vs other: {parts})"
 
 
 def set_panel(model: torch.nn.Module, panel: int, also: Iterable[Any] = ()) -> None:
@@ -317,10 +323,7 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
 
 def panel_summary(threshold: int, timings: dict[int, tuple[float, float]]) -> str:
     """One log line for a :func:`tune_panel` result."""
-    if not timings:
-        return "panel linear: unavailable (no AVX-512, no compiler or no float32 layer)"
-    parts = ", ".join(f"{n} rows {a * 1e3:.1f} vs {b * 1e3:.1f} ms" for n, (a, b) in timings.items())
-    return f"panel linear: {packed_state(threshold)} (ms, panel vs other: {parts})"
+    return _summary("panel", "no AVX-512, no compiler or no float32 layer", threshold, timings)
 
 
 def tune_products(model: torch.nn.Module, probe: Callable[[int], object], packed: str,
