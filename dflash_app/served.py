@@ -47,16 +47,16 @@ class Served:
         return self.drafter.on_compute_thread(fn, *args)
 
     def choices(self) -> dict:
-        """What the services' functions chose: threads, dtypes, skinny row limits, packed
-        products (``"on"`` / ``"from N rows"`` / ``"off"``)."""
+        """What the services' functions chose: threads, dtypes, skinny row limits, packed and
+        panel products (``"on"`` / ``"from N rows"`` / ``"off"``)."""
         t, d = self.target, self.drafter
         return {"threads": self.threads,
                 "target": {"dtype": str(t.dtype).replace("torch.", ""),
                            "skinny_max_rows": t.skinny_max_rows, "packed_linear": t.packed_linear,
-                           "panel_linear": getattr(t, "panel_linear", "off")},
+                           "panel_linear": t.panel_linear},
                 "drafter": {"dtype": d.card.dtype, "skinny_max_rows": d.skinny_max_rows,
                             "packed_linear": d.packed_linear,
-                            "panel_linear": getattr(d, "panel_linear", "off")},
+                            "panel_linear": d.panel_linear},
                 "tree_budgets": list(self.tree_budgets), "tree_budget": self.tree_budget}
 
     def close(self) -> None:

@@ -213,13 +213,14 @@ def set_packed(model: torch.nn.Module, packed: int, also: Iterable[Any] = ()) ->
 
 
 def _medians_both_ways(probe: Callable[[int], object], rows: tuple[int, ...], reps: int,
-                       use: Callable[[bool], None]) -> dict[int, tuple[float, float]]:
+                       use: Callable[[bool], None], *,
+                       warm: bool = True) -> dict[int, tuple[float, float]]:
     """{n: (median s with ``use(True)``, median s with ``use(False)``)} of ``reps`` calls of
     ``probe(n)`` each way per ``n`` in ``rows``, the two ways interleaved (the order alternating
-    by round) after one untimed call each way, so drift falls on both alike. Leaves the last
-    state set (False or True); the caller sets the result."""
+    by round) after, with ``warm``, one untimed call each way, so drift falls on both alike.
+    Leaves the last state set (False or True); the caller sets the result."""
     runs: dict[int, dict[bool, list[float]]] = {n: {True: [], False: []} for n in rows}
-    for state in (True, False):
+    for state in (True, False) if warm else ():
         use(state)
         for n in rows:
             probe(n)
@@ -299,9 +300,9 @@ def tune_panel(model: torch.nn.Module, probe: Callable[[int], object], *,
     the smallest ``n`` in ``rows`` from which the panel product's median beats the other's by
     more than ``margin`` at that and every larger tested ``n``; 0 when it does not win at the
     largest (the panel copies the probes made are then dropped). ``model`` (and ``also``) are
-    left at the result. Returns (threshold for
-    :func:`set_panel`, {n: (panel median s, other median s)}); (0, {}) when no float32 layer
-    is a :class:`SkinnyLinear` or the extension is unavailable.
+    left at the result. Returns (threshold for :func:`set_panel`, {n: (panel median s, other
+    median s)}); (0, {}) when no float32 layer is a :class:`SkinnyLinear` or the extension is
+    unavailable.
     """
     also = list(also)
     layers = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
@@ -374,20 +375,7 @@ def tune_max_rows(model: torch.nn.Module, probe: Callable[[int], object], *,
         return 0, {}
 
     def timed(n: int, use: Callable[[bool], None], warm: bool) -> tuple[float, float]:
-        """Medians of ``reps`` probes of ``n`` rows with ``use(True)`` (transposed) and
-        ``use(False)``, interleaved (order alternating), after one untimed call each way
-        when ``warm``."""
-        runs: dict[bool, list[float]] = {True: [], False: []}
-        for state in (True, False) if warm else ():
-            use(state)
-            probe(n)
-        for r in range(reps):
-            for state in ((True, False) if r % 2 else (False, True)):
-                use(state)
-                t0 = time.perf_counter()
-                probe(n)
-                runs[state].append(time.perf_counter() - t0)
-        return statistics.median(runs[True]), statistics.median(runs[False])
+        return _medians_both_ways(probe, (n,), reps, use, warm=warm)[n]
 
     timings: dict[int, tuple[float, float]] = {}
     one_row = False
