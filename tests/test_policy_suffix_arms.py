@@ -69,8 +69,9 @@ def test_suffix_only_arm_explores_without_failing():
     # exploration from a suffix-only best looks up the drafter arm nearest its size (2 nodes is
     # no tree budget, so it is looked up by rows, not by budget)
     p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
-    p.explore_every = 1
+    p.explore_every, p.explore_backoff = 1, 1
     o = offer([0.9, 0.8] + [0.01] * 6)
+    p.choose_shapes([job()], offers=[o])    # the best arm: exploring starts a step later
     for _ in range(4):
         c = p.choose_shapes([job()], offers=[o])
         assert c.decision.explored and not c.decision.suffix
@@ -153,3 +154,20 @@ def test_an_unmeasured_tree_is_scaled_by_the_trees_calibration_alone():
     assert arms.raw(Arm(budget=7)) == [ex.raw(0, 7) - 1.0]
     assert ex.tree(0, 7) == ex.chain(0, 7) < ex.raw(0, 7)    # the deadline's figure: calibrated
     assert arms.gain(Arm(budget=7)) == 1.0 + ex.raw(0, 7) - 1.0   # trees' calibration: 1.0
+
+
+def test_suffix_trees_are_valued_by_their_candidates_calibration_alone():
+    # steps of suffix trees that commit only the bonus token teach the candidates' cells (the
+    # engine's SuffixCalibration), not a family ratio: a second ratio on top counted the same
+    # shortfall twice and, on chat, left a fifth of the steps that pay unspeculated
+    p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
+    o = offer([0.9, 0.8] + [0.01] * 6)
+    first = p.choose_shapes([job()], offers=[o])
+    assert first.decision.suffix and first.shapes == [Shape(0, 2, True)]
+    for _ in range(50):
+        assert p.choose_shapes([job()], offers=[o]).decision.suffix
+        p.observe_outcome([1])
+    again = p.choose_shapes([job()], offers=[o])
+    assert again.shapes == first.shapes
+    assert again.decision.expected_tokens == first.decision.expected_tokens
+    assert p.acceptance.accuracy_of("suffix") == 1.0

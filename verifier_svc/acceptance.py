@@ -7,12 +7,15 @@ expected to commit.
   the bonus token included (:meth:`AcceptanceEstimator.expected_table`);
 * per request: the drafter's table moved towards the request's own per-position counts, the
   drafter's rates weighing as ``SESSION_PRIOR_STEPS`` steps (:func:`session_table`);
-* calibration: per arm family (:data:`CHAIN`, :data:`TREE`: the drafter's trees, hybrid or
-  not, :data:`SUFFIX`: suffix candidates alone), committed / expected extra tokens of the
-  recent adaptive steps that ran one of them, by which the policy scales that family's expected
-  extra tokens (:meth:`AcceptanceEstimator.accuracy_of`; ``accuracy`` is the chains'). An arm is
-  run when its estimate is high, so its steps commit less than estimated on average (the
-  winner's curse; docs/suffix.md);
+* calibration: per drafter arm family (:data:`CHAIN`, :data:`TREE`: the drafter's trees,
+  hybrid or not), committed / expected extra tokens of the recent adaptive steps that ran one
+  of them, by which the policy scales that family's expected extra tokens
+  (:meth:`AcceptanceEstimator.accuracy_of`; ``accuracy`` is the chains'). An arm is run when
+  its estimate is high, so its steps commit less than estimated on average (the winner's
+  curse; docs/suffix.md). Suffix trees alone (:data:`SUFFIX`) are calibrated by their
+  candidates' own cells instead (``verifier_svc.suffix_drafts.SuffixCalibration``, per match
+  length, depth, support and share, scaled per session), which condition on what the choice
+  selects by; a family ratio on top counted the same shortfall twice;
 * trees (DDTree, ``verifier_svc/tree.py``): per drafter label and node budget, an EMA of the
   tokens one tree step commits (:meth:`AcceptanceEstimator.observe_trees`). A chain's
   per-position rates say nothing about the siblings a tree adds, so a tree budget is measured
@@ -36,9 +39,13 @@ from verifier_svc.cost_model import EMA
 SESSION_PRIOR_STEPS = 4.0
 # Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
 TREE_MEASURED_STEPS = 3
-# Arm families, each calibrated on its own (the adaptive steps that ran one of its arms).
+# Arm families. The drafter's (CALIBRATED) are each calibrated on the adaptive steps that ran
+# one of their arms; suffix trees alone by their candidates' cells (SuffixCalibration): on chat a
+# family ratio on top, an EMA of ~0.7 extra tokens expected a step and mostly 0 or several
+# committed, swung between 0.37 and 1.5 and left a fifth of the steps that pay unspeculated.
 CHAIN, TREE, SUFFIX = "chain", "tree", "suffix"
 ARM_FAMILIES = (CHAIN, TREE, SUFFIX)
+CALIBRATED = (CHAIN, TREE)
 # Adaptive steps of one arm family before its committed / expected ratio scales its arms, and
 # the ratio's floor (a family is never valued at less than a quarter of its estimate).
 CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR = 5, 0.25
@@ -106,7 +113,7 @@ class AcceptanceEstimator:
         self._rates: dict[str, list[EMA]] = {}   # label -> per-position unconditional acceptance
         # calibration, per arm family: extra tokens the steps were expected to add
         # (uncalibrated) and what they committed beyond the bonus token, EMAs per step
-        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in ARM_FAMILIES}
+        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in CALIBRATED}
         # the step about to run: its family and, per job index, its expected extra tokens
         self._pending: tuple[str, dict[int, float]] | None = None
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
@@ -206,9 +213,13 @@ class AcceptanceEstimator:
         """The step about to run is speculative with an arm of ``family``: jobs ``indices``
         (positions in the step's job list) are expected to commit ``extra`` tokens beyond the
         bonus (before this family's calibration): a total spread evenly over them, or one
-        figure per job in the order of ``indices``. Raises ValueError for another family."""
-        if family not in self._calibration:
+        figure per job in the order of ``indices``; a :data:`SUFFIX` step teaches nothing here
+        (its candidates' cells learn from the walk). Raises ValueError for another family."""
+        if family not in ARM_FAMILIES:
             raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
+        if family not in self._calibration:
+            self._pending = None
+            return
         each = [extra / len(indices)] * len(indices) if isinstance(extra, (int, float)) \
             else list(extra)
         self._pending = (family, dict(zip(indices, each)))
@@ -238,7 +249,10 @@ class AcceptanceEstimator:
         ``family`` (1.0 until ``CALIBRATION_MIN_STEPS`` were seen), clamped to
         [``CALIBRATION_FLOOR``, 1.5]. Per-request estimates run
         above what steps commit under load (acceptance falls within an answer faster than its
-        counts follow), by as much as the margin between speculating and not."""
+        counts follow), by as much as the margin between speculating and not. 1.0 for
+        :data:`SUFFIX` (calibrated per candidate cell)."""
+        if family not in self._calibration:
+            return 1.0
         exp_e, com_e = self._calibration[family]
         return ema_ratio(com_e, exp_e, CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR)
 
