@@ -549,10 +549,45 @@ def test_one_stalled_step_neither_prices_its_block_out_nor_bounds_longer_ones():
 def test_exploration_from_no_speculation_always_tries_a_longer_block():
     """At the bottom of the candidates (k = 0 best) every exploration step tries k = 1; the
     alternation with the shorter neighbour wasted every other one on a plain k = 0 step."""
-    p = SpeculationPolicy("adaptive", explore_every=5)
+    p = SpeculationPolicy("adaptive", explore_every=5, explore_backoff=1)
     p.observe_acceptance(LABEL, [(15, 0)] * 4)             # drafts always rejected
     for k in CANDIDATES:
         p.observe_step(1, k, 0.060 + 0.010 * k, 0.0)
-    picks = [p.choose([job()])[0] for _ in range(20)]
-    assert picks.count(1) == 4 and set(picks) == {0, 1}
-    assert all(picks[i] == 1 for i in (4, 9, 14, 19))
+    choices = [p.choose_shapes([job()]) for _ in range(21)]
+    picks = [c.ks[0] for c in choices]
+    explored = [i for i, c in enumerate(choices) if c.decision.explored]
+    assert explored == [5, 10, 15, 20]                     # every 5 steps after the first
+    assert set(picks) == {0, 1} and all(picks[i] == 1 for i in explored)
+    assert picks.count(1) == 4
+
+
+def test_exploration_backs_off_while_the_best_arm_stays():
+    """Drafts always rejected: k = 0 stays the best arm, and each exploration that leaves it in
+    place doubles the gap to the next, up to ``explore_backoff`` times ``explore_every``."""
+    p = SpeculationPolicy("adaptive", explore_every=5, explore_backoff=4)
+    p.observe_acceptance(LABEL, [(15, 0)] * 4)
+    for k in CANDIDATES:
+        p.observe_step(1, k, 0.060 + 0.010 * k, 0.0)
+    choices = [p.choose_shapes([job()]) for _ in range(120)]
+    explored = [i for i, c in enumerate(choices) if c.decision.explored]
+    assert [b - a for a, b in zip(explored, explored[1:])] == [5, 10, 20, 20, 20, 20]
+    assert all(c.ks == [0] for i, c in enumerate(choices) if i not in explored)
+    with pytest.raises(ValueError, match="explore_backoff"):
+        SpeculationPolicy("adaptive", explore_backoff=0)
+
+
+def test_exploration_returns_to_its_first_gap_when_the_best_arm_changes():
+    """Once backed off, a new best arm (acceptance rose) is explored around within
+    ``explore_every`` steps, and the gaps grow from there again."""
+    p = SpeculationPolicy("adaptive", explore_every=5, explore_backoff=8)
+    p.observe_acceptance(LABEL, [(15, 0)] * 4)
+    for k in CANDIDATES:
+        p.observe_step(1, k, 0.060 + 0.001 * k, 0.0)
+    before = [p.choose_shapes([job()]).decision.explored for _ in range(60)]
+    assert sum(before) == 4                               # steps 6, 11, 21, 41 (then 81)
+    for _ in range(200):                                  # the drafts now always land
+        p.observe_acceptance(LABEL, [(15, 15)])
+    after = [p.choose_shapes([job()]) for _ in range(30)]
+    assert after[0].ks[0] > 0                             # a new best arm: a long block
+    explored = [i for i, c in enumerate(after) if c.decision.explored]
+    assert explored[:3] == [5, 10, 20]                    # the first gap again, then doubling
