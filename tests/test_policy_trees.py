@@ -151,3 +151,22 @@ def test_exploration_from_a_tree_tries_the_chains_of_about_its_size():
     above = min(c for c in CANDIDATES if c > 4)
     assert explored == {(4, 0), (above, 0)}                 # chain of 4 drafts, the next chain up
     assert all((k, n) == (4, 4) for k, n, e in picks if not e)
+
+
+def test_trees_tried_before_they_are_measured_leave_the_trees_calibration_alone():
+    """Each budget's first steps are valued by the chain's prior, not by a measurement (a tree
+    of 15 at 16 tokens before any acceptance): steps that then commit only the bonus token
+    must not teach the trees' calibration, which had pinned it near its floor for good."""
+    p = policy(0.9, {}, lambda k: 0.2 + 0.01 * k)
+    tried = []
+    for _ in range(3 * TREE_MEASURED_STEPS):
+        c = p.choose_shapes([job()])
+        sh = c.shapes[0]
+        assert c.decision.explored and sh.budget          # an unmeasured budget, early
+        tried.append(sh.budget)
+        p.observe(StepFeedback(batch=1, k=sh.budget, verify_seconds=0.2, record_cost=False,
+                               trees={LABEL: [(sh.budget, 1)]}, committed=[1]))
+    assert sorted(set(tried)) == [4, 8, 16]
+    assert p.acceptance.accuracy_of("tree") == 1.0
+    c = p.choose_shapes([job()])                           # measured now: chosen on merit
+    assert not c.decision.explored and not c.shapes[0].budget   # the trees commit nothing

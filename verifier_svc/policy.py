@@ -249,7 +249,12 @@ class SpeculationPolicy:
         best, explored = self._pick(arms)
         for i in batch.adaptive:
             shapes[i] = batch.adaptive_shape(i, best)
-        if best.k > 0 or best.budget:      # a speculative arm: its family learns from the step
+        # a speculative arm valued by measurements: its family's calibration learns from the
+        # step. A tree tried before its budget was measured is valued by the chain's prior (16
+        # tokens for a tree of 15 before any acceptance was seen); calibrating on it pinned the
+        # trees' ratio near its floor, after which trees seldom ran to correct it.
+        if (best.k > 0 or best.budget) and not (best.budget and not best.suffix_only
+                                                and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
         return StepChoice(shapes, arms.decision(best, explored), ex)
 
