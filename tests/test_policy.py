@@ -591,3 +591,38 @@ def test_exploration_returns_to_its_first_gap_when_the_best_arm_changes():
     assert after[0].ks[0] > 0                             # a new best arm: a long block
     explored = [i for i, c in enumerate(after) if c.decision.explored]
     assert explored[:3] == [5, 10, 20]                    # the first gap again, then doubling
+
+
+def test_mode_suffix_steps_are_not_joining_steps(target_model, hf_target):
+    """Mode suffix sends its drafter nothing, so the drafter never holds the session's context;
+    that is no join (no prompt upload rides on the step): its steps without candidates price
+    the step without speculation like any other, instead of never being recorded."""
+    p = PROMPTS[1] * 3                                    # repeats: candidates on most steps
+    n = 24
+    oracle = ReferenceDrafter(target_model, {"s": p + reference(hf_target, p, n, ignore_eos=True)},
+                              block_size=4)
+    engine = VerifierEngine(target_model, spec_mode="suffix")
+    steps = []                                            # [rows verified, recorded] per step
+    real_decode, real_observe = engine.decode_step, engine.policy.observe_step
+
+    def decode(plan):
+        steps.append([0, False])
+        events = real_decode(plan)
+        steps[-1][0] = 1 + sum(ev.tree_nodes for ev in events)
+        return events
+
+    def observe(*a):
+        steps[-1][1] = True
+        real_observe(*a)
+
+    engine.decode_step, engine.policy.observe_step = decode, observe
+    try:
+        out = [t for ev in engine.generate(Request(request_id="s", session_id="s", prompt=p,
+                                                   max_tokens=n, ignore_eos=True, proposer=oracle))
+               for t in ev.tokens]
+    finally:
+        engine.close()
+    assert out == reference(hf_target, p, n, ignore_eos=True)
+    plain = [rec for rows, rec in steps if rows == 1]
+    assert plain and all(plain), steps                    # every step without candidates counts
+    assert not any(rec for rows, rec in steps if rows > 1), steps   # suffix trees: verify cells

@@ -277,8 +277,9 @@ class VerifierEngine:
         rows = [StepRow(st, st.session.cached, sh, o) for st, sh, o in zip(states, choice.shapes, offers)]
         items = [self._draft_item(r) for r in rows]
         # a session whose drafter holds none of its context yet sends its whole prompt this step
+        # (one that may not send, e.g. in mode suffix, joins nothing: its length stays 0)
         joining = any(it.proposer is not None and it.state.proposer is it.proposer
-                      and it.state.length == 0 for it in items)
+                      and it.state.length == 0 and it.room for it in items)
 
         td = time.perf_counter()
         # the drafter calls wait no longer than speculating is worth this step
