@@ -137,9 +137,13 @@ def test_a_late_draft_keeps_the_context_on_the_drafter_and_a_late_failure_resend
     sync, d, state = DrafterSync(vocab_size=32), DeadlineDouble(), DrafterState()
     sync.bind("s", state, d)
     state.proposer = d
-    out = step(sync, state, d, 0.02, grow=5).outcomes[0]
+    rnd = step(sync, state, d, 0.02, grow=5)
+    out = rnd.outcomes[0]
     assert d.calls[-1][1] == [("s", 0, 5)] and out.tokens.tolist() == [0, 0, 0]
-    out = step(sync, state, d, 0.02).outcomes[0]
+    assert rnd.uploaded                               # the whole context: a join
+    rnd = step(sync, state, d, 0.02)
+    out = rnd.outcomes[0]
+    assert not rnd.uploaded
     # what is left of the step's budget when the call starts
     assert 0.01 < d.calls[-1][0] <= 0.02 and d.calls[-1][1] == [("s", 5, 1)]
     assert sync.draft([], None) == DraftRound([], 0.0)
@@ -158,4 +162,4 @@ def test_a_late_draft_keeps_the_context_on_the_drafter_and_a_late_failure_resend
     d.answer = "ok"
     rnd = step(sync, state, d, 0.02)
     assert d.calls[-1][1] == [("s", 0, 10)]           # resent whole
-    assert rnd.wasted_seconds == 0.0
+    assert rnd.wasted_seconds == 0.0 and rnd.uploaded

@@ -570,10 +570,13 @@ def test_exploration_backs_off_while_the_best_arm_stays():
         p.observe_step(1, k, 0.060 + 0.010 * k, 0.0)
     choices = [p.choose_shapes([job()]) for _ in range(120)]
     explored = [i for i, c in enumerate(choices) if c.decision.explored]
-    assert [b - a for a, b in zip(explored, explored[1:])] == [5, 10, 20, 20, 20, 20]
+    assert explored[0] == 5                               # explore_every after it first led
+    assert [b - a for a, b in zip(explored, explored[1:])] == [10, 20, 20, 20, 20, 20]
     assert all(c.ks == [0] for i, c in enumerate(choices) if i not in explored)
     with pytest.raises(ValueError, match="explore_backoff"):
         SpeculationPolicy("adaptive", explore_backoff=0)
+    with pytest.raises(ValueError, match="explore_every"):
+        SpeculationPolicy("adaptive", explore_every=-1)
 
 
 def test_exploration_returns_to_its_first_gap_when_the_best_arm_changes():
@@ -584,13 +587,13 @@ def test_exploration_returns_to_its_first_gap_when_the_best_arm_changes():
     for k in CANDIDATES:
         p.observe_step(1, k, 0.060 + 0.001 * k, 0.0)
     before = [p.choose_shapes([job()]).decision.explored for _ in range(60)]
-    assert sum(before) == 4                               # steps 6, 11, 21, 41 (then 81)
+    assert sum(before) == 3                               # steps 6, 16, 36 (then 76)
     for _ in range(200):                                  # the drafts now always land
         p.observe_acceptance(LABEL, [(15, 15)])
     after = [p.choose_shapes([job()]) for _ in range(30)]
     assert after[0].ks[0] > 0                             # a new best arm: a long block
     explored = [i for i, c in enumerate(after) if c.decision.explored]
-    assert explored[:3] == [5, 10, 20]                    # the first gap again, then doubling
+    assert explored == [5, 15]                            # the first gap again, then doubling
 
 
 def test_mode_suffix_steps_are_not_joining_steps(target_model, hf_target):

@@ -171,3 +171,20 @@ def test_suffix_trees_are_valued_by_their_candidates_calibration_alone():
     assert again.shapes == first.shapes
     assert again.decision.expected_tokens == first.decision.expected_tokens
     assert p.acceptance.accuracy_of("suffix") == 1.0
+
+
+def test_exploration_backs_off_when_the_best_arm_alternates():
+    # candidates on every other step: a suffix tree leads on those, a drafter chain on the
+    # others; each lead keeps its own gap, so returning to one does not restart its schedule
+    p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 1.0, 0.3)
+    p.explore_every, p.explore_backoff = 5, 8
+    o = offer([0.99] * 6 + [0.01] * 2)
+    leads, explored = set(), 0
+    for step in range(400):
+        c = p.choose_shapes([job()], offers=[o if step % 2 else None])
+        explored += c.decision.explored
+        if not c.decision.explored:
+            leads.add("suffix" if c.decision.suffix else "drafter" if c.shapes[0].k else "none")
+    assert {"suffix", "drafter"} <= leads                 # the lead does alternate
+    # per lead: first after 5 steps, then 10, 20, 40, 40 ...: 12 each in 400 at most
+    assert explored <= 2 * 12, explored                   # (every 5 steps: 80)

@@ -170,3 +170,24 @@ def test_trees_tried_before_they_are_measured_leave_the_trees_calibration_alone(
     assert p.acceptance.accuracy_of("tree") == 1.0
     c = p.choose_shapes([job()])                           # measured now: chosen on merit
     assert not c.decision.explored and not c.shapes[0].budget   # the trees commit nothing
+
+
+def test_measuring_a_new_drafters_trees_postpones_the_next_exploration():
+    """The steps that measure each tree budget of a drafter first seen are explorations of
+    their own: the step chosen on merit right after them does not explore as well."""
+    p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, lambda k: 0.2 + 0.01 * k)
+    p.explore_every = 5
+    for _ in range(20):
+        p.choose_shapes([job()])
+    other = policy_job("d@2", block=16, max_tokens=1000, emitted=1, tree_budget=16)
+    measuring = 0
+    while True:
+        c = p.choose_shapes([other])
+        if not (c.decision.explored and c.shapes[0].budget):
+            break
+        measuring += 1
+        n = c.shapes[0].budget
+        p.observe(StepFeedback(batch=1, k=n, verify_seconds=0.2, record_cost=False,
+                               trees={"d@2": [(n, 2)]}, committed=[2]))
+    assert measuring == 3 * TREE_MEASURED_STEPS
+    assert not c.decision.explored                        # chosen on merit, not explored again

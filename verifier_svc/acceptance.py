@@ -217,7 +217,7 @@ class AcceptanceEstimator:
         (its candidates' cells learn from the walk). Raises ValueError for another family."""
         if family not in ARM_FAMILIES:
             raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
-        if family not in self._calibration:
+        if family == SUFFIX:
             self._pending = None
             return
         each = [extra / len(indices)] * len(indices) if isinstance(extra, (int, float)) \
@@ -251,8 +251,10 @@ class AcceptanceEstimator:
         above what steps commit under load (acceptance falls within an answer faster than its
         counts follow), by as much as the margin between speculating and not. 1.0 for
         :data:`SUFFIX` (calibrated per candidate cell)."""
-        if family not in self._calibration:
+        if family == SUFFIX:
             return 1.0
+        if family not in self._calibration:
+            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
         exp_e, com_e = self._calibration[family]
         return ema_ratio(com_e, exp_e, CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR)
 

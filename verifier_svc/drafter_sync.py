@@ -114,12 +114,15 @@ NONE = DraftOutcome(EMPTY, None, None, False)
 
 @dataclasses.dataclass(frozen=True)
 class DraftRound:
-    """One step's draft calls: per item its outcome (in item order), and the seconds spent in
+    """One step's draft calls: per item its outcome (in item order), the seconds spent in
     calls that returned no usable draft (the drafter's failure, not the price of the step's
-    block: the policy leaves them out of the step's cost)."""
+    block: the policy leaves them out of the step's cost), and whether a call uploaded a
+    session's context from its first position (a joining session's prompt, or a resend after a
+    failure: not what a steady step costs either)."""
 
     outcomes: list[DraftOutcome]
     wasted_seconds: float = 0.0
+    uploaded: bool = False             # a call carried some session's whole context (a join)
 
 
 class DrafterSync:
@@ -179,6 +182,7 @@ class DrafterSync:
         starts."""
         out = [NONE] * len(items)
         wasted = 0.0
+        uploaded = False
         t0 = time.perf_counter()
         with self._lock:
             failed, self._failed = self._failed, set()
@@ -199,6 +203,7 @@ class DrafterSync:
         for idx in groups:
             proposer = items[idx[0]].proposer
             assert proposer is not None            # only items with a drafter are grouped
+            uploaded = uploaded or any(not items[i].state.length for i in idx)
             if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
                 self._send_context(proposer, [items[i] for i in idx])
                 for i in idx:
@@ -219,7 +224,7 @@ class DrafterSync:
                 wasted += time.perf_counter() - t_call
             for i, r in zip(idx, res):
                 out[i] = self._outcome(items[i], r)
-        return DraftRound(out, wasted)
+        return DraftRound(out, wasted, uploaded)
 
     def _outcome(self, it: DraftItem, r: Proposal | DraftError) -> DraftOutcome:
         """One item's drafts from its call's result, and what its drafter now holds."""

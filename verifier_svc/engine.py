@@ -276,15 +276,13 @@ class VerifierEngine:
         choice = self.policy.choose_shapes(states, plan.waiting, offers)
         rows = [StepRow(st, st.session.cached, sh, o) for st, sh, o in zip(states, choice.shapes, offers)]
         items = [self._draft_item(r) for r in rows]
-        # a session whose drafter holds none of its context yet sends its whole prompt this step
-        # (one that may not send, e.g. in mode suffix, joins nothing: its length stays 0)
-        joining = any(it.proposer is not None and it.state.proposer is it.proposer
-                      and it.state.length == 0 and it.room for it in items)
-
         td = time.perf_counter()
         # the drafter calls wait no longer than speculating is worth this step
         drafts = self.sync.draft(items, self.policy.draft_budget(states, choice.shapes, choice.expectations))
         draft_s = time.perf_counter() - td
+        # a call uploaded a session's whole context: a join, not a steady step (mode suffix
+        # sends nothing, so its sessions, whose drafter holds nothing, join nothing)
+        joining = drafts.uploaded
         for r, d in zip(rows, drafts.outcomes):
             r.draft, r.sourced = d, self._sourced(r, d, len(rows))
             r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())

@@ -22,9 +22,9 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   collapse when speculation resumes. In each batch bucket ``k = 0`` is measured first: it is
   the baseline the others must beat, and the cheapest step to try. Until the cost model has a
   fit, unmeasured candidates are tried in order; a neighbour of the best k is re-measured
-  ``explore_every`` steps after the best arm last changed, then after twice as many steps each
-  time it stays, up to ``explore_backoff`` times as many, so the estimates follow load and
-  acceptance while an exploration that keeps losing is paid ever less often.
+  ``explore_every`` steps after that best arm first led (in its batch bucket), then after
+  twice as many steps each time, up to ``explore_backoff`` times as many, so the estimates
+  follow load and acceptance while an exploration that keeps losing is paid ever less often.
 
   Trees (``verifier_svc/tree.py``, DDTree): when the target and the job allow them, each node
   budget ``N`` of ``tree_budgets`` is one more candidate, priced like a chain of ``N`` drafts
@@ -59,7 +59,6 @@ metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``
 
 from __future__ import annotations
 
-import math
 from typing import Collection, Sequence
 
 from dflash.core.speculation import (
@@ -70,8 +69,8 @@ from dflash.core.speculation import (
     MODE_TREE,
     MODES,
 )
-from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, session_table
-from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, limits, tree_shape
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimator, session_table
+from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, leader, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
@@ -88,9 +87,9 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-#: Most steps between explorations, as a multiple of ``explore_every`` (``--explore-every``),
-#: while the best arm stays the same: on chat, where suffix trees alone win, the 36 drafter
-#: steps that exploring every 25 steps ran in 860 cost about 3% of the time (docs/suffix.md).
+#: Most steps between explorations around one best arm, as a multiple of ``explore_every``: on
+#: chat, where suffix trees alone win, the 51 drafter steps that exploring every 25 steps ran
+#: in 911 cost about 3% of the time (docs/suffix.md, "Adaptive against suffix").
 DEFAULT_EXPLORE_BACKOFF = 8
 #: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
 #: below it never displaces a drafter node.
@@ -104,10 +103,11 @@ class SpeculationPolicy:
     Args:
         mode: the deployment default, one of ``MODES``.
         alpha: EMA weight of a new observation.
-        explore_every: adaptive steps between re-measurements of a neighbouring k (0: never)
-            once the best arm changes; the gap doubles after each exploration that leaves the
-            best arm in place.
+        explore_every: adaptive steps from a best arm's first lead to the first
+            re-measurement of a neighbour (0: never); each later gap around it is twice the
+            one before. Raises ValueError below 0.
         explore_backoff: the longest gap, as a multiple of ``explore_every`` (1: a fixed gap).
+            Raises ValueError below 1.
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
             batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
@@ -124,6 +124,8 @@ class SpeculationPolicy:
             raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
         if tree_max_batch < 0:
             raise ValueError(f"tree_max_batch: must be >= 0, got {tree_max_batch}")
+        if explore_every < 0:
+            raise ValueError(f"explore_every: must be >= 0, got {explore_every}")
         if explore_backoff < 1:
             raise ValueError(f"explore_backoff: must be >= 1, got {explore_backoff}")
         self.mode = mode
@@ -136,9 +138,11 @@ class SpeculationPolicy:
         self.costs = StepCostModel(alpha)
         self._steps = 0
         self._explorations = 0
-        self._gap = explore_every           # steps from this exploration to the next
-        self._next = math.inf               # the step count of the next exploration
-        self._leader: tuple[str, int] | None = None   # the best arm's kind and size
+        # per leader (batch bucket, family and size of a best arm): its gap to the next
+        # exploration around it, and the step count that exploration is due at
+        self._gaps: dict[tuple[int, str, int], int] = {}
+        self._due: dict[tuple[int, str, int], int] = {}
+        self._quiet = 0                     # no exploration before this step count
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
@@ -253,8 +257,7 @@ class SpeculationPolicy:
         # step. A tree tried before its budget was measured is valued by the chain's prior (16
         # tokens for a tree of 15 before any acceptance was seen); calibrating on it pinned the
         # trees' ratio near its floor, after which trees seldom ran to correct it.
-        if (best.k > 0 or best.budget) and not (best.budget and not best.suffix_only
-                                                and arms.untried(best)):
+        if (best.k > 0 or best.budget) and not (family(best) == TREE and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
         return StepChoice(shapes, arms.decision(best, explored), ex)
 
@@ -287,31 +290,35 @@ class SpeculationPolicy:
         explored = best.k in arms.unmeasured if not best.budget else False
         untried = [a for a in arms.trees if arms.untried(a)]
         self._steps += 1
-        if untried:
-            return untried[0], True               # each budget is measured once, early
-        if self._explore_now(best):
+        if untried:   # each budget is measured once, early: explorations of their own
+            self._quiet = self._steps + self.explore_every
+            return untried[0], True
+        if self._explore_now(best, arms.bucket):
             nb = self._neighbour(arms, best)
             return nb, nb != best
         return best, explored
 
-    def _explore_now(self, best: Arm) -> bool:
-        """Whether this step explores: ``explore_every`` steps after the best arm changed kind
-        or size (suffix trees alone and no speculation are one kind: neither calls the
-        drafter), then twice the previous gap each time, up to ``explore_backoff`` times
-        ``explore_every``. An exploration that wins makes its arm the best, which resets the
-        gap; one that loses is worth trying again less often."""
+    def _explore_now(self, best: Arm, b: int) -> bool:
+        """Whether this step explores around ``best`` at batch bucket ``b``. Each leader (the
+        bucket and :func:`verifier_svc.arms.leader` of a best arm) keeps its own schedule: the
+        first exploration around it ``explore_every`` steps after it first leads, each next
+        one twice the previous gap later, up to ``explore_backoff`` times ``explore_every``; it
+        is taken at the first step the leader leads once due. A new best arm is explored
+        around soon; one that keeps its lead, or returns to it (suffix candidates on some steps
+        and none on others), ever less often. No two explorations come closer than
+        ``explore_every`` steps."""
         if not self.explore_every:
             return False
-        leader = ("none", 0) if best.suffix_only or not (best.k or best.budget) else \
-            ("tree", best.budget) if best.budget else ("chain", best.k)
-        if leader != self._leader:
-            self._leader, self._gap = leader, self.explore_every
-            self._next = min(self._next, self._steps + self.explore_every)
-        if self._steps < self._next:
+        key = (b, *leader(best))
+        if key not in self._gaps:
+            self._gaps[key] = self.explore_every
+            self._due[key] = self._steps + self.explore_every
+        if self._steps < max(self._due[key], self._quiet):
             return False
         self._explorations += 1
-        self._next = self._steps + self._gap
-        self._gap = min(2 * self._gap, self.explore_every * self.explore_backoff)
+        gap = self._gaps[key] = min(2 * self._gaps[key], self.explore_every * self.explore_backoff)
+        self._due[key] = self._steps + gap
+        self._quiet = self._steps + self.explore_every
         return True
 
     def _neighbour(self, arms: Arms, best: Arm) -> Arm:
