@@ -272,7 +272,7 @@ def test_replay_commits_what_the_engine_commits_with_a_drafter(tmp_path, mode, b
     engine = VerifierEngine(probe.target, spec_mode=mode, tree_budget=budget, tree_budgets=(budget,),
                             suffix=settings.enabled, answers=settings.answers())
     engine.policy.costs, engine.policy.acceptance = policy.costs, policy.acceptance
-    engine.policy.observe, engine.policy.explore_every = lambda fb: None, 0
+    engine.policy.observe, engine.policy.explore.every = lambda fb: None, 0
     try:
         want = []
         for i, p in enumerate(prompts):

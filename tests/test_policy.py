@@ -629,3 +629,12 @@ def test_mode_suffix_steps_are_not_joining_steps(target_model, hf_target):
     plain = [rec for rows, rec in steps if rows == 1]
     assert plain and all(plain), steps                    # every step without candidates counts
     assert not any(rec for rows, rec in steps if rows > 1), steps   # suffix trees: verify cells
+
+
+def test_no_exploration_at_all_with_explore_every_zero():
+    from verifier_svc.exploration import Exploration
+    from verifier_svc.shapes import Arm
+
+    never = Exploration(0)
+    assert not any(never.now(step, Arm(k), 1) for step in range(1, 500) for k in (0, step % 5))
+    assert never.count == 0

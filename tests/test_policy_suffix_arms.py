@@ -69,7 +69,7 @@ def test_suffix_only_arm_explores_without_failing():
     # exploration from a suffix-only best looks up the drafter arm nearest its size (2 nodes is
     # no tree budget, so it is looked up by rows, not by budget)
     p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
-    p.explore_every, p.explore_backoff = 1, 1
+    p.explore.every, p.explore.backoff = 1, 1
     o = offer([0.9, 0.8] + [0.01] * 6)
     p.choose_shapes([job()], offers=[o])    # the best arm: exploring starts a step later
     for _ in range(4):
@@ -177,7 +177,7 @@ def test_exploration_backs_off_when_the_best_arm_alternates():
     # candidates on every other step: a suffix tree leads on those, a drafter chain on the
     # others; each lead keeps its own gap, so returning to one does not restart its schedule
     p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 1.0, 0.3)
-    p.explore_every, p.explore_backoff = 5, 8
+    p.explore.every, p.explore.backoff = 5, 8
     o = offer([0.99] * 6 + [0.01] * 2)
     leads, explored = set(), 0
     for step in range(400):

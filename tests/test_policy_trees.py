@@ -141,7 +141,7 @@ def test_exploration_from_a_tree_tries_the_chains_of_about_its_size():
     growing = lambda k: 0.2 + 0.01 * k                                  # noqa: E731
     p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, growing)
     assert p.choose_shapes([job()]).shapes == [Shape(4, 4)]                  # the best arm: 4 nodes
-    p.explore_every = 3
+    p.explore.every = 3
     picks = []
     for _ in range(12):
         c = p.choose_shapes([job()])
@@ -176,7 +176,7 @@ def test_measuring_a_new_drafters_trees_postpones_the_next_exploration():
     """The steps that measure each tree budget of a drafter first seen are explorations of
     their own: the step chosen on merit right after them does not explore as well."""
     p = policy(0.3, {4: 2.0, 8: 2.1, 16: 2.3}, lambda k: 0.2 + 0.01 * k)
-    p.explore_every = 5
+    p.explore.every = 5
     for _ in range(20):
         p.choose_shapes([job()])
     other = policy_job("d@2", block=16, max_tokens=1000, emitted=1, tree_budget=16)

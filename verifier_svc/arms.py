@@ -36,15 +36,6 @@ def family(arm: Arm) -> str:
     return SUFFIX if arm.suffix_only else TREE if arm.budget else CHAIN
 
 
-def leader(arm: Arm) -> tuple[str, int]:
-    """What the exploration schedule keys a best arm by (``SpeculationPolicy._explore_now``):
-    its family and size, suffix trees alone and no speculation being one ("none": neither
-    calls the drafter, and which of them leads moves with every step's candidates)."""
-    if arm.suffix_only or not (arm.k or arm.budget):
-        return "none", 0
-    return (TREE, arm.budget) if arm.budget else (CHAIN, arm.k)
-
-
 def hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
     """Mode ``hybrid``'s shape: the drafter's tree (as in ``tree`` mode), with the suffix
     candidates when the job has some this step."""

@@ -21,10 +21,9 @@ Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mod
   of size 1 = context update only), so its context stays current and acceptance does not
   collapse when speculation resumes. In each batch bucket ``k = 0`` is measured first: it is
   the baseline the others must beat, and the cheapest step to try. Until the cost model has a
-  fit, unmeasured candidates are tried in order; a neighbour of the best k is re-measured
-  ``explore_every`` steps after that best arm first led (in its batch bucket), then after
-  twice as many steps each time, up to ``explore_backoff`` times as many, so the estimates
-  follow load and acceptance while an exploration that keeps losing is paid ever less often.
+  fit, unmeasured candidates are tried in order; now and then a neighbour of the best k is
+  re-measured, so the estimates follow load and acceptance, ever less often around a best arm
+  that keeps its lead (``verifier_svc/exploration.py``).
 
   Trees (``verifier_svc/tree.py``, DDTree): when the target and the job allow them, each node
   budget ``N`` of ``tree_budgets`` is one more candidate, priced like a chain of ``N`` drafts
@@ -70,8 +69,9 @@ from dflash.core.speculation import (
     MODES,
 )
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimator, session_table
-from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, leader, limits, tree_shape
+from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
+from verifier_svc.exploration import DEFAULT_EXPLORE_BACKOFF, Exploration
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
 
@@ -87,10 +87,6 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-#: Most steps between explorations around one best arm, as a multiple of ``explore_every``: on
-#: chat, where suffix trees alone win, the 51 drafter steps that exploring every 25 steps ran
-#: in 911 cost about 3% of the time (docs/suffix.md, "Adaptive against suffix").
-DEFAULT_EXPLORE_BACKOFF = 8
 #: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
 #: below it never displaces a drafter node.
 MIN_NODE_VALUE = 0.02
@@ -103,11 +99,9 @@ class SpeculationPolicy:
     Args:
         mode: the deployment default, one of ``MODES``.
         alpha: EMA weight of a new observation.
-        explore_every: adaptive steps from a best arm's first lead to the first
-            re-measurement of a neighbour (0: never); each later gap around it is twice the
-            one before. Raises ValueError below 0.
-        explore_backoff: the longest gap, as a multiple of ``explore_every`` (1: a fixed gap).
-            Raises ValueError below 1.
+        explore_every, explore_backoff: the exploration schedule's first and longest gap
+            around a best arm (:class:`verifier_svc.exploration.Exploration`, the policy's
+            ``explore``; 0: never explore).
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
             batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
@@ -124,25 +118,14 @@ class SpeculationPolicy:
             raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
         if tree_max_batch < 0:
             raise ValueError(f"tree_max_batch: must be >= 0, got {tree_max_batch}")
-        if explore_every < 0:
-            raise ValueError(f"explore_every: must be >= 0, got {explore_every}")
-        if explore_backoff < 1:
-            raise ValueError(f"explore_backoff: must be >= 1, got {explore_backoff}")
         self.mode = mode
         self.tree_budgets = tuple(sorted(set(tree_budgets)))
         self.tree_max_batch = tree_max_batch
         self.alpha = alpha
-        self.explore_every = explore_every
-        self.explore_backoff = explore_backoff
+        self.explore = Exploration(explore_every, explore_backoff)
         self.acceptance = AcceptanceEstimator(alpha)
         self.costs = StepCostModel(alpha)
         self._steps = 0
-        self._explorations = 0
-        # per leader (batch bucket, family and size of a best arm): its gap to the next
-        # exploration around it, and the step count that exploration is due at
-        self._gaps: dict[tuple[int, str, int], int] = {}
-        self._due: dict[tuple[int, str, int], int] = {}
-        self._quiet = 0                     # no exploration before this step count
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
@@ -277,7 +260,7 @@ class SpeculationPolicy:
     def _pick(self, arms: Arms) -> tuple[Arm, bool]:
         """The arm this step runs and whether it was chosen to measure it: every chain length
         first (until the cost model has a fit), then the bucket's baseline, then the best rate,
-        each tree budget once, and at the steps :meth:`_explore_now` names a neighbour of the
+        each tree budget once, and at the steps :attr:`explore` names a neighbour of the
         best."""
         if arms.unmeasured and arms.model is None:
             return Arm(arms.unmeasured[0]), True
@@ -291,35 +274,12 @@ class SpeculationPolicy:
         untried = [a for a in arms.trees if arms.untried(a)]
         self._steps += 1
         if untried:   # each budget is measured once, early: explorations of their own
-            self._quiet = self._steps + self.explore_every
+            self.explore.took(self._steps)
             return untried[0], True
-        if self._explore_now(best, arms.bucket):
+        if self.explore.now(self._steps, best, arms.bucket):
             nb = self._neighbour(arms, best)
             return nb, nb != best
         return best, explored
-
-    def _explore_now(self, best: Arm, b: int) -> bool:
-        """Whether this step explores around ``best`` at batch bucket ``b``. Each leader (the
-        bucket and :func:`verifier_svc.arms.leader` of a best arm) keeps its own schedule: the
-        first exploration around it ``explore_every`` steps after it first leads, each next
-        one twice the previous gap later, up to ``explore_backoff`` times ``explore_every``; it
-        is taken at the first step the leader leads once due. A new best arm is explored
-        around soon; one that keeps its lead, or returns to it (suffix candidates on some steps
-        and none on others), ever less often. No two explorations come closer than
-        ``explore_every`` steps."""
-        if not self.explore_every:
-            return False
-        key = (b, *leader(best))
-        if key not in self._gaps:
-            self._gaps[key] = self.explore_every
-            self._due[key] = self._steps + self.explore_every
-        if self._steps < max(self._due[key], self._quiet):
-            return False
-        self._explorations += 1
-        gap = self._gaps[key] = min(2 * self._gaps[key], self.explore_every * self.explore_backoff)
-        self._due[key] = self._steps + gap
-        self._quiet = self._steps + self.explore_every
-        return True
 
     def _neighbour(self, arms: Arms, best: Arm) -> Arm:
         """Alternately the next larger and the next smaller arm by rows verified, a tree of n
@@ -333,7 +293,7 @@ class SpeculationPolicy:
         if best.suffix_only:   # sized freely: the drafter arm of the nearest size stands in
             best = min(by_size, key=lambda a: (abs(a.rows - best.rows), a.budget == 0))
         i = by_size.index(best)
-        up = self._explorations % 2 == 1 or i == 0
+        up = self.explore.count % 2 == 1 or i == 0
         return by_size[min(i + 1, len(by_size) - 1)] if up and i + 1 < len(by_size) \
             else by_size[max(i - 1, 0)]
 
