@@ -158,8 +158,7 @@ def test_an_unmeasured_tree_is_scaled_by_the_trees_calibration_alone():
 
 def test_suffix_trees_are_valued_by_their_candidates_calibration_alone():
     # steps of suffix trees that commit only the bonus token teach the candidates' cells (the
-    # engine's SuffixCalibration), not a family ratio: a second ratio on top counted the same
-    # shortfall twice and, on chat, left a fifth of the steps that pay unspeculated
+    # engine's SuffixCalibration), not a family ratio that would count the shortfall twice
     p = trained({0: 25.0, 1: 26.0, 2: 29.0, 3: 37.0, 4: 38.0, 7: 43.0, 15: 50.0}, 8.0, 0.05)
     o = offer([0.9, 0.8] + [0.01] * 6)
     first = p.choose_shapes([job()], offers=[o])

@@ -39,13 +39,10 @@ from verifier_svc.cost_model import EMA
 SESSION_PRIOR_STEPS = 4.0
 # Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
 TREE_MEASURED_STEPS = 3
-# Arm families. The drafter's (CALIBRATED) are each calibrated on the adaptive steps that ran
-# one of their arms; suffix trees alone by their candidates' cells (SuffixCalibration): on chat a
-# family ratio on top, an EMA of ~0.7 extra tokens expected a step and mostly 0 or several
-# committed, swung between 0.37 and 1.5 and left a fifth of the steps that pay unspeculated.
+# Arm families. The drafter's are each calibrated on the adaptive steps that ran one of their
+# arms; suffix trees alone by their candidates' cells (SuffixCalibration), not twice.
 CHAIN, TREE, SUFFIX = "chain", "tree", "suffix"
 ARM_FAMILIES = (CHAIN, TREE, SUFFIX)
-CALIBRATED = (CHAIN, TREE)
 # Adaptive steps of one arm family before its committed / expected ratio scales its arms, and
 # the ratio's floor (a family is never valued at less than a quarter of its estimate).
 CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR = 5, 0.25
@@ -113,7 +110,7 @@ class AcceptanceEstimator:
         self._rates: dict[str, list[EMA]] = {}   # label -> per-position unconditional acceptance
         # calibration, per arm family: extra tokens the steps were expected to add
         # (uncalibrated) and what they committed beyond the bonus token, EMAs per step
-        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in CALIBRATED}
+        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in (CHAIN, TREE)}
         # the step about to run: its family and, per job index, its expected extra tokens
         self._pending: tuple[str, dict[int, float]] | None = None
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
@@ -215,9 +212,7 @@ class AcceptanceEstimator:
         bonus (before this family's calibration): a total spread evenly over them, or one
         figure per job in the order of ``indices``; a :data:`SUFFIX` step teaches nothing here
         (its candidates' cells learn from the walk). Raises ValueError for another family."""
-        if family not in ARM_FAMILIES:
-            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
-        if family == SUFFIX:
+        if self._calibrated(family) is None:
             self._pending = None
             return
         each = [extra / len(indices)] * len(indices) if isinstance(extra, (int, float)) \
@@ -251,12 +246,18 @@ class AcceptanceEstimator:
         above what steps commit under load (acceptance falls within an answer faster than its
         counts follow), by as much as the margin between speculating and not. 1.0 for
         :data:`SUFFIX` (calibrated per candidate cell)."""
-        if family == SUFFIX:
+        emas = self._calibrated(family)
+        if emas is None:
             return 1.0
-        if family not in self._calibration:
-            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
-        exp_e, com_e = self._calibration[family]
+        exp_e, com_e = emas
         return ema_ratio(com_e, exp_e, CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR)
+
+    def _calibrated(self, family: str) -> tuple[EMA, EMA] | None:
+        """``family``'s (expected, committed) EMAs; None for :data:`SUFFIX`, which has none.
+        Raises ValueError for a name not in :data:`ARM_FAMILIES`."""
+        if family not in ARM_FAMILIES:
+            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
+        return self._calibration.get(family)
 
     @property
     def accuracy(self) -> float:

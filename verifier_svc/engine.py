@@ -280,9 +280,6 @@ class VerifierEngine:
         # the drafter calls wait no longer than speculating is worth this step
         drafts = self.sync.draft(items, self.policy.draft_budget(states, choice.shapes, choice.expectations))
         draft_s = time.perf_counter() - td
-        # a call uploaded a session's whole context: a join, not a steady step (mode suffix
-        # sends nothing, so its sessions, whose drafter holds nothing, join nothing)
-        joining = drafts.uploaded
         for r, d in zip(rows, drafts.outcomes):
             r.draft, r.sourced = d, self._sourced(r, d, len(rows))
             r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())
@@ -301,7 +298,9 @@ class VerifierEngine:
         timing = StepTiming(draft_s, verify_s, len(rows), choice.decision)
         with t.lock:
             events = [self._commit(r, timing) for r in rows]
-        self._feed_policy(plan, joining, rows, events, timing, drafts.wasted_seconds)
+        # a call that uploaded a session's whole context makes the step a join, not a steady
+        # step (mode suffix sends nothing, so its sessions join nothing)
+        self._feed_policy(plan, drafts.uploaded, rows, events, timing, drafts.wasted_seconds)
         return events
 
     def _offers(self, states: list[DecodeState]) -> list[SuffixOffer | None]:

@@ -3,8 +3,7 @@
 An arm's estimate only moves when that arm runs, so the policy now and then runs a neighbour of
 the best arm instead, to follow load and acceptance. Each such step costs what the best arm
 would have gained, and where the best arm keeps winning (on chat, suffix trees alone against
-every drafter arm) the explorations are pure cost: exploring every 25 steps ran 51 drafter
-steps in 911, about 3% of the time (docs/suffix.md, "Adaptive against suffix").
+every drafter arm) the explorations are pure cost (docs/suffix.md, "Adaptive against suffix").
 
 So each leader (a best arm's batch bucket and :func:`leader`: its family and size) keeps its own schedule: the first exploration around it ``every`` steps after it
 first leads, each next one twice the previous gap later, up to ``backoff`` times ``every``,
@@ -50,8 +49,8 @@ class Exploration:
             raise ValueError(f"explore_backoff: must be >= 1, got {backoff}")
         self.every, self.backoff = every, backoff
         self.count = 0                      # explorations so far (the neighbours alternate)
-        self._gaps: dict[tuple[int, str, int], int] = {}   # leader -> its next gap
-        self._due: dict[tuple[int, str, int], int] = {}    # leader -> the step it is due at
+        # leader -> (its next gap, the step count its next exploration is due at)
+        self._schedule: dict[tuple[int, str, int], tuple[int, int]] = {}
         self._quiet = 0                     # no exploration before this step count
 
     def took(self, step: int) -> None:
@@ -65,13 +64,11 @@ class Exploration:
         if not self.every:
             return False
         key = (bucket, *leader(best))
-        if key not in self._gaps:
-            self._gaps[key] = self.every
-            self._due[key] = step + self.every
-        if step < max(self._due[key], self._quiet):
+        gap, due = self._schedule.setdefault(key, (self.every, step + self.every))
+        if step < max(due, self._quiet):
             return False
         self.count += 1
-        gap = self._gaps[key] = min(2 * self._gaps[key], self.every * self.backoff)
-        self._due[key] = step + gap
+        gap = min(2 * gap, self.every * self.backoff)
+        self._schedule[key] = (gap, step + gap)
         self.took(step)
         return True

@@ -236,10 +236,8 @@ class SpeculationPolicy:
         best, explored = self._pick(arms)
         for i in batch.adaptive:
             shapes[i] = batch.adaptive_shape(i, best)
-        # a speculative arm valued by measurements: its family's calibration learns from the
-        # step. A tree tried before its budget was measured is valued by the chain's prior (16
-        # tokens for a tree of 15 before any acceptance was seen); calibrating on it pinned the
-        # trees' ratio near its floor, after which trees seldom ran to correct it.
+        # a speculative arm valued by measurements teaches its family's calibration; a tree
+        # not yet measured is valued by the chain's prior, which would skew the ratio for good
         if (best.k > 0 or best.budget) and not (family(best) == TREE and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
         return StepChoice(shapes, arms.decision(best, explored), ex)
