@@ -23,7 +23,7 @@ from dflash.core.proposer import DraftError, FallbackReason
 from dflash.serving.metrics import BreakerGauges
 from dflash.serving.server import wait_healthy
 from dflash.v1 import verifier_pb2
-from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker
+from verifier_svc.breaker import FAILING, SLOW, BreakerConfig, CircuitBreaker
 from verifier_svc.servicer import DrafterPool
 
 from doubles import ReferenceDrafter

@@ -10,8 +10,9 @@ import torch
 from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal
 from dflash.core.sampling import Sampling
 from verifier_svc.acceptance import AcceptanceEstimator
+from verifier_svc.breaker import FAILING, SLOW, BreakerConfig, CircuitBreaker
 from verifier_svc.cost_model import StepCostModel
-from verifier_svc.drafter_client import FAILING, SLOW, BreakerConfig, CircuitBreaker, RemoteProposer
+from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.drafter_sync import DrafterState, DrafterSync, DraftItem, DraftRound
 from verifier_svc.policy import Shape, SpeculationPolicy
 

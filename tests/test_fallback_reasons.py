@@ -5,7 +5,7 @@ and apart from the breaker's trip reasons (docs/observability.md)."""
 from __future__ import annotations
 
 from dflash.core.proposer import FallbackReason
-from verifier_svc.drafter_client import TripReason
+from verifier_svc.breaker import TripReason
 from verifier_svc.drafter_sync import LATE
 
 REASONS = {

@@ -17,19 +17,14 @@ A reply later than a budget-derived deadline would have made the step slower tha
 speculation: the step goes on without it (``DraftError(LATE)``), the batch stays queued on
 the drafter (its context lands; a late error is reported to the caller), and the miss counts.
 
-A :class:`CircuitBreaker` per drafter takes one that is too slow or keeps failing out of the
-step path: after ``failures`` consecutive misses or failed calls it opens, with the reason of
-the last one ("slow": a budget-derived deadline missed; "failing": ``timeout_s`` missed, an
-error, the stream down). Every call then fails at once with ``DraftError(FallbackReason.CIRCUIT_OPEN)`` (its
-sessions run without speculation, no step waits for it), and a background prober sends one
-tiny draft every ``probe_interval_s`` until one is answered within the deadline it tripped on
-(``timeout_s`` for "failing"); then it closes and the sessions' context is resent.
+A :class:`~verifier_svc.breaker.CircuitBreaker` per drafter takes one that is too slow or keeps
+failing out of the step path (verifier_svc/breaker.py); this client counts its misses and runs
+its prober.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import queue
@@ -37,118 +32,24 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from enum import StrEnum
-from typing import Protocol, runtime_checkable
 
 import grpc
 
-from dflash.core import wire
-from dflash.core.convert import card_from_proto, draft_error_from_proto, sampling_to_proto
+from dflash.core.convert import card_from_proto
 from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.serving.server import channel_options
 from dflash.serving.tls import ClientTLS, channel as tls_channel
-from dflash.serving.tracing import inject_context
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+from verifier_svc.breaker import FAILING, SLOW, BreakerConfig, CircuitBreaker, TripReason
 from verifier_svc.cost_model import EMA
+from verifier_svc.draft_wire import WireLog, WireStat, failed_sessions, from_result, probe_item, to_items
 from verifier_svc.drafter_sync import LATE
 
 log = logging.getLogger("dflash.verifier.drafter_client")
-MAX_WIRE_STATS = 4096
 PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter (released)
 # More context rows for one session than a steady step sends (its committed tokens, at most a
 # block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
 UPLOAD_ROWS = 128
-
-
-class TripReason(StrEnum):
-    """Why a breaker opened (the ``reason`` label of its trips; a fallback's reason is a
-    :class:`~dflash.core.proposer.FallbackReason`)."""
-
-    SLOW = "slow"          # budget-derived deadlines missed (each such step fell back LATE)
-    FAILING = "failing"    # --draft-timeout missed, an error, the stream down
-
-
-SLOW, FAILING = TripReason.SLOW, TripReason.FAILING
-
-
-@dataclasses.dataclass(frozen=True)
-class BreakerConfig:
-    """``failures``: consecutive misses / failed calls that open the breaker (0 = never opens);
-    ``probe_interval_s``: seconds between probes while open; ``deadline_floor_s``: the least a
-    step waits for a drafter whatever its budget (a reply this fast is never held against
-    it: timing noise, a cost model still learning). Raises ValueError on a negative count or
-    a non-positive interval or floor."""
-
-    failures: int = 3
-    probe_interval_s: float = 1.0
-    deadline_floor_s: float = 0.05
-
-    def __post_init__(self):
-        if self.failures < 0:
-            raise ValueError(f"breaker failures: must be >= 0, got {self.failures}")
-        if not self.probe_interval_s > 0:
-            raise ValueError(f"breaker probe_interval_s: must be > 0, got {self.probe_interval_s}")
-        if not self.deadline_floor_s > 0:
-            raise ValueError(f"breaker deadline_floor_s: must be > 0, got {self.deadline_floor_s}")
-
-
-class CircuitBreaker:
-    """Consecutive-miss count of one drafter (thread-safe).
-
-    ``failure(reason, readmit_s)`` returns True when that miss opened it (``reason`` SLOW or
-    FAILING; a probe must then answer within ``readmit_s``); ``success`` resets the count (a
-    reply within the deadline); ``close`` ends an open period (a probe was answered in time).
-    ``trips`` counts openings, ``trips_by_reason`` per reason; ``reason`` and ``opened_at``
-    (``time.monotonic()``) are the last opening's.
-    """
-
-    def __init__(self, failures: int):
-        self.limit = failures
-        self._lock = threading.Lock()
-        self.consecutive = 0
-        self.is_open = False
-        self.trips = 0
-        self.trips_by_reason: dict[TripReason, int] = {SLOW: 0, FAILING: 0}
-        self.reason: TripReason | str = ""   # "": never opened
-        self.readmit_s = 0.0
-        self.opened_at = 0.0
-
-    def success(self) -> None:
-        with self._lock:
-            self.consecutive = 0
-
-    def failure(self, reason: TripReason = FAILING, readmit_s: float = 0.0) -> bool:
-        with self._lock:
-            self.consecutive += 1
-            if self.is_open or not self.limit or self.consecutive < self.limit:
-                return False
-            self.is_open, self.opened_at = True, time.monotonic()
-            self.reason, self.readmit_s = reason, readmit_s
-            self.trips += 1
-            self.trips_by_reason[reason] = self.trips_by_reason.get(reason, 0) + 1
-            return True
-
-    def close(self) -> float:
-        """Close it; returns the seconds it was open."""
-        with self._lock:
-            self.is_open, self.consecutive = False, 0
-            return time.monotonic() - self.opened_at
-
-
-@dataclasses.dataclass(frozen=True)
-class WireStat:
-    """A session's last successful draft call as the verifier saw it (for metrics and spans)."""
-
-    context_bytes: int           # hidden-state bytes sent for this session
-    round_trip_seconds: float    # request queued -> reply received (the whole batch)
-    drafter_seconds: float       # the drafter's own compute (DraftBatchResult.draft_seconds)
-
-
-@runtime_checkable
-class WireStats(Protocol):
-    """A proposer that reports each session's last draft call (``RemoteProposer``)."""
-
-    def take_wire_stat(self, session_id: str) -> WireStat | None: ...
 
 
 def describe(address: str, timeout_s: float = 5.0, tls: ClientTLS | None = None) -> DrafterCard:
@@ -194,7 +95,7 @@ class RemoteProposer:
         self._queue: queue.Queue | None = None
         self._broken_at = 0.0
         self.last_wire_bytes = 0
-        self.wire_stats: dict[str, WireStat] = {}   # session id -> last call (take_wire_stat)
+        self.wire_stats = WireLog()   # each session's last call (take_wire_stat)
         self._in_flight: collections.deque[Future] = collections.deque()   # send_context's
         self._uploads: list[Future] = []    # unanswered batches that carry an upload
         self.breaker_config = breaker
@@ -263,19 +164,7 @@ class RemoteProposer:
 
     # ------------------------------------------------------------------ Proposer
     def _items(self, requests: list[ProposalRequest]) -> list:
-        items = []
-        nbytes = 0
-        caller = inject_context()  # the caller's span; each item may carry its request's own
-        for r in requests:
-            ctx = r.context if self.wire_dtype is None else r.context.to(self.wire_dtype)
-            t = wire.to_proto(ctx)
-            nbytes += len(t.data)
-            items.append(drafter_pb2.DraftItem(
-                session_id=r.session_id, context_start=r.context_start, context=t,
-                anchor_token=r.anchor_token, block_size=r.block_size,
-                sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller,
-                top_k=r.top_k, no_learn=r.no_learn))
-        self.last_wire_bytes = nbytes
+        items, self.last_wire_bytes = to_items(requests, self.wire_dtype)
         return items
 
     def _send(self, items: list, requests: Sequence[ProposalRequest] = ()) -> tuple[int, Future] | None:
@@ -364,8 +253,8 @@ class RemoteProposer:
             # answered in time; per-session errors are not its health. A call without a
             # budget (a whole-context upload) says nothing about the steady wait.
             self.breaker.success()
-        self._record_wire(items, seconds, resp.draft_seconds)
-        return [self._convert(r) for r in resp.results]
+        self.wire_stats.record(items, seconds, resp.draft_seconds)
+        return [from_result(r) for r in resp.results]
 
     def _late(self, fut: Future, ids: list[str], t_send: float,
               on_failed: Callable[[list[str]], None]) -> None:
@@ -380,11 +269,7 @@ class RemoteProposer:
                 return
             with self._lock:
                 self.latency.add(time.perf_counter() - t_send)
-            if len(resp.results) != len(ids):
-                on_failed(ids)
-                return
-            bad = [r.session_id or sid for r, sid in zip(resp.results, ids) if r.error]
-            if bad:
+            if bad := failed_sessions(resp, ids):
                 on_failed(bad)
 
         fut.add_done_callback(done)
@@ -412,13 +297,7 @@ class RemoteProposer:
         on the stream."""
         width = len(self.card.target_layer_ids) * self.card.hidden_size
         while not self._closed.wait(self.breaker_config.probe_interval_s):
-            import torch
-
-            ctx = torch.zeros(1, width, dtype=torch.float32)
-            if self.wire_dtype is not None:
-                ctx = ctx.to(self.wire_dtype)
-            item = drafter_pb2.DraftItem(session_id=PROBE_SESSION, context_start=0,
-                                         context=wire.to_proto(ctx), anchor_token=0, block_size=2)
+            item = probe_item(PROBE_SESSION, width, self.wire_dtype)
             if self._queue is None and not self._reachable():
                 continue
             t0 = time.perf_counter()
@@ -481,57 +360,24 @@ class RemoteProposer:
             except Exception:
                 on_failed(ids)
                 return
-            if len(resp.results) != len(ids):
-                on_failed(ids)
-                return
-            bad = [r.session_id or sid for r, sid in zip(resp.results, ids) if r.error]
-            if bad:
+            if bad := failed_sessions(resp, ids):
                 on_failed(bad)
-            self._record_wire(items, time.perf_counter() - t_send, resp.draft_seconds)
+            if len(resp.results) == len(ids):
+                self.wire_stats.record(items, time.perf_counter() - t_send, resp.draft_seconds)
 
         sent[1].add_done_callback(done)
         self._in_flight.append(sent[1])
         while self._in_flight and self._in_flight[0].done():
             self._in_flight.popleft()
 
-    def _record_wire(self, items, round_trip_s: float, drafter_s: float) -> None:
-        with self._lock:
-            for it in items:
-                self.wire_stats.pop(it.session_id, None)
-                self.wire_stats[it.session_id] = WireStat(len(it.context.data), round_trip_s, drafter_s)
-            while len(self.wire_stats) > MAX_WIRE_STATS:
-                self.wire_stats.pop(next(iter(self.wire_stats)), None)
-
     def take_wire_stat(self, session_id: str) -> WireStat | None:
         """The session's last successful draft call, once (None when the step sent nothing)."""
-        with self._lock:
-            return self.wire_stats.pop(session_id, None)
-
-    @staticmethod
-    def _convert(r: drafter_pb2.DraftResult) -> Proposal | DraftError:
-        import torch
-
-        refused = draft_error_from_proto(r)
-        if refused is not None:
-            return refused
-        try:
-            probs = wire.from_proto(r.probs, "probs") if r.HasField("probs") else None
-        except wire.WireError as e:
-            return DraftError(FallbackReason.MALFORMED_PROBS, str(e))
-        try:   # absent from a chain drafter; their shapes and values: DrafterSync.malformed
-            top_ids = wire.from_proto(r.top_ids, "top_ids") if r.HasField("top_ids") else None
-            top_lp = (wire.from_proto(r.top_logprobs, "top_logprobs")
-                      if r.HasField("top_logprobs") else None)
-        except wire.WireError as e:
-            return DraftError(FallbackReason.MALFORMED_TOPK, str(e))
-        return Proposal(tokens=torch.tensor(list(r.tokens), dtype=torch.int64), probs=probs,
-                        top_ids=top_ids, top_logprobs=top_lp)
+        return self.wire_stats.take(session_id)
 
     def release(self, session_ids: list[str]) -> None:
         with self._lock:
             q = self._queue
-            for s in session_ids:
-                self.wire_stats.pop(s, None)
+        self.wire_stats.drop(session_ids)
         if q is not None and session_ids:
             q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
 

@@ -32,7 +32,7 @@ from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, Veri
 from dflash.serving.speclog import SpecDecodingLogger
 from dflash.serving.telemetry import Telemetry
 from dflash.serving.tracing import abort_status, set_error
-from verifier_svc.drafter_client import WireStats
+from verifier_svc.draft_wire import WireStats
 from verifier_svc.servicer import VerifierServicer
 
 if TYPE_CHECKING:

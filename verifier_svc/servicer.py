@@ -16,7 +16,8 @@ from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
 from dflash.serving.server import RETRY_AFTER_KEY
 from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.drafter_client import BreakerConfig, RemoteProposer, describe
+from verifier_svc.breaker import BreakerConfig
+from verifier_svc.drafter_client import RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer, StepEvent
 from verifier_svc.scheduler import Overloaded
