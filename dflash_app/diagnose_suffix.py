@@ -20,9 +20,10 @@ verifier would (one session per prompt, the prompts in order as one tenant):
   what the policy prices that shape at (``suffix_cost`` for a tree of suffix candidates alone,
   ``StepCostModel.estimate`` otherwise).
 
-The loop mirrors ``VerifierEngine._offers`` / ``_sourced`` / ``_commit`` by calling their
-public pieces; ``tests/test_diagnose_suffix.py`` runs the engine beside it and checks they
-commit the same tokens step by step.
+The loop mirrors the engine's step (``verifier_svc.proposals.suffix_offers`` / ``sourced``,
+``verifier_svc.commit.commit_row``) by calling their public pieces;
+``tests/test_diagnose_suffix.py`` runs the engine beside it and checks they commit the same
+tokens step by step.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ class SuffixReplay:
     def _stream(self, policy: SpeculationPolicy, mode: str, nodes: int, s: Stream,
                 cal: SuffixCalibration, answers: AnswerStore, out: Replayed) -> None:
         """One session: prefill's token, then decode steps until the continuation is
-        committed; its answer kept for the tenant (as ``VerifierEngine._commit`` on finish)."""
+        committed; its answer kept for the tenant (as ``verifier_svc.commit.commit_row`` on finish)."""
         B, toks, P = self.block_size, s.tokens, s.prompt_len
         index, rates, stats = SuffixIndex(), SessionRates(), AcceptanceCounter()
         index.sync(toks[:P + 1])
@@ -256,7 +257,7 @@ class SuffixReplay:
 
 def _sourced(policy: SpeculationPolicy, label: str, sh: Shape, tops, offer: SuffixOffer | None,
              limit: int) -> Sourced | None:
-    """The tree a step verifies, as ``VerifierEngine._sourced`` builds it (a drafter that never
+    """The tree a step verifies, as ``verifier_svc.proposals.sourced`` builds it (a drafter that never
     fails: no fallback trees): the drafter's DDTree from its top-k (hybrid: the suffix
     candidates worth more than its marginal node merged in), suffix candidates alone, or None
     (a chain, or no speculation)."""

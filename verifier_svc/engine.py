@@ -1,10 +1,11 @@
-"""The verifier engine: sessions, the speculative decode step, commit (prefill: ``prefill.py``).
+"""The verifier engine: sessions and the speculative decode step (prefill: ``prefill.py``).
 
 Pure torch/Python (no protobuf). The step follows z-lab/dflash ``dflash_generate`` (Sec. 1.7 of
 shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
 
-    choose k (policy) -> propose (drafter_sync) -> forward (target) -> verify (verification)
-    -> commit (crop the KV cache, keep the taps, stop/length) -> feed the policy
+    choose k (policy) -> propose (drafter_sync; the tree or chain: proposals) -> forward (target)
+    -> verify (verification) -> commit (crop the KV cache, keep the taps, stop/length: commit)
+    -> feed the policy (commit)
 
 for every running session at once (continuous batching: ``verifier_svc/scheduler.py`` says
 which, the loop of ``verifier_svc/core.py`` runs it), one ``StepRow`` per session: one
@@ -22,7 +23,6 @@ emitted the committed tokens.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Generator
 
@@ -30,50 +30,32 @@ import torch
 
 from dflash.core.cards import check_drafter_card
 from dflash.core.finish import FINISH_CANCELLED
-from dflash.core.logits_processors import LogitsProcessor, token_logprobs
-from dflash.core.proposer import MAX_TOP_K
+from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.sampling import InvalidParam
-from dflash.core.speculation import (
-    MAX_TREE_BUDGET,
-    MODE_FIXED,
-    MODE_SUFFIX,
-)
+from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
 from dflash.core.stats import AcceptanceCounter
+from verifier_svc.commit import commit_row, log_step, step_feedback
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
-from verifier_svc.drafter_sync import DrafterSync, DraftItem, DraftOutcome
+from verifier_svc.drafter_sync import DrafterSync
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
     DEFAULT_TREE_MAX_BATCH,
-    Shape,
     SpeculationPolicy,
-    StepFeedback,
-    bucket,
 )
 from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
+from verifier_svc.proposals import draft_item, sourced, suffix_offers
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
 from verifier_svc.sessions import Session, SessionStore
-from verifier_svc.suffix_drafts import (
-    DRAFTER,
-    AnswerStore,
-    Sourced,
-    SuffixCalibration,
-    SuffixOffer,
-    hybrid_tree,
-    observe_walk,
-    offer_for,
-    suffix_tree,
-)
+from verifier_svc.suffix_drafts import AnswerStore, SuffixCalibration, SuffixOffer
 from verifier_svc.target_protocol import Target
-from verifier_svc.tree import DraftTree, TreeVerified, build_tree, verify_trees
-from verifier_svc.verification import RowParams, Verified, verify_batch
+from verifier_svc.tree import verify_trees
+from verifier_svc.verification import RowParams, verify_batch
 
 __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowConsumer",
            "check_drafter_card", "MAX_BLOCK_SIZE", "InvalidParam", "Target"]
-
-log = logging.getLogger("dflash.verifier")
 
 
 class VerifierEngine:
@@ -275,13 +257,13 @@ class VerifierEngine:
         offers = self._offers(states)
         choice = self.policy.choose_shapes(states, plan.waiting, offers)
         rows = [StepRow(st, st.session.cached, sh, o) for st, sh, o in zip(states, choice.shapes, offers)]
-        items = [self._draft_item(r) for r in rows]
+        items = [draft_item(r) for r in rows]
         td = time.perf_counter()
         # the drafter calls wait no longer than speculating is worth this step
         drafts = self.sync.draft(items, self.policy.draft_budget(states, choice.shapes, choice.expectations))
         draft_s = time.perf_counter() - td
         for r, d in zip(rows, drafts.outcomes):
-            r.draft, r.sourced = d, self._sourced(r, d, len(rows))
+            r.draft, r.sourced = d, sourced(r, d, len(rows), self.policy)
             r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())
 
         tv = time.perf_counter()
@@ -297,63 +279,23 @@ class VerifierEngine:
         self._verify(rows)
         timing = StepTiming(draft_s, verify_s, len(rows), choice.decision)
         with t.lock:
-            events = [self._commit(r, timing) for r in rows]
+            events = [commit_row(r, timing, t, self.totals, suffix=self.suffix, answers=self.answers,
+                                 calibration=self.suffix_calibration) for r in rows]
         # a call that uploaded a session's whole context makes the step a join, not a steady
         # step (mode suffix sends nothing, so its sessions join nothing)
         self._feed_policy(plan, drafts.uploaded, rows, events, timing, drafts.wasted_seconds)
         return events
 
     def _offers(self, states: list[DecodeState]) -> list[SuffixOffer | None]:
-        """Each job's suffix candidates this step (None: it may verify none, or none matched)."""
+        """Each job's suffix candidates this step (``proposals.suffix_offers``), the lookup
+        timed for the metrics (None: it may verify none, or none matched)."""
         if not self.suffix or not any(st.suffix_limit for st in states):
             return [None] * len(states)
         t0 = time.perf_counter()
-        out = []
-        for st in states:
-            depth = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
-            s = st.session
-            out.append(offer_for(s.suffix, self.answers.indexes(st.req.tenant), depth,
-                                 self.suffix_calibration, s.suffix_rates) if depth > 0 else None)
+        out = suffix_offers(states, self.answers, self.suffix_calibration)
         self.suffix_lookup_seconds += time.perf_counter() - t0
         self.suffix_lookups += 1
         return out
-
-    def _sourced(self, r: StepRow, d: DraftOutcome, batch: int) -> Sourced | None:
-        """The tree row ``r`` verifies this step with its nodes' sources, or None for a chain:
-        the drafter's DDTree (hybrid: with suffix candidates merged in), suffix candidates alone
-        (asked for, or the drafter's block is missing: the fallback still speculates), or none."""
-        st, sh, offer = r.state, r.shape, r.offer
-        limit = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
-        tree = _tree(sh, d)
-        if tree is not None:
-            if sh.suffix and offer is not None and limit > 0:
-                label = st.req.proposer.card.label if st.req.proposer is not None else ""
-                theta = self.policy.drafter_node_value(label, sh.budget, limit)
-                return hybrid_tree(tree, offer, sh.budget, theta, limit)
-            return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
-        if offer is None or limit <= 0:
-            return None
-        if sh.suffix and not sh.k:
-            return suffix_tree(offer, sh.budget, limit)
-        if d.fallback and not len(d.tokens) and sh.k:
-            n = self.policy.suffix_size(offer, bucket(batch), st.tree_budget, limit)
-            return suffix_tree(offer, n, limit) if n else None
-        return None
-
-    @staticmethod
-    def _draft_item(r: StepRow) -> DraftItem:
-        st, sh = r.state, r.shape
-        s, req = st.session, st.req
-        ctx = req.trace.step_started(st.steps) if req.trace is not None else {}
-        return DraftItem(session_id=s.id, state=s.drafter, proposer=req.proposer, cached=r.cached,
-                         anchor=s.tokens[-1], k=sh.k,
-                         # mode suffix never asks the drafter: it gets no context updates
-                         # either; a later turn that drafts sends all it lacks in one call
-                         room=st.mode != MODE_SUFFIX and st.block_limit > 1
-                         and req.max_tokens - st.emitted > 1,
-                         sampling=req.sampling.for_drafter(), trace_context=ctx,
-                         top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
-                         no_learn=req.no_learn)
 
     @staticmethod
     def _verify(rows: list[StepRow]) -> None:
@@ -372,119 +314,21 @@ class VerifierEngine:
                                                      [_params(r.state) for r, _ in trees])):
                 r.verified = v
 
-    def _commit(self, r: StepRow, timing: StepTiming) -> StepEvent:
-        """Keep what row ``r`` committed: crop its KV cache to it (a tree keeps its accepted
-        path's entries first), keep its taps, advance its penalty state, count it, and take the
-        committed tokens' log-probabilities from its raw logits [block, V] if asked."""
-        st, v, d, src, n = r.state, r.verified, r.draft, r.sourced, r.cached
-        assert v is not None and r.logits is not None      # verified before its commit
-        s, taps = st.session, r.taps
-        new = v.tokens
-        nodes = suffix_nodes = suffix_accepted = 0
-        kept = list(range(len(new)))               # the block rows that emitted the tokens
-        if isinstance(v, TreeVerified):
-            kept = [0] + v.path                    # the anchor and the accepted nodes
-            self.target.keep(s.cache, n, kept)
-            if taps is not None:
-                taps = taps[kept]
-            nodes = v.nodes
-            if src is not None and src.trie_nodes:
-                suffix_nodes, suffix_accepted = src.suffix_nodes, src.suffix_only(v.path)
-                if r.offer is not None:
-                    observe_walk(self.suffix_calibration, r.offer, src, v.path)
-        self.target.crop(s.cache, n + len(new))
-        if s.drafter.tap_ids:
-            assert taps is not None                 # the target taps the layers it is asked for
-            s.drafter.taps.append(taps[:len(new)])
-        s.tokens.extend(new)
-        if self.suffix:
-            s.suffix.extend(new)
-        if v.finish and v.finish != FINISH_CANCELLED and self.suffix:
-            self.answers.add(st.req.tenant, s.tokens[len(st.req.prompt):])
-        if st.processor:
-            st.processor.commit(new)
-        sampling = st.req.sampling
-        logprobs = (token_logprobs(r.logits, kept[:len(new)], new, sampling.top_logprobs)
-                    if sampling.logprobs else None)
-        st.emitted += len(new)
-        self._count(st, v, nodes, suffix_nodes, suffix_accepted)
-        draft_s = timing.draft_seconds if d.called else 0.0
-        st.stats.verify_seconds += timing.verify_seconds
-        st.stats.draft_seconds += draft_s
-        if d.fallback:
-            st.stats.fallback_steps += 1
-        ev = StepEvent(tokens=new, accepted=v.accepted, drafted=v.drafted, finish=v.finish,
-                       draft_seconds=draft_s, verify_seconds=timing.verify_seconds,
-                       fallback=d.fallback, stats=st.stats, batch_size=timing.batch,
-                       policy=timing.decision, step=st.steps, tree_nodes=nodes, logprobs=logprobs,
-                       suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted)
-        st.steps += 1
-        return ev
-
-    def _count(self, st: DecodeState, v: Verified, nodes: int, suffix_nodes: int,
-               suffix_accepted: int) -> None:
-        """A row's drafts, acceptance and tree nodes, in its request's counts and the totals."""
-        for c in (st.stats, self.totals):
-            c.record(v.drafted, v.accepted)
-            if nodes:
-                c.record_tree(nodes)
-            if suffix_nodes:
-                c.record_suffix(suffix_nodes, suffix_accepted)
-
     def _feed_policy(self, plan: StepPlan, joining: bool, rows: list[StepRow],
                      events: list[StepEvent], timing: StepTiming, wasted_s: float) -> None:
-        """One observation of this step for the policy (``StepFeedback``)."""
-        by_label: dict[str, list[tuple[int, int]]] = {}
-        trees: dict[str, list[tuple[int, int]]] = {}
-        hybrid: dict[str, list[tuple[float, float]]] = {}
-        for r, ev in zip(rows, events):
-            proposer, src, v = r.state.req.proposer, r.sourced, r.verified
-            if not ev.drafted or proposer is None or _no_drafter_node(src):
-                continue
-            label = proposer.card.label
-            if isinstance(v, TreeVerified):
-                # the drafter's tree's value: what it would have committed of this path alone
-                drafter = src.drafter_prefix(v.path) + 1 if src is not None and src.trie_nodes \
-                    else len(ev.tokens)
-                trees.setdefault(label, []).append((r.shape.budget, min(drafter, len(ev.tokens))))
-                if src is not None and src.trie_nodes:
-                    hybrid.setdefault(label, []).append(
-                        (src.gain, len(ev.tokens) - min(drafter, len(ev.tokens))))
-            else:
-                by_label.setdefault(label, []).append((ev.drafted, ev.accepted))
-        verify_s, draft_s = timing.verify_seconds, timing.draft_seconds
+        """One observation of this step for the policy (``commit.step_feedback``), with the
+        cycle's seconds outside verify and draft since the last step ended."""
         now = time.monotonic()
         last, self._last_cycle_end = self._last_cycle_end, now
-        overhead = None if plan.fresh_cycle or not last else now - last - verify_s - draft_s
-        # Ramp steps (prompts waiting: no speculation whatever the cells say) and steps that
-        # carry a joining session's prompt to the drafter are not what a steady step costs.
-        # Waiting on calls that brought no draft is the drafter's failure (the circuit
-        # breaker's business), not the price of the block the step ended up verifying.
-        # A step that verified suffix candidates alone called no drafter: in the step cells
-        # it would price the drafter's blocks of its size without their draft time (its verify
-        # cell prices the suffix trees, SpeculationPolicy.suffix_cost).
-        k = max(len(r.block) for r in rows) - 1
-        called = any(r.draft.called for r in rows)
-        self.policy.observe(StepFeedback(
-            batch=len(rows), k=k, verify_seconds=verify_s,
-            draft_seconds=max(0.0, draft_s - wasted_s) if called else 0.0,
-            record_cost=not (plan.waiting or joining or (k and not any(r.shape.k for r in rows))),
-            blocks=by_label, trees=trees, hybrid=hybrid,
-            committed=[len(ev.tokens) for ev in events], cycle_overhead=overhead,
-            fell_back=frozenset(i for i, r in enumerate(rows) if r.draft.fallback)))
-        if log.isEnabledFor(logging.DEBUG):
-            d = timing.decision
-            log.debug("step batch=%d waiting=%d joining=%s k=%d budget=%d explored=%s "
-                      "expected=%.2f committed=%d estimated=%.1fms measured verify=%.1fms "
-                      "draft=%.1fms mode=%s rows=%d",
-                      len(rows), plan.waiting, joining, d.k, d.budget, d.explored, d.expected_tokens,
-                      sum(len(e.tokens) for e in events), 1e3 * d.cost_seconds,
-                      1e3 * verify_s, 1e3 * draft_s, d.mode or "-", k + 1)
+        overhead = (None if plan.fresh_cycle or not last
+                    else now - last - timing.verify_seconds - timing.draft_seconds)
+        fb = step_feedback(plan, joining, rows, events, timing, wasted_s, overhead)
+        self.policy.observe(fb)
+        log_step(plan, joining, fb, timing)
 
     def close(self) -> None:
         """Stop the loop's thread (requests still running fail)."""
         self.core.stop()
-
 
 
 def _processed(r: StepRow) -> torch.Tensor:
@@ -503,18 +347,3 @@ def _processed(r: StepRow) -> torch.Tensor:
 def _params(st: DecodeState) -> RowParams:
     return RowParams(st.req.sampling, st.gen, st.stops, st.req.max_tokens - st.emitted,
                      position=len(st.session.tokens))
-
-
-def _no_drafter_node(src: Sourced | None) -> bool:
-    """Whether a step's tree holds no drafter node (suffix candidates alone): it says nothing
-    of the drafter's acceptance."""
-    return src is not None and not any(s & DRAFTER for s in src.sources[1:])
-
-
-def _tree(sh: Shape, d: DraftOutcome) -> DraftTree | None:
-    """The tree a job verifies this step, or None for a chain (no tree asked, no drafts, or a
-    drafter that sent no top-k: a chain drafter keeps working)."""
-    if not sh.budget or not len(d.tokens) or d.top_ids is None or d.top_logprobs is None:
-        return None
-    depth = len(d.tokens)
-    return build_tree(d.top_ids[:depth], d.top_logprobs[:depth], sh.budget)

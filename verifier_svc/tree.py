@@ -123,31 +123,8 @@ def build_tree(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int) -
             ids that are not integers, log-probs that are not floating, NaN or +inf, rows not
             sorted descending, or a budget that is not an int in ``1..MAX_TREE_BUDGET``.
     """
-    if isinstance(budget, bool) or not isinstance(budget, int) \
-            or not 1 <= budget <= MAX_TREE_BUDGET:
-        raise ValueError(f"budget: must be an int in [1, {MAX_TREE_BUDGET}], got {budget!r}")
-    if top_ids.dim() != 2 or top_ids.dtype.is_floating_point or top_ids.dtype == torch.bool:
-        raise ValueError(f"top_ids: expected a 2-D integer tensor [L, K], got {top_ids.dtype} "
-                         f"{tuple(top_ids.shape)}")
-    if top_logprobs.dim() != 2 or not top_logprobs.dtype.is_floating_point:
-        raise ValueError(f"top_logprobs: expected a 2-D float tensor [L, K], got "
-                         f"{top_logprobs.dtype} {tuple(top_logprobs.shape)}")
-    if top_ids.shape != top_logprobs.shape or top_ids.shape[0] < 1 or top_ids.shape[1] < 1:
-        raise ValueError(f"top_logprobs: shape {tuple(top_logprobs.shape)} must equal top_ids' "
-                         f"{tuple(top_ids.shape)}, with L >= 1 and K >= 1")
-    depth_limit, k = top_ids.shape[0], min(top_ids.shape[1], budget)
-    lp_t = top_logprobs[:, :k].float()
-    # ``<=`` is False against NaN, so this also finds a NaN anywhere but column 0 (checked below).
-    if k > 1 and not bool((lp_t[:, 1:] <= lp_t[:, :-1]).all()):
-        raise ValueError("top_logprobs: each row must be sorted descending, without NaN")
-    ids = top_ids[:, :k].tolist()
-    lp = lp_t.tolist()
-    for d, row in enumerate(lp):
-        if not -math.inf <= row[0] < math.inf:
-            raise ValueError(f"top_logprobs: row {d} starts with {row[0]} (NaN or +inf)")
-        if row[0] > 0.0:                 # sorted: only a row's first values can be above 0
-            lp[d] = [min(v, 0.0) for v in row]
-
+    ids, lp = _usable_tops(top_ids, top_logprobs, budget)
+    depth_limit, k = len(ids), len(ids[0])
     tokens: list[int] = []
     parents: list[int] = [-1]
     depths: list[int] = [0]
@@ -167,6 +144,38 @@ def build_tree(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int) -
             s = -neg + lp[d][0]
             heapq.heappush(heap, (-s, ranks + (0,), d + 1, 0, node, -neg))
     return DraftTree(tokens=tokens, parents=parents, depths=depths)
+
+
+def _usable_tops(top_ids: torch.Tensor, top_logprobs: torch.Tensor, budget: int
+                 ) -> tuple[list[list[int]], list[list[float]]]:
+    """:func:`build_tree`'s arguments checked (the ValueErrors its docstring lists), and the
+    columns it can use, ``[L, min(K, budget)]``, as Python lists: the ids, and the log-probs as
+    float32 values read as Python floats with those above 0 counted as 0."""
+    if isinstance(budget, bool) or not isinstance(budget, int) \
+            or not 1 <= budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"budget: must be an int in [1, {MAX_TREE_BUDGET}], got {budget!r}")
+    if top_ids.dim() != 2 or top_ids.dtype.is_floating_point or top_ids.dtype == torch.bool:
+        raise ValueError(f"top_ids: expected a 2-D integer tensor [L, K], got {top_ids.dtype} "
+                         f"{tuple(top_ids.shape)}")
+    if top_logprobs.dim() != 2 or not top_logprobs.dtype.is_floating_point:
+        raise ValueError(f"top_logprobs: expected a 2-D float tensor [L, K], got "
+                         f"{top_logprobs.dtype} {tuple(top_logprobs.shape)}")
+    if top_ids.shape != top_logprobs.shape or top_ids.shape[0] < 1 or top_ids.shape[1] < 1:
+        raise ValueError(f"top_logprobs: shape {tuple(top_logprobs.shape)} must equal top_ids' "
+                         f"{tuple(top_ids.shape)}, with L >= 1 and K >= 1")
+    k = min(top_ids.shape[1], budget)
+    lp_t = top_logprobs[:, :k].float()
+    # ``<=`` is False against NaN, so this also finds a NaN anywhere but column 0 (checked below).
+    if k > 1 and not bool((lp_t[:, 1:] <= lp_t[:, :-1]).all()):
+        raise ValueError("top_logprobs: each row must be sorted descending, without NaN")
+    ids = top_ids[:, :k].tolist()
+    lp = lp_t.tolist()
+    for d, row in enumerate(lp):
+        if not -math.inf <= row[0] < math.inf:
+            raise ValueError(f"top_logprobs: row {d} starts with {row[0]} (NaN or +inf)")
+        if row[0] > 0.0:                 # sorted: only a row's first values can be above 0
+            lp[d] = [min(v, 0.0) for v in row]
+    return ids, lp
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

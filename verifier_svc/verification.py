@@ -135,18 +135,8 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
     if n == 0:
         return []
     vocab = _check_rows(drafts, logits, draft_probs, params)
-
-    # Random numbers first, per row in row order (a generator shared by rows is consumed in the
-    # same order as the per-row loop would).
-    noise: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for i, par in enumerate(params):
-        if par.coupled is not False:       # greedy and seeded rows draw nothing
-            continue
-        k, gen = drafts[i].shape[0], par.generator
-        assert gen is not None                # RowParams requires one for a sampled row
-        u = _uniforms_open_closed(torch.rand((1, k), generator=gen, device=gen.device))
-        e = exp_noise((1, k + 1, vocab), gen)
-        noise[i] = (u, e)
+    # drawn per row in row order, not per group: a shared generator is consumed as by a row loop
+    noise = _draw_noise(drafts, params, vocab)
 
     groups: dict[tuple[bool | None, int], list[int]] = {}
     for i, par in enumerate(params):
@@ -182,6 +172,24 @@ def verify_batch(drafts: list[torch.Tensor], logits: list[torch.Tensor],
         results.append(Verified(tokens=new, accepted=accepted, drafted=drafts[i].shape[0],
                                 finish=finish))
     return results
+
+
+def _draw_noise(drafts: list[torch.Tensor], params: list[RowParams], vocab: int
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each unseeded sampled row's random numbers by row index: uniforms ``u`` ``[1, k]`` in
+    (0, 1], then Exp(1) noise ``e`` ``[1, k + 1, V]``, float32 on the generator's device (the
+    module docstring, Randomness), drawn rows in order. Greedy and seeded rows draw nothing and
+    are absent."""
+    noise: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, par in enumerate(params):
+        if par.coupled is not False:       # greedy and seeded rows draw nothing
+            continue
+        k, gen = drafts[i].shape[0], par.generator
+        assert gen is not None                # RowParams requires one for a sampled row
+        u = _uniforms_open_closed(torch.rand((1, k), generator=gen, device=gen.device))
+        e = exp_noise((1, k + 1, vocab), gen)
+        noise[i] = (u, e)
+    return noise
 
 
 def _coupled_scores(logits: torch.Tensor, par: RowParams, k: int) -> torch.Tensor:
