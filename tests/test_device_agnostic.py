@@ -87,7 +87,9 @@ def test_the_meta_default_does_catch_an_implicit_device():
 
 STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/prefill.py", "verifier_svc/core.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
              "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py",
-             "verifier_svc/tap_buffer.py", "drafter_svc/engine.py", "drafter_svc/forward.py",
+             "verifier_svc/tap_buffer.py", "verifier_svc/commit.py",
+             "verifier_svc/proposals.py", "verifier_svc/target_layout.py", "verifier_svc/draft_wire.py",
+             "drafter_svc/engine.py", "drafter_svc/forward.py",
              "drafter_svc/drafts.py", "dflash/core/kv_pool.py",
              "dflash/core/wire.py", "dflash/core/sampling.py", "kernels/__init__.py",
              "kernels/reference.py", "dflash/core/logits_processors.py"]
@@ -98,7 +100,7 @@ SITES = {
     ("verifier_svc/verification.py", "verify_batch"):
         "the step's synchronisation: accepted lengths and tokens of each group (docs/gpu.md: "
         "one sync per step is one .tolist() of both, concatenated)",
-    ("verifier_svc/tree.py", "build_tree"):
+    ("verifier_svc/tree.py", "_usable_tops"):
         "host tensors: the drafter's top-k reply, from the wire",
     ("verifier_svc/target.py", "__init__"): "load time: the embedding's fingerprint",
     ("verifier_svc/engine.py", "decode_step"):

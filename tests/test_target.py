@@ -85,7 +85,7 @@ def test_sliding_window_target_matches_transformers_through_the_pool(tmp_path):
 
     path = _tiny_mistral(tmp_path / "mistral", window=5)
     t = TargetModel(path)
-    assert (t._mask_kind, t.sliding_window) == ("sliding_attention", 5)
+    assert (t.attention.kind, t.attention.sliding_window) == ("sliding_attention", 5)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 14, 20)]
@@ -107,23 +107,36 @@ def test_sliding_window_target_matches_transformers_through_the_pool(tmp_path):
 def test_attention_layouts_the_pool_cannot_express_are_refused():
     """Eager attention (which would add a boolean mask), chunked attention and unknown layer
     types are refused naming the field; the layouts the pool serves are recognised."""
-    import types
+    from dataclasses import astuple
 
     import pytest
 
-    from verifier_svc.target import _attention_layout
+    from verifier_svc.target_layout import attention_layout
 
-    def cfg(**kw):
-        return types.SimpleNamespace(**{"_attn_implementation": "sdpa", **kw})
+    def layout(impl="sdpa", **fields):
+        return astuple(attention_layout(fields, impl))
 
-    assert _attention_layout(cfg()) == ("full_attention", None)
-    assert _attention_layout(cfg(sliding_window=8)) == ("sliding_attention", 8)
-    assert _attention_layout(cfg(sliding_window=8, use_sliding_window=False)) == ("full_attention", None)
-    assert _attention_layout(cfg(sliding_window=8, layer_types=["full_attention", "sliding_attention"])) \
-        == ("mixed", 8)
-    for bad, field in ((cfg(_attn_implementation="eager"), "attn_implementation"),
-                       (cfg(attention_chunk_size=64), "attention_chunk_size"),
-                       (cfg(layer_types=["linear_attention"]), "layer_types"),
-                       (cfg(layer_types=["sliding_attention"]), "sliding_window")):
+    assert layout() == ("full_attention", None)
+    assert layout(sliding_window=8) == ("sliding_attention", 8)
+    assert layout(sliding_window=8, use_sliding_window=False) == ("full_attention", None)
+    assert layout(sliding_window=8, layer_types=["full_attention", "sliding_attention"]) == ("mixed", 8)
+    for bad, field in ((dict(impl="eager"), "attn_implementation"),
+                       (dict(attention_chunk_size=64), "attention_chunk_size"),
+                       (dict(layer_types=["linear_attention"]), "layer_types"),
+                       (dict(layer_types=["sliding_attention"]), "sliding_window")):
         with pytest.raises(ValueError, match=field):
-            _attention_layout(bad)
+            layout(**bad)
+
+
+def test_a_recurrent_target_is_refused_naming_the_model_type(tmp_path):
+    """A state-space model (Mamba) keeps a recurrent state the batch KV pool has no room for:
+    loading it fails naming ``model_type``, before any layout field is read."""
+    import pytest
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from verifier_svc.target import TargetModel
+
+    cfg = MambaConfig(vocab_size=96, hidden_size=32, state_size=4, num_hidden_layers=2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ValueError, match="model_type: 'mamba'"):
+        TargetModel(tmp_path / "mamba")

@@ -263,7 +263,7 @@ def test_sliding_window_tree_equals_transformers_on_each_path(tmp_path, kind):
     window = 5
     path = _tiny_windowed(tmp_path / kind, kind, window)
     t = TargetModel(path)
-    assert t.sliding_window == window
+    assert t.attention.sliding_window == window
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     no_window = {"sliding_window": None} if kind == "mistral" else \
         {"sliding_window": None, "layer_types": ["full_attention"] * 2}

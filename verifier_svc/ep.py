@@ -51,6 +51,7 @@ from dflash.core.device import checkpoint_dtype, dtype_name, resolve_dtype
 from dflash.core.kv_pool import check_compact
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
+from verifier_svc.target_layout import num_experts
 
 log = logging.getLogger("dflash.verifier.ep")
 
@@ -76,6 +77,10 @@ def init_group(rank: int, world: int, *, addr: str, port: int, timeout_s: float,
 class EPShard(TargetModel):
     """This rank's part of the target: transformers' EP sharding of the experts (process group up)."""
 
+    # FSDP's unshard hooks bump version counters, which inference-mode tensors lack: the shard
+    # runs the base class's forwards and keep under no_grad instead of inference_mode.
+    _grad_mode = torch.no_grad
+
     def __init__(self, path: str | Path, *, ep_size: int, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS):
         self.ep_size = ep_size
@@ -91,35 +96,13 @@ class EPShard(TargetModel):
         cfg = DistributedConfig(ep_size=self.ep_size, fsdp_size=self.ep_size, fsdp_plan=plan)
         model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype,
                                                      use_safetensors=True, distributed_config=cfg)
-        if not getattr(model.config, "num_local_experts", None) and \
-                not getattr(model.config, "num_experts", None):
+        if not num_experts(model.config):
             raise ValueError(f"{self.path}: not a mixture-of-experts model; expert parallelism "
                              "needs one (dflash convert-moe makes an exact MoE form of a dense target)")
         if next(model.parameters()).device != self.device:   # this rank's GPU (init_group)
             # transformers types .to as functools.wraps(nn.Module.to), whose first parameter is self
             model = model.to(self.device)  # type: ignore[arg-type]
         return model.eval()
-
-
-    # FSDP's unshard hooks bump version counters, which inference-mode tensors lack: the shard
-    # runs the base class's calls under no_grad instead of inference_mode.
-    def forward(self, tokens, cache, layer_ids, logits_to_keep: int = 0, parents=None):
-        with torch.no_grad():
-            return _plain(TargetModel.forward)(self, tokens, cache, layer_ids, logits_to_keep,
-                                               parents)
-
-    def forward_batch(self, blocks, caches, layer_ids, parents=None):
-        with torch.no_grad():
-            return _plain(TargetModel.forward_batch)(self, blocks, caches, layer_ids, parents)
-
-    def keep(self, cache, start, offsets):
-        with torch.no_grad():
-            return _plain(TargetModel.keep)(self, cache, start, offsets)
-
-
-def _plain(fn):
-    """``fn`` without its ``torch.inference_mode`` decorator."""
-    return getattr(fn, "__wrapped__", fn)
 
 
 class RankCache:

@@ -3,7 +3,7 @@
 A graph replays one forward's kernels with no Python and no launch overhead, which on a GPU is
 most of a small batch's decode step. It needs fixed shapes and fixed addresses, so a forward
 over pool rows ``row0..row0+b-1`` with ``q`` tokens is captured once per ``(row0, b, q, taps)``
-and attends over the batch KV pool's whole capacity (``TargetModel._layout`` masks the columns
+and attends over the batch KV pool's whole capacity (``AttentionLayout.inputs`` masks the columns
 past each row's length): the K/V buffers are the same tensors every step, written in place by
 the captured scatter (``KVPool.write`` with device ``starts``). When the pool reallocates
 (more rows or positions) every graph is dropped and recaptured on use. Inputs are copied into

@@ -18,7 +18,7 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -35,7 +35,8 @@ from kernels.skinny_linear import (
     tune_products,
     tuning_summary,
 )
-from verifier_svc.tree import ancestor_mask, check_tree
+from verifier_svc.target_layout import read_layout
+from verifier_svc.tree import check_tree
 
 log = logging.getLogger("dflash.verifier.target")
 
@@ -87,7 +88,13 @@ class TargetModel:
         FileNotFoundError / OSError: no loadable checkpoint at ``path``.
         dflash.core.device.DeviceError: naming ``--device`` / ``--dtype`` / ``--cuda-graphs`` for a
             device that is not there, a dtype outside the list, graphs without CUDA.
+        ValueError: naming the config field, for a layout the batch KV pool cannot hold
+            (``verifier_svc.target_layout.read_layout``).
     """
+
+    #: The autograd mode :meth:`forward`, :meth:`forward_batch` and :meth:`keep` run in; the
+    #: pool's buffers are then inference tensors, written in place (``EPShard``: no_grad).
+    _grad_mode: ClassVar[type[torch.inference_mode] | type[torch.no_grad]] = torch.inference_mode
 
     def __init__(self, path: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS,
@@ -106,32 +113,27 @@ class TargetModel:
         self.packed_linear, self.panel_linear = switch_linear(
             self.model, skinny_max_rows, packed_linear, self.device, panel_linear=panel_linear)
         self.config = self.model.config
+        if self.model._is_stateful:    # a recurrent state, which the batch KV pool has no room for
+            raise ValueError(f"model_type: {self.config.model_type!r} has recurrent (state-space or "
+                             "linear-attention) layers; the batch KV pool holds attention K/V only")
         raw = json.loads((self.path / "config.json").read_text())
         text = raw.get("text_config", raw)
         self.hidden_size: int = self.config.hidden_size
         self.num_layers: int = self.config.num_hidden_layers
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
-        self.max_positions: int = getattr(self.config, "max_position_embeddings", 1 << 30)
-        rp = getattr(self.config, "rope_parameters", None) or {}
-        self.rope_theta = float(rp.get("rope_theta", getattr(self.config, "rope_theta", 0.0)) or 0.0)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.config.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
         embed = cast(torch.Tensor, self.model.get_input_embeddings().weight)   # [V, H]
-        if hasattr(embed, "full_tensor"):  # a sharded DTensor (expert parallel): gather, all ranks
-            embed = embed.full_tensor()
-        self.fingerprint = target_fingerprint(text, embed.detach().cpu())
-        self._mask_kind, self.sliding_window = _attention_layout(self.config)
-        c = self.config
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if getattr(c, "v_head_dim", None) not in (None, head_dim):
-            raise ValueError(f"v_head_dim: keys ({head_dim}) and values ({c.v_head_dim}) of "
-                             "different sizes (multi-head latent attention) do not fit the batch KV pool")
-        self.pool = KVPool(c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads,
-                           head_dim, dtype=self.dtype, device=self.device)
+        self.fingerprint = target_fingerprint(text, _whole(embed).detach().cpu())
+        layout = read_layout(self.config)
+        self.max_positions: int = layout.max_positions
+        self.rope_theta: float = layout.rope_theta
+        self.attention = layout.attention
+        self.pool = KVPool(self.num_layers, layout.kv_heads, layout.head_dim, dtype=self.dtype,
+                           device=self.device)
         self.graphs = None
         if cuda_graphs:
             from verifier_svc.graphs import GraphRunner
@@ -153,7 +155,6 @@ class TargetModel:
         """A session's cache: a sequence of the batch KV pool."""
         return self.pool.new_seq()
 
-    @torch.inference_mode()
     def forward(self, tokens: list[int], cache: PoolSeq, layer_ids: tuple[int, ...] | None,
                 logits_to_keep: int = 0, parents: list[list[int] | None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,32 +178,35 @@ class TargetModel:
         Raises:
             ValueError: ``parents`` malformed (:func:`check_parents`).
         """
-        trees = check_parents(parents, [tokens])
-        pool = self.pool
-        row = pool.ensure_resident(cache)
-        n, q = cache.get_seq_length(), len(tokens)
-        pool.reserve(n + q)
-        want = hidden_state_indices(layer_ids) if layer_ids else False
-        out = self._run(torch.tensor([tokens], dtype=torch.int64, device="cpu"), row, [n], want,
-                        logits_to_keep, trees)
-        pool.advance([cache], [q])
-        taps = None
-        if layer_ids:
-            taps = torch.cat([out.hidden_states[j][0] for j in hidden_state_indices(layer_ids)], dim=-1)
-        return out.logits[0].float(), taps
+        with self._grad_mode():
+            trees = check_parents(parents, [tokens])
+            pool = self.pool
+            row = pool.ensure_resident(cache)
+            n, q = cache.get_seq_length(), len(tokens)
+            pool.reserve(n + q)
+            want = hidden_state_indices(layer_ids) if layer_ids else False
+            out = self._run(torch.tensor([tokens], dtype=torch.int64, device="cpu"), row, [n], want,
+                            logits_to_keep, trees)
+            pool.advance([cache], [q])
+            taps = None
+            if layer_ids:
+                taps = torch.cat([out.hidden_states[j][0] for j in hidden_state_indices(layer_ids)],
+                                 dim=-1)
+            return out.logits[0].float(), taps
 
     def _run(self, ids: torch.Tensor, row0: int, lens: list[int], want: list[int] | bool,
              logits_to_keep: int = 0, trees: list[list[int] | None] | None = None):
         """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] (host) with row i's
         tokens at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``),
-        a boolean mask (:meth:`_layout`). The inputs are built on the host and copied to the
-        device without waiting for it (``to_device``); with CUDA graphs a decode or verify
-        shape replays its captured graph instead (``verifier_svc.graphs``)."""
+        a boolean mask (:meth:`AttentionLayout.inputs`). The inputs are built on the host and
+        copied to the device without waiting for it (``to_device``); with CUDA graphs a decode
+        or verify shape replays its captured graph instead (``verifier_svc.graphs``)."""
         b, q = ids.shape
         end = max(lens) + q
         runner = (self.graphs if self.graphs is not None and self.graphs.takes(b, q, logits_to_keep, trees)
                   else None)
-        pos, mask = self._layout(lens, q, self.pool.capacity if runner is not None else end, trees)
+        pos, mask = self.attention.inputs(lens, q, self.pool.capacity if runner is not None else end,
+                                          trees)
         if runner is not None:
             return runner.run(ids, pos, mask, row0, lens, want)
         dev = self.device
@@ -215,43 +219,6 @@ class TargetModel:
                           cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
                           output_hidden_states=want, logits_to_keep=logits_to_keep)
 
-    def _layout(self, lens: list[int], q: int, width: int,
-                trees: list[list[int] | None] | None
-                ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
-        """Position ids int64 [b, q] and the attention mask, bool [b, 1, q, width] (a dict by
-        layer type for mixed layouts), built on the host: causal from each row's own length,
-        within the window for sliding-window layers (SDPA reads True = attend). Columns from
-        ``max(lens) + q`` on are never attended, so ``width`` may be the pool's capacity.
-
-        ``trees[i]`` (validated parents, or None = chain) turns row i's block part of the mask
-        into its ancestor matrix and its position ids into ``lens[i] + depth``; the window then
-        compares position ids, not cache slots. Chains-only steps build exactly the causal
-        mask and nothing more."""
-        b = len(lens)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device="cpu")
-        pos = lens_t[:, None] + torch.arange(q, device="cpu")                 # [b, q]
-        cols = torch.arange(width, device="cpu")
-        col_pos = cols[None, :]                                               # [1 or b, L]
-        causal = cols[None, None, :] <= pos[:, :, None]                       # [b, q, L]
-        if trees is not None and any(t is not None for t in trees):
-            col_pos = cols[None, :].repeat(b, 1)
-            for i, tree in enumerate(trees):
-                if tree is None:
-                    continue
-                m, start = len(tree), lens[i]
-                anc, depth = _ancestors(tree)
-                # block entries: ancestor-or-self only; padding queries (j >= m) keep causal
-                causal[i, :m, start:start + m] = anc
-                pos[i, :m] = start + depth
-                col_pos[i, start:start + m] = start + depth
-        masks = {"full_attention": causal}
-        if self.sliding_window:     # set for every layout with sliding layers (_attention_layout)
-            masks["sliding_attention"] = causal & (col_pos[:, None, :] > pos[:, :, None] - self.sliding_window)
-        if self._mask_kind == "mixed":
-            return pos, {k: m[:, None] for k, m in masks.items()}
-        return pos, masks[self._mask_kind][:, None]
-
-    @torch.inference_mode()   # the pool's buffers are inference tensors: written in place
     def keep(self, cache: PoolSeq, start: int, offsets: list[int]) -> None:
         """After a tree forward whose block began at cache position ``start``: keep the block
         entries ``start + offsets[m]`` at ``start + m`` (the accepted root-to-node path, in
@@ -261,7 +228,8 @@ class TargetModel:
         Raises:
             ValueError: ``start`` / ``offsets`` malformed (``dflash.core.kv_pool.check_compact``).
         """
-        self.pool.compact(cache, start, offsets)
+        with self._grad_mode():
+            self.pool.compact(cache, start, offsets)
 
     def own(self, cache: PoolSeq) -> None:
         """An idle session's K/V leaves the batch pool for tensors of its own length (its next
@@ -310,7 +278,6 @@ class TargetModel:
         """Keep the first ``length`` positions (a number moves; nothing is copied)."""
         self.pool.set_length(cache, length)
 
-    @torch.inference_mode()
     def forward_batch(self, blocks: list[list[int]], caches: list[PoolSeq],
                       layer_ids: list[tuple[int, ...]],
                       parents: list[list[int] | None] | None = None
@@ -331,36 +298,37 @@ class TargetModel:
         Raises:
             ValueError: ``parents`` malformed (:func:`check_parents`).
         """
-        trees = check_parents(parents, blocks)
-        if len(blocks) == 1:
-            return [self.forward(blocks[0], caches[0], layer_ids[0], parents=trees)]
-        pool = self.pool
-        rows = pool.arrange(caches)              # session i on row rows[i] of 0..b-1
-        b = len(blocks)
-        lens = [0] * b
-        for r, c in zip(rows, caches):
-            lens[r] = c.get_seq_length()
-        q = max(len(x) for x in blocks)
-        pool.reserve(max(lens) + q)
-        ids = torch.zeros((b, q), dtype=torch.int64, device="cpu")
-        for r, blk in zip(rows, blocks):
-            ids[r, :len(blk)] = torch.tensor(blk, dtype=torch.int64, device="cpu")
-        by_row: list[list[int] | None] | None = None
-        if trees is not None:
-            by_row = [None] * b
-            for r, tree in zip(rows, trees):
-                by_row[r] = tree
-        want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
-        out = self._run(ids, 0, lens, want, trees=by_row)
-        pool.advance(caches, [len(blk) for blk in blocks])
-        results = []
-        for r, blk, ids_i in zip(rows, blocks, layer_ids):
-            m = len(blk)
-            logits = out.logits[r, :m].float()
-            taps = torch.cat([out.hidden_states[j][r, :m] for j in hidden_state_indices(ids_i)],
-                             dim=-1) if ids_i else None
-            results.append((logits, taps))
-        return results
+        with self._grad_mode():
+            trees = check_parents(parents, blocks)
+            if len(blocks) == 1:
+                return [self.forward(blocks[0], caches[0], layer_ids[0], parents=trees)]
+            pool = self.pool
+            rows = pool.arrange(caches)              # session i on row rows[i] of 0..b-1
+            b = len(blocks)
+            lens = [0] * b
+            for r, c in zip(rows, caches):
+                lens[r] = c.get_seq_length()
+            q = max(len(x) for x in blocks)
+            pool.reserve(max(lens) + q)
+            ids = torch.zeros((b, q), dtype=torch.int64, device="cpu")
+            for r, blk in zip(rows, blocks):
+                ids[r, :len(blk)] = torch.tensor(blk, dtype=torch.int64, device="cpu")
+            by_row: list[list[int] | None] | None = None
+            if trees is not None:
+                by_row = [None] * b
+                for r, tree in zip(rows, trees):
+                    by_row[r] = tree
+            want = sorted({j for ids_i in layer_ids for j in hidden_state_indices(ids_i)}) or False
+            out = self._run(ids, 0, lens, want, trees=by_row)
+            pool.advance(caches, [len(blk) for blk in blocks])
+            results = []
+            for r, blk, ids_i in zip(rows, blocks, layer_ids):
+                m = len(blk)
+                logits = out.logits[r, :m].float()
+                taps = torch.cat([out.hidden_states[j][r, :m] for j in hidden_state_indices(ids_i)],
+                                 dim=-1) if ids_i else None
+                results.append((logits, taps))
+            return results
 
 
 def check_parents(parents: list[list[int] | None] | None, blocks: list[list[int]]
@@ -395,13 +363,15 @@ def check_parents(parents: list[list[int] | None] | None, blocks: list[list[int]
     return out if any(t is not None for t in out) else None
 
 
-def _ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor-or-self bool [m, m] (``verifier_svc.tree.ancestor_mask``), depth int64 [m]: the
-    anchor 0) of a validated tree: a node's depth is how many ancestors it has. Built on the
-    host, where the rest of the mask is (:meth:`TargetModel._layout`)."""
-    with torch.device("cpu"):
-        anc = ancestor_mask(parents)
-    return anc, anc.sum(1) - 1
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` whole: a DTensor (sharded across the expert-parallel ranks) is gathered, a
+    collective every rank runs; a plain tensor is returned as it is."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(weight, DTensor):
+            return weight.full_tensor()
+    return weight
 
 
 class _PoolStep:
@@ -418,31 +388,3 @@ class _PoolStep:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states, self.end)
-
-
-def _attention_layout(config) -> tuple[str, int | None]:
-    """(mask kind, sliding window) of a transformers config, as its model builds its masks:
-    ``"full_attention"`` / ``"sliding_attention"`` (one mask for every layer) or ``"mixed"``
-    (a dict by layer type). Without ``layer_types`` a config with a ``sliding_window`` (and
-    ``use_sliding_window`` not False) slides on every layer (Mistral). Raises ValueError for
-    layouts the pool's masks cannot express (chunked or linear attention, a non-SDPA kernel:
-    the boolean mask is SDPA's form; eager attention would add it)."""
-    impl = getattr(config, "_attn_implementation", "sdpa")
-    if impl != "sdpa":
-        raise ValueError(f"attn_implementation: {impl!r}; the batch KV pool's masks need 'sdpa'")
-    if getattr(config, "attention_chunk_size", None):
-        raise ValueError("attention_chunk_size: chunked attention layers do not fit the batch KV pool")
-    window = getattr(config, "sliding_window", None)
-    if not getattr(config, "use_sliding_window", True):
-        window = None
-    types = set(getattr(config, "layer_types", None) or
-                ["sliding_attention" if window else "full_attention"])
-    if not types <= {"full_attention", "sliding_attention"}:
-        raise ValueError(f"layer_types: {sorted(types)}; only full and sliding-window attention "
-                         "layers fit the batch KV pool")
-    if "sliding_attention" in types and not window:
-        raise ValueError("sliding_window: required by sliding_attention layers")
-    if len(types) == 2:
-        return "mixed", window
-    kind = types.pop()
-    return kind, window if kind == "sliding_attention" else None
