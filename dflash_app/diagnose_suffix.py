@@ -14,7 +14,7 @@ verifier would (one session per prompt, the prompts in order as one tenant):
   (the policy holding the measured costs and the probe's acceptance,
   ``diagnose_modes.Context.policy``), and the tree is built by the verifier's pieces:
   ``build_tree`` over the drafter's top-k at that anchor (``diagnose_trees.drafter_tops``),
-  ``hybrid_tree`` with the policy's ``drafter_node_value``, or ``suffix_tree``;
+  merged with the suffix candidates by ``verifier_svc.proposals.merge_sources``, serving's own;
 * greedy acceptance is the longest path of the tree along the target's own tokens (a chain:
   the drafter's accepted prefix at that anchor, from the probe), and the step's seconds are
   what the policy prices that shape at (``suffix_cost`` for a tree of suffix candidates alone,
@@ -39,17 +39,15 @@ from dflash.core.stats import AcceptanceCounter
 from dflash.core.suffix import SuffixIndex
 from verifier_svc.cost_model import StepCostModel, relative_rows
 from verifier_svc.policy import Shape, SpeculationPolicy
+from verifier_svc.proposals import merge_sources
 from verifier_svc.suffix_drafts import (
-    DRAFTER,
     AnswerStore,
     SessionRates,
     Sourced,
     SuffixCalibration,
     SuffixOffer,
-    hybrid_tree,
     observe_walk,
     offer_for,
-    suffix_tree,
 )
 from verifier_svc.tree import DraftTree, build_tree
 
@@ -257,22 +255,16 @@ class SuffixReplay:
 
 def _sourced(policy: SpeculationPolicy, label: str, sh: Shape, tops, offer: SuffixOffer | None,
              limit: int) -> Sourced | None:
-    """The tree a step verifies, as ``verifier_svc.proposals.sourced`` builds it (a drafter that never
-    fails: no fallback trees): the drafter's DDTree from its top-k (hybrid: the suffix
-    candidates worth more than its marginal node merged in), suffix candidates alone, or None
-    (a chain, or no speculation)."""
+    """The tree a step verifies, as serving builds it (``verifier_svc.proposals.merge_sources``;
+    a drafter that never fails: no fallback trees): the drafter's DDTree from its top-k
+    (hybrid: the suffix candidates worth more than its marginal node merged in), suffix
+    candidates alone, or None (a chain, or no speculation)."""
+    tree = None
     if sh.budget and sh.k and tops is not None:
         top_ids, top_lp = tops
         tree = build_tree(top_ids[:sh.k], top_lp[:sh.k], sh.budget)
-        if sh.suffix and offer is not None and limit > 0:
-            theta = policy.drafter_node_value(label, sh.budget, limit)
-            return hybrid_tree(tree, offer, sh.budget, theta, limit)
-        return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
-    if offer is None or limit <= 0:
-        return None
-    if sh.suffix and not sh.k:
-        return suffix_tree(offer, sh.budget, limit)
-    return None
+    return merge_sources(sh, tree, offer, limit,
+                         lambda: policy.drafter_node_value(label, sh.budget, limit))
 
 
 def _price(policy: SpeculationPolicy, sh: Shape, model) -> float:

@@ -9,6 +9,8 @@ calibration and the suffix indexes without changing them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dflash.core.proposer import MAX_TOP_K
 from dflash.core.speculation import MODE_SUFFIX
 from verifier_svc.decode_state import DecodeState, StepRow
@@ -26,7 +28,7 @@ from verifier_svc.suffix_drafts import (
 )
 from verifier_svc.tree import DraftTree, build_tree
 
-__all__ = ["suffix_offers", "draft_item", "sourced", "drafter_tree"]
+__all__ = ["suffix_offers", "draft_item", "sourced", "merge_sources", "drafter_tree"]
 
 
 def suffix_offers(states: list[DecodeState], answers: AnswerStore,
@@ -61,26 +63,36 @@ def draft_item(r: StepRow) -> DraftItem:
 
 def sourced(r: StepRow, d: DraftOutcome, batch: int, policy: SpeculationPolicy) -> Sourced | None:
     """The tree row ``r`` verifies this step with its nodes' sources, or None for a chain:
-    the drafter's DDTree (hybrid: with suffix candidates merged in), suffix candidates alone
-    (asked for, or the drafter's block is missing: the fallback still speculates), or none.
+    :func:`merge_sources` of the drafter's DDTree and the suffix candidates, or, when the
+    drafter's block is missing, suffix candidates alone (the fallback still speculates).
     ``d``: its drafter's answer; ``batch``: the step's jobs (the fallback's size is priced at
     that batch)."""
     st, sh, offer = r.state, r.shape, r.offer
     limit = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
     tree = drafter_tree(sh, d)
-    if tree is not None:
-        if sh.suffix and offer is not None and limit > 0:
-            label = st.req.proposer.card.label if st.req.proposer is not None else ""
-            theta = policy.drafter_node_value(label, sh.budget, limit)
-            return hybrid_tree(tree, offer, sh.budget, theta, limit)
-        return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
-    if offer is None or limit <= 0:
-        return None
-    if sh.suffix and not sh.k:
-        return suffix_tree(offer, sh.budget, limit)
-    if d.fallback and not len(d.tokens) and sh.k:
+    label = st.req.proposer.card.label if st.req.proposer is not None else ""
+    out = merge_sources(sh, tree, offer, limit,
+                        lambda: policy.drafter_node_value(label, sh.budget, limit))
+    if out is None and tree is None and offer is not None and limit > 0 \
+            and d.fallback and not len(d.tokens) and sh.k:
         n = policy.suffix_size(offer, bucket(batch), st.tree_budget, limit)
         return suffix_tree(offer, n, limit) if n else None
+    return out
+
+
+def merge_sources(sh: Shape, tree: DraftTree | None, offer: SuffixOffer | None, limit: int,
+                  theta: Callable[[], float]) -> Sourced | None:
+    """The tree of shape ``sh`` from the drafter's DDTree ``tree`` (None: a chain or no
+    drafts) and the suffix candidates ``offer``, at most ``limit`` deep: hybrid (the candidates
+    worth more than the drafter's marginal node, ``theta()``, merged in), the drafter's tree
+    alone, suffix candidates alone (a suffix-only shape), or None. ``dflash diagnose`` replays
+    steps through this same choice."""
+    if tree is not None:
+        if sh.suffix and offer is not None and limit > 0:
+            return hybrid_tree(tree, offer, sh.budget, theta(), limit)
+        return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
+    if offer is not None and limit > 0 and sh.suffix and not sh.k:
+        return suffix_tree(offer, sh.budget, limit)
     return None
 
 
