@@ -9,6 +9,8 @@ import dataclasses
 import threading
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from dflash.core import wire
 from dflash.core.convert import draft_error_from_proto, sampling_to_proto
 from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
@@ -16,6 +18,7 @@ from dflash.serving.tracing import inject_context
 from dflash.v1 import drafter_pb2
 
 MAX_WIRE_STATS = 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class WireStat:
@@ -88,8 +91,6 @@ def failed_sessions(resp: drafter_pb2.DraftBatchResult, ids: list[str]) -> list[
 def probe_item(session_id: str, width: int, wire_dtype=None) -> drafter_pb2.DraftItem:
     """The breaker's probe: a one-row zero context of ``width`` features (in ``wire_dtype``),
     one draft position."""
-    import torch
-
     ctx = torch.zeros(1, width, dtype=torch.float32)
     if wire_dtype is not None:
         ctx = ctx.to(wire_dtype)
@@ -99,8 +100,6 @@ def probe_item(session_id: str, width: int, wire_dtype=None) -> drafter_pb2.Draf
 
 def from_result(r: drafter_pb2.DraftResult) -> Proposal | DraftError:
     """A session's draft, or why the drafter refused it or sent one that cannot be read."""
-    import torch
-
     refused = draft_error_from_proto(r)
     if refused is not None:
         return refused
