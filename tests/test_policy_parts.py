@@ -175,3 +175,73 @@ def test_cost_model_fit_recovers_a_linear_cost():
     assert not m.measured(8, 7)
     assert m.estimate(8, 7, fit) == pytest.approx(true(8, 7) + 0.0075, rel=0.05)
     assert m.estimate(2, 3, fit) == pytest.approx(true(2, 3) + 0.0075)
+
+
+def transient(m: StepCostModel) -> None:
+    """Cells 8 and 16 verified 30 times each during a 3x transient (another process on the
+    cores)."""
+    for _ in range(30):
+        m.observe_verify(1, 8, 0.105)
+        m.observe_verify(1, 16, 0.120)
+
+
+def steady(m: StepCostModel, cells: dict[int, float], steps: int) -> None:
+    """``steps`` steps verifying only the rows of ``cells`` at their true seconds (the shapes a
+    policy keeps choosing once a transient made others look dear)."""
+    for i in range(steps):
+        k = list(cells)[i % len(cells)]
+        m.observe_verify(1, k, cells[k])
+
+
+def test_a_stale_verify_cell_is_priced_by_the_fresh_cells_and_restarts():
+    from verifier_svc.cost_model import STALE_STEPS, relative_rows
+
+    m = StepCostModel()
+    transient(m)
+    steady(m, {0: 0.025, 3: 0.029, 6: 0.032}, STALE_STEPS // 2)
+    assert m.verify_estimate(1, 8) == pytest.approx(0.105)     # recent: its own price
+    steady(m, {0: 0.025, 3: 0.029, 6: 0.032}, STALE_STEPS)
+    # stale: the fresh cells' prediction (the 6-row cell scaled), not the transient's price
+    want = 0.032 * relative_rows(8) / relative_rows(6)
+    assert m.verify_estimate(1, 8) == pytest.approx(want)
+    assert m.verify_estimate(1, 16) == pytest.approx(0.032 * relative_rows(16) / relative_rows(6))
+    assert m.verify_estimate(1, 4) == pytest.approx(0.029 + (0.032 - 0.029) / 3)   # between 3 and 6
+    # its next observation restarts it: the transient's steps are gone, not averaged in
+    m.observe_verify(1, 8, 0.036)
+    assert m.verify_cells[(1, 8)].n == 1
+    assert m.verify_estimate(1, 8) == pytest.approx(min(0.036, want))   # measured once: capped
+    m.observe_verify(1, 8, 0.035)
+    assert m.verify_estimate(1, 8) == pytest.approx(0.035)
+
+
+def test_a_verify_cell_measured_once_is_no_dearer_than_its_neighbours_predict():
+    m = StepCostModel()
+    for _ in range(2):
+        m.observe_verify(1, 3, 0.029)
+        m.observe_verify(1, 15, 0.040)
+    m.observe_verify(1, 7, 0.090)                 # one stalled step
+    assert m.verify_estimate(1, 7) == pytest.approx(0.029 + (0.040 - 0.029) * 4 / 12)
+    m.observe_verify(1, 7, 0.033)
+    assert m.verify_estimate(1, 7) == pytest.approx(0.033)      # confirmed: the faster of two
+
+
+def test_a_stale_step_cell_is_priced_by_the_fit_of_the_fresh_cells():
+    from verifier_svc.cost_model import STALE_STEPS
+
+    true = lambda k: 0.024 + 0.002 * (k + 1)   # noqa: E731
+    m = StepCostModel()
+    for _ in range(20):                            # a transient: the 15-draft step at 4x
+        m.observe_verify(1, 15, 4 * true(15))
+        m.observe_step(1, 15, 4 * true(15))
+    for i in range(STALE_STEPS // 2):
+        k = (0, 3)[i % 2]
+        m.observe_verify(1, k, true(k))
+        m.observe_step(1, k, true(k))
+    assert m.estimate(1, 15, m.fit()) == pytest.approx(4 * true(15))   # recent: its own price
+    for i in range(STALE_STEPS):
+        k = (0, 3)[i % 2]
+        m.observe_verify(1, k, true(k))
+        m.observe_step(1, k, true(k))
+    fit = m.fit()                                  # over the fresh cells only: the true line
+    assert fit is not None and fit[2] == pytest.approx(0.002)
+    assert m.estimate(1, 15, fit) == pytest.approx(true(15))

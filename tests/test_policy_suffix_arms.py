@@ -187,3 +187,28 @@ def test_exploration_backs_off_when_the_best_arm_alternates():
     assert {"suffix", "drafter"} <= leads                 # the lead does alternate
     # per lead: first after 5 steps, then 10, 20, 40, 40 ...: 12 each in 400 at most
     assert explored <= 2 * 12, explored                   # (every 5 steps: 80)
+
+
+def test_suffix_trees_priced_out_by_a_transient_come_back_once_their_cells_are_stale():
+    # the bench's slow runs: a start-up transient verified 7-16 rows at 2-3x their price, mode
+    # suffix then settled on small trees, and nothing re-measured the large ones
+    from verifier_svc.cost_model import STALE_STEPS
+
+    true = {0: 25.0, 1: 26.0, 2: 27.0, 3: 29.0, 4: 30.0, 5: 30.5, 6: 32.0, 7: 33.0, 8: 34.0,
+            16: 40.0}
+    p = SpeculationPolicy("suffix", explore_every=0, tree_budgets=(3, 7, 15))
+    o = offer([0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6] + [0.01] * 8)
+
+    def steps(ks, ms, n):
+        for i in range(n):
+            k = ks[i % len(ks)]
+            p.observe_verify(1, k, ms[k] / 1e3)
+            p.observe_step(1, k, ms[k] / 1e3, 0.0)
+
+    steps(list(true), true, 2 * len(true))
+    assert p.suffix_size(o, 1, 16, 16) == 8            # priced right, 8 candidates pay best
+    steps([7, 8, 16], {k: 3 * v for k, v in true.items()}, 60)
+    small = p.suffix_size(o, 1, 16, 16)
+    assert small < 7                                   # the transient priced 7+ out
+    steps([0, small], true, STALE_STEPS + 1)           # what the policy then keeps verifying
+    assert p.suffix_size(o, 1, 16, 16) == 8

@@ -12,7 +12,13 @@
   (:meth:`StepCostModel.fit`, :meth:`StepCostModel.estimate`);
 * verify cells: ``(bucket(B), K) -> seconds`` of the target's verify alone (no draft), from
   which :meth:`StepCostModel.draft_budget` derives how long a step may wait for its drafts
-  before speculating costs more than not speculating (the drafter calls' deadline).
+  before speculating costs more than not speculating (the drafter calls' deadline), and which
+  price suffix trees (:meth:`StepCostModel.verify_estimate`);
+* a cell not observed in the last :data:`STALE_STEPS` steps is *stale*: priced no dearer than
+  the fresh cells predict, and restarted by its next observation. A policy only re-measures
+  the cells it chooses, so a price learned in a transient (start-up, another process) would
+  otherwise keep its shape from being chosen, and so re-measured, for the life of the process
+  (docs/suffix.md, "Stale cost cells").
 
 How the policy weighs these costs against expected tokens: ``verifier_svc/policy.py``.
 """
@@ -52,6 +58,11 @@ class EMA:
         self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
 
 
+#: Steps (verify observations) after which a cell's own price is no longer trusted over what
+#: the fresh cells predict: about 8 s of decoding at 30 ms a step.
+STALE_STEPS = 256
+
+
 class _Cell(EMA):
     """Step seconds of one (batch bucket, drafts) cell: an :class:`EMA` whose first two
     observations are screened for a one-off stall.
@@ -64,6 +75,9 @@ class _Cell(EMA):
     block and steer the batch to a slower one (``docs/perf-history.md``,
     "verifier_svc/cost_model.py")."""
 
+    #: the cost model's step clock at the cell's last observation
+    last: int = 0
+
     def add(self, x: float) -> None:
         self.n += 1
         if self.n <= 2:
@@ -74,6 +88,31 @@ class _Cell(EMA):
     @property
     def provisional(self) -> bool:
         return self.n < 2
+
+    def stale(self, clock: int) -> bool:
+        """Not observed in the last :data:`STALE_STEPS` steps of ``clock``."""
+        return clock - self.last > STALE_STEPS
+
+    def trusted(self, clock: int) -> bool:
+        """Its own value is its price: observed twice, and recently."""
+        return not self.provisional and not self.stale(clock)
+
+
+def _between(known: list[tuple[int, float]], k: int) -> float | None:
+    """Verify seconds at ``k`` rows from ``known`` ``(rows, seconds)`` cells (sorted by rows,
+    ``k`` not among them): linear between the nearest below and above, else the nearest one
+    scaled by :func:`relative_rows` (never below a cell with fewer rows, never above one with
+    more); None when ``known`` is empty."""
+    if not known:
+        return None
+    below = [kv for kv in known if kv[0] < k]
+    above = [kv for kv in known if kv[0] > k]
+    if below and above:
+        (k1, v1), (k2, v2) = below[-1], above[0]
+        return v1 + (v2 - v1) * (k - k1) / (k2 - k1)
+    k1, v1 = below[-1] if below else above[0]
+    est = v1 * relative_rows(k) / relative_rows(k1)
+    return max(est, v1) if below else min(est, v1)
 
 
 # (a, per_session, per_token), seconds: step seconds ~ a + per_session * B + per_token * B * (K + 1)
@@ -93,17 +132,29 @@ class StepCostModel:
         self.cells: dict[tuple[int, int], _Cell] = {}   # (bucket, K) -> step seconds
         self.verify_cells: dict[tuple[int, int], _Cell] = {}   # (bucket, K) -> verify seconds
         self._overhead = EMA(alpha)                    # seconds per cycle outside verify + draft
+        self.clock = 0                                 # verify observations so far (steps)
 
     # ------------------------------------------------------------------ inputs
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         """One step of ``batch`` sessions whose largest block had ``k`` drafts took ``seconds``
         (verify + draft)."""
-        self.cells.setdefault((bucket(batch), k), _Cell(self.alpha)).add(seconds)
+        self._add(self.cells, (bucket(batch), k), seconds)
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
         """The target's verify of one step of ``batch`` sessions whose largest block had ``k``
-        drafts took ``seconds`` (no draft time: what the drafter costs is not in it)."""
-        self.verify_cells.setdefault((bucket(batch), k), _Cell(self.alpha)).add(seconds)
+        drafts took ``seconds`` (no draft time: what the drafter costs is not in it). Every
+        step is one, so these advance the step clock staleness is counted in."""
+        self.clock += 1
+        self._add(self.verify_cells, (bucket(batch), k), seconds)
+
+    def _add(self, cells: dict[tuple[int, int], _Cell], key: tuple[int, int], seconds: float) -> None:
+        """One observation of cell ``key``; a stale cell starts over (its old steps may have
+        been a transient, and nothing re-measured it since)."""
+        cell = cells.get(key)
+        if cell is None or cell.stale(self.clock):
+            cell = cells[key] = _Cell(self.alpha)
+        cell.add(seconds)
+        cell.last = self.clock
 
     def observe_overhead(self, seconds: float) -> None:
         """Seconds of one decode cycle (step end to step end, no prefill in between) spent
@@ -130,23 +181,21 @@ class StepCostModel:
                    default=None)
 
     def verify_estimate(self, b: int, k: int) -> float | None:
-        """Verify seconds at (bucket ``b``, ``k`` rows after the anchor): its verify cell;
-        unmeasured, between the nearest measured cells of the bucket (linear), or from the
-        nearest one scaled by :func:`relative_rows`; None when the bucket has no verify cell."""
+        """Verify seconds at (bucket ``b``, ``k`` rows after the anchor): its verify cell when
+        trusted (:meth:`_Cell.trusted`); otherwise the prediction of the bucket's trusted cells
+        (linear between the nearest two, or the nearest one scaled by :func:`relative_rows`),
+        capped by the cell's own value where it has one (a cell measured once or long ago is
+        priced no dearer than the fresh cells predict); None when the bucket has no verify
+        cell."""
         e = self.verify_cells.get((b, k))
-        if e is not None:
+        if e is not None and e.trusted(self.clock):
             return e.value
-        known = sorted((k2, c.value) for (b2, k2), c in list(self.verify_cells.items()) if b2 == b)
-        if not known:
-            return None
-        below = [kv for kv in known if kv[0] < k]
-        above = [kv for kv in known if kv[0] > k]
-        if below and above:
-            (k1, v1), (k2, v2) = below[-1], above[0]
-            return v1 + (v2 - v1) * (k - k1) / (k2 - k1)
-        k1, v1 = below[-1] if below else above[0]
-        est = v1 * relative_rows(k) / relative_rows(k1)
-        return max(est, v1) if below else min(est, v1)
+        cells = [(k2, c) for (b2, k2), c in list(self.verify_cells.items()) if b2 == b and k2 != k]
+        fresh = [(k2, c.value) for k2, c in cells if c.trusted(self.clock)]
+        guess = _between(sorted(fresh), k) if fresh else None
+        if e is not None:
+            return e.value if guess is None else min(e.value, guess)
+        return guess if guess is not None else _between(sorted((k2, c.value) for k2, c in cells), k)
 
     def draft_budget(self, batch: int, k: int, tokens: float) -> float | None:
         """Seconds the drafter calls of one step may take before the step costs more than the
@@ -181,17 +230,22 @@ class StepCostModel:
     def fit(self) -> Fit | None:
         """``(a, per_session, per_token)`` seconds, least squares over the confirmed cells once
         they span two buckets and two block sizes (before that over every measured cell, so one
-        stalled step moves the fit only while nothing better is known); None until two token
-        counts ``B * (K + 1)`` were measured.
+        stalled step moves the fit only while nothing better is known), stale cells left out
+        while the fresh ones span two token counts; None until two token counts ``B * (K + 1)``
+        were measured.
 
         Two slopes because a batched step pays per session (each session's KV cache is gathered
         into the batch and scattered back) as well as per verified token; a line in tokens
         alone cannot tell 16 sessions x 1 token from 1 session x 16 tokens. Until the cells
         separate the two, or when the three-term fit has a negative term, per_session is 0."""
-        cells = [(b, b * (k + 1), e.value) for (b, k), e in self.cells.items() if not e.provisional]
+        every = [(b, b * (k + 1), e) for (b, k), e in self.cells.items()]
+        fresh = [c for c in every if not c[2].stale(self.clock)]
+        if len({t for _, t, _ in fresh}) >= 2:      # stale cells only while the fresh cannot fit
+            every = fresh
+        cells = [(b, t, e.value) for b, t, e in every if not e.provisional]
         if len({b for b, _, _ in cells}) < 2 or len({t / b for b, t, _ in cells}) < 2:
             # the confirmed cells cannot separate the three terms: cells measured once count too
-            cells = [(b, b * (k + 1), e.value) for (b, k), e in self.cells.items()]
+            cells = [(b, t, e.value) for b, t, e in every]
         if len({t for _, t, _ in cells}) < 2:
             return None
         y = np.array([c for _, _, c in cells])
@@ -208,20 +262,20 @@ class StepCostModel:
     def estimate(self, b: int, k: int, model: Fit | None) -> float:
         """Seconds of one cycle at (bucket ``b``, ``k`` drafts), overhead included.
 
-        A confirmed cell (two steps or more), or any measured cell while there is no fit, is
-        its own price. Otherwise ``model`` (from :meth:`fit`; must not be None for a cell never
-        measured), floored by the dearest
-        confirmed cell with no more sessions and no more drafts (a step with more work never
+        A trusted cell (two steps or more, the last one recent: :meth:`_Cell.trusted`), or any
+        measured cell while there is no fit, is its own price. Otherwise ``model`` (from
+        :meth:`fit`; must not be None for a cell never measured), floored by the dearest
+        trusted cell with no more sessions and no more drafts (a step with more work never
         costs less, so a noisy fit cannot make an unmeasured large-batch cell look cheap); a
-        cell measured once is priced at the lower of its step and that estimate, so one stalled
-        step neither prices the cell out nor bounds every cell above it."""
+        cell measured once or long ago is priced at the lower of its value and that estimate,
+        so one stalled step neither prices the cell out nor bounds every cell above it."""
         e = self.cells.get((b, k))
-        if e is not None and (not e.provisional or model is None):
+        if e is not None and (e.trusted(self.clock) or model is None):
             return e.value + self._overhead.value
         assert model is not None, "a cell measured never is priced by the fit"
         a, per_session, per_token = model
         floor = max((c.value for (b2, k2), c in self.cells.items()
-                     if b2 <= b and k2 <= k and not c.provisional), default=0.0)
+                     if b2 <= b and k2 <= k and c.trusted(self.clock)), default=0.0)
         est = max(a + per_session * b + per_token * b * (k + 1), floor)
         if e is not None:
             est = min(est, e.value)
