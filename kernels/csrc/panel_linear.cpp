@@ -2,8 +2,9 @@
 // column panels: panel p holds W's rows 32p..32p+31 transposed, [K][32], so each k reads one
 // 128-byte line pair. A micro-kernel keeps an 8-row x 32-column tile in 16 AVX-512 registers;
 // blocks of up to 8 rows take turns on each 64-deep slice of a panel while it is in L1, and
-// the first block prefetches the same slice of the thread's next panel (the weights stream
-// from memory once per call, whatever the row count).
+// the first block prefetches its panel 8 KB ahead and the same slice of the thread's next
+// panel (the weights stream from memory once per call, whatever the row count). Prefetches
+// past the last panel are hints only: they never fault.
 //
 // Every output is one FMA chain over k = 0..K-1 in order, whatever the row count, the row's
 // place in its block or the thread that ran it: a row's result does not depend on how many
@@ -21,6 +22,7 @@ namespace {
 constexpr int64_t NR = 32;   // columns per panel (two 16-float registers)
 constexpr int MR = 8;        // rows per register tile
 constexpr int64_t KC = 64;   // k-slice shared by a panel's row blocks
+constexpr int64_t PD = 64;   // k-steps (8 KB) the first row block prefetches ahead in its panel
 
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* w, const float* prefetch, int64_t k0,
@@ -33,8 +35,12 @@ inline void tile(const float* x, int64_t ldx, const float* w, const float* prefe
   }
   for (int64_t k = k0; k < k1; ++k) {
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR + 16), _MM_HINT_T0);
+      // this panel PD steps ahead into L1, the next panel's same slice into L2: more lines in
+      // flight than the hardware prefetcher keeps for one stream (docs/kernels.md)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD) * NR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD) * NR + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR + 16), _MM_HINT_T1);
     }
     const __m512 w0 = _mm512_loadu_ps(w + k * NR), w1 = _mm512_loadu_ps(w + k * NR + 16);
 #pragma GCC unroll 8
