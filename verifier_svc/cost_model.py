@@ -18,7 +18,7 @@
   the fresh cells predict, and restarted by its next observation. A policy only re-measures
   the cells it chooses, so a price learned in a transient (start-up, another process) would
   otherwise keep its shape from being chosen, and so re-measured, for the life of the process
-  (docs/suffix.md, "Stale cost cells").
+  (docs/suffix.md, "What split them").
 
 How the policy weighs these costs against expected tokens: ``verifier_svc/policy.py``.
 """
