@@ -48,7 +48,7 @@ class LearnConfig:
     logit_chunk: int = 1024
     ckpt_every: int = 25            # optimizer steps between checkpoints
     eval_every: int = 50            # optimizer steps between held-out points of the curve
-    margin: float = 0.02            # the gate's relative τ margin
+    margin: float = 0.02            # the least relative τ gain the gate releases (lower bound > 0 too)
     gate_metric: str = "served"     # the gate's measure: "served" (replayed chain) or "teacher_forced"
     vocab_subset: bool = True       # softmax over the ids seen in the captured answers ...
     full_vocab_after: float = 0.8   # ... until this fraction of max_steps, then the full one
