@@ -246,7 +246,7 @@ def run(a) -> dict:
             eng.capture.flush_idle()
             time.sleep(eng.capture.idle_s + 1.0)                 # the writer catches up
             lr = Learner(a.learn_dir, version, a.target,
-                         cfg=LearnConfig(lr=a.lr, gamma=a.gamma, max_steps=a.steps * a.rounds,
+                         cfg=LearnConfig(lr=a.lr, gamma=a.gamma, max_steps=a.steps,
                                          margin=a.margin))
             t0 = time.time()
             lr.run(a.steps)

@@ -131,6 +131,29 @@ def test_gate_releases_a_small_sure_gain_and_refuses_a_small_or_unsure_one():
     assert u.gain >= 0.02 and u.gain_lower <= 0 and not u.release, u
 
 
+def test_a_refused_candidate_starts_afresh_once_its_schedule_is_spent(stores, tiny_target, tmp_path):
+    """Refused mid-schedule, the candidate keeps its steps and trains on; refused at the end
+    of its schedule, it is dropped and the next starts from the serving version."""
+    from dflash.learn.release import decisions, release
+
+    d0, _, clean, _ = stores
+    (tmp_path / "l").mkdir()
+    (tmp_path / "l" / "store").symlink_to(clean / "store")
+    cfg = dataclasses.replace(FAST, max_steps=3, margin=100.0)     # nothing passes a 10,000% margin
+    lr = Learner(tmp_path / "l", d0, tiny_target, cfg=cfg)
+    lr.run(2)
+    assert release(lr) is None and lr.step == 2
+    assert Learner(tmp_path / "l", d0, tiny_target, cfg=cfg).step == 2     # its checkpoint stays
+    assert lr.run(5) == 1 and lr.step == 3
+    assert any(not torch.equal(v, lr.serving.state_dict()[k]) for k, v in lr.drafter.state_dict().items())
+    assert release(lr) is None and lr.step == 0
+    assert all(torch.equal(v, lr.serving.state_dict()[k]) for k, v in lr.drafter.state_dict().items())
+    assert Learner(tmp_path / "l", d0, tiny_target, cfg=cfg).step == 0     # no checkpoint to resume
+    assert [(d["decision"], d["afresh"]) for d in decisions(tmp_path / "l")] == [
+        ("refused", False), ("refused", True)]
+    assert lr.run(5) == 3                                                # a full schedule again
+
+
 def test_learner_resumes_from_its_checkpoint(stores, tiny_target):
     d0, _, clean, _ = stores
     import shutil

@@ -50,8 +50,9 @@ def next_version(version: str) -> str:
 
 def release(learner, *, force: bool = False) -> Path | None:
     """Gate the learner's candidate; when it passes (or ``force``, logged as such) write it as
-    the next version and start the next candidate from scratch. Returns the version's
-    directory, or None when refused.
+    the next version and start the next candidate from scratch. A refused candidate that has
+    finished its schedule (``max_steps``) is started afresh too; one refused mid-schedule keeps
+    training. Returns the version's directory, or None when refused.
 
     Raises FileExistsError when that version was released already (a learner still based on
     the version before it: restart it with the released version as its serving drafter)."""
@@ -66,7 +67,13 @@ def release(learner, *, force: bool = False) -> Path | None:
     figures = dataclasses.asdict(res)
     figures.update(base=learner.base, step=learner.step)
     if not (res.release or force):
-        log_decision(learner.dir, "refused", **figures)
+        # A candidate judged at the end of its schedule will not improve by standing still: the
+        # next one starts from the serving version over the store as it is then, with a full
+        # schedule of its own (docs/learning.md, "Schedules end at the gate").
+        spent = learner.step >= learner.cfg.max_steps
+        log_decision(learner.dir, "refused", **figures, afresh=spent)
+        if spent:
+            learner.reset()
         return None
     out = learner.save_candidate(target, version)
     log_decision(learner.dir, "released" if res.release else "forced", version=label,
