@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 def walk_tau(drafter_dir: str, head, convs: list, vocab) -> float:
+    """τ of the gate's served walk of ``drafter_dir`` over ``convs``."""
     import torch
 
     from dflash.core.checkpoint import load_drafter
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--score-first", type=int, default=10**9)
     a = p.parse_args(argv)
 
+    from dflash.core.checkpoint import load_target_head
+    from dflash.core.draft_vocab import load_draft_vocab
     from dflash.learn import release as rel
     from dflash.learn.learner import LearnConfig, Learner
     from dflash.learn.store import CaptureStore
@@ -71,10 +74,12 @@ def main(argv=None) -> int:
             serving = str(released)
             versions.append(serving)
     if a.score_store:
-        lr = Learner(out, a.drafter, a.target, cfg=cfg)
+        # every released version drafts over the starting one's vocabulary (save_candidate)
+        head = load_target_head(a.target)
+        vocab = load_draft_vocab(a.drafter, lr.serving.cfg.vocab_size)
         st = CaptureStore(a.score_store, writer=False)
         convs = [c for c in st.read("train") + st.read("heldout") if int(c["seq"]) < a.score_first]
-        scores = {Path(v).name: walk_tau(v, lr.head, convs, lr.vocab) for v in versions}
+        scores = {Path(v).name: walk_tau(v, head, convs, vocab) for v in versions}
         print(json.dumps({"conversations": len(convs), "served_walk_tau": scores}), flush=True)
         (out / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
     return 0

@@ -117,7 +117,7 @@ def test_gate_statistics():
 def test_gate_releases_a_small_sure_gain_and_refuses_a_small_or_unsure_one():
     """The margin is on the gain, the test only has to show the gain is real: +3% in 20
     conversations, most of it in a quarter of them, is released though its lower bound is
-    under 2% (run 4's refused step of docs/learning.md was +3.7%, bound +1.7%); +1%, however
+    under 2%; +1%, however
     sure, is not worth a release; +2.6% from two big wins among 18 losses is not sure."""
     base = [ConvScore(i, 10.0, 20) for i in range(20)]           # τ 1.5 each
     small = [ConvScore(i, 10.0 + (3.2 if i % 4 == 0 else 0.2), 20) for i in range(20)]
