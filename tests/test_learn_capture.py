@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from dflash.core.proposer import Proposal, ProposalRequest
+from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.core.sampling import Sampling
 from dflash.learn.capture import Capture
 from dflash.learn.store import HELDOUT_EVERY, CaptureStore
@@ -245,6 +245,87 @@ def test_a_session_first_seen_mid_conversation_or_with_a_gap_is_not_misaligned(t
     (conv,) = store.read("heldout")
     assert conv["input_ids"].tolist() == [0, 0, 0, 40, 41]          # "gap" up to its gap
     assert torch.equal(conv["taps"][:4], taps[:4].bfloat16())
+
+
+def test_a_resend_from_position_0_continues_the_conversation(tmp_path):
+    """After a failed draft the verifier resends the whole context: one record, not a fragment
+    per resend with its prefix's taps stored again; the rows gained without the drafter are
+    unlabelled. A restart at 0 with other taps, or fewer rows, is a new conversation."""
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    cap = Capture(store, min_answer_tokens=1)
+    B, none = 4, torch.empty(0, dtype=torch.int64)
+    taps = torch.randn(20, KH)
+    cap.observe([_req("a", 0, taps[:3], 20, B)], [Proposal(tokens=torch.tensor([21, 22, 50]))])
+    cap.observe([_req("a", 3, taps[3:6], 23, B)], [Proposal(tokens=torch.tensor([24, 25, 26]))])
+    # the drafter missed two steps (rows 6..8 committed without it); the verifier resends 0..9
+    cap.observe([_req("a", 0, taps[:9], 30, B)], [Proposal(tokens=torch.tensor([31, 32, 33]))])
+    cap.observe([_req("a", 9, taps[9:12], 32, B)], [Proposal(tokens=none)])
+    cap.observe([_req("b", 0, taps[:3], 20, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("b", 3, taps[3:5], 40, 1)], [Proposal(tokens=none)])
+    other = taps[:6].clone()
+    other[1] += 1
+    cap.observe([_req("b", 0, other, 41, 1)], [Proposal(tokens=none)])      # other taps: new
+    cap.observe([_req("c", 0, taps[:4], 20, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("c", 4, taps[4:6], 50, 1)], [Proposal(tokens=none)])
+    cap.observe([_req("c", 0, taps[:5], 51, 1)], [Proposal(tokens=none)])  # fewer rows: new
+    cap.close()
+    convs = store.read("heldout") + store.read("train")
+    assert len(convs) == 5
+    a = next(c for c in convs if c["input_ids"].shape[0] == 13)
+    u = 0
+    assert a["input_ids"].tolist() == [u, u, u, 20, 21, 22, 23, u, u, 30, 31, 32, 32]
+    assert a["loss_mask"].tolist() == [0, 0, 0] + [1] * 4 + [0, 0] + [1] * 4
+    assert torch.equal(a["taps"][:12], taps[:12].bfloat16())
+    assert sorted(c["input_ids"].shape[0] for c in convs) == [6, 6, 7, 7, 13]
+
+
+class _Failing:
+    """``engine``, answering every ``every``-th draft call after a session's first (its upload)
+    with an error for each item, unseen (a call lost on the way): the verifier then resends
+    the session's whole context from position 0."""
+
+    def __init__(self, engine, every: int):
+        self.engine, self.card, self.every, self.calls = engine, engine.card, every, 0
+
+    def propose(self, requests):
+        if any(r.context_start == 0 for r in requests):
+            return self.engine.propose(requests)
+        self.calls += 1
+        if self.calls % self.every == 0:
+            return [DraftError(FallbackReason.INTERNAL, "injected") for _ in requests]
+        return self.engine.propose(requests)
+
+    def release(self, ids):
+        self.engine.release(ids)
+
+
+def test_failed_drafts_through_the_verifier_keep_one_record_per_conversation(
+        stack, make_drafter, tiny_target, hf_target, tmp_path):
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target)
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    engine.capture = Capture(store, min_answer_tokens=1)
+    failing = _Failing(engine, every=3)
+    addr = stack.add_drafter(failing)
+    v = stack.verifier_stub()
+    answers = {}
+    for i, prompt in enumerate(PROMPTS):
+        want = reference(hf_target, prompt)
+        got, last = generate_ids(v, prompt, max_tokens=len(want), session_id=f"f{i}",
+                                 speculation=spec(addr))
+        assert_same_tokens(hf_target, prompt, got, want)
+        assert last.stats.fallback_steps > 0              # the failures did reach the verifier
+        answers[len(prompt)] = got
+    wait_until(lambda: engine.capture.written >= len(PROMPTS), 30, "the captured conversations")
+    time.sleep(0.5)                                       # a fragment would be written by now
+    convs = store.read("train") + store.read("heldout")
+    assert len(convs) == len(PROMPTS)
+    for c in convs:
+        n_prompt = int(c["loss_mask"].nonzero()[0])
+        answer = torch.tensor(answers[n_prompt])
+        ids, mask = c["input_ids"][n_prompt:], c["loss_mask"][n_prompt:].bool()
+        assert len(ids) >= len(answer) - 3        # all but the last step's (at most a block of 4)
+        assert ids[mask].tolist() == answer[:len(ids)][mask[:len(answer)]].tolist()
+    assert failing.calls >= 3 * len(PROMPTS)
 
 
 def test_read_with_a_cache_rereads_only_what_changed(tmp_path):

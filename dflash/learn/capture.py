@@ -9,7 +9,9 @@ chain: a tree (``top_k``), a context-only update, suffix drafts; more rows than 
 token before them: the next turn's prompt) the ids are unknown and get ``loss_mask`` 0, so no
 label is ever guessed. The capture only reads requests and proposals: it changes no draft.
 
-A session ends (release, eviction, a restart at ``context_start`` 0, close) or goes quiet for
+A call from ``context_start`` 0 whose rows begin with the record's (a resend after a failed or
+late draft) continues the record, the rows gained meanwhile unlabelled; any other restart at 0
+is a new conversation. A session ends (release, eviction, such a restart, close) or goes quiet for
 ``idle_s`` (the verifier keeps a conversation between turns) -> its sequence so far goes to a
 writer thread and the :class:`dflash.learn.store.CaptureStore` (a later write of a session that
 grew replaces its file); a session any of whose items says ``no_learn`` is dropped and never
@@ -96,23 +98,29 @@ class Capture:
 
     def _step(self, r: ProposalRequest, out: Proposal) -> None:
         rec = self._records.get(r.session_id)
-        if rec is None or r.context_start == 0:
+        start, context = r.context_start, r.context
+        if rec is not None and start == 0 and _resent(rec, context):
+            # the verifier resent the whole context (its drafter failed or was late): the same
+            # conversation goes on; the rows it gained meanwhile carry no known ids
+            start, context = rec.rows, context[rec.rows:]
+            rec.drafts, rec.greedy_chain = None, False
+        elif rec is None or start == 0:
             if rec is not None:
                 self._finish(rec)
             # a session first seen past position 0 (capture switched on mid-conversation) lacks
             # its start: never recorded, until it restarts at 0
-            rec = self._records[r.session_id] = _Record(stopped=r.context_start != 0)
-        n = int(r.context.shape[0])
-        if r.context_start > rec.rows or rec.rows + n + 1 > MAX_POSITIONS:
+            rec = self._records[r.session_id] = _Record(stopped=start != 0)
+        n = int(context.shape[0])
+        if start > rec.rows or rec.rows + n + 1 > MAX_POSITIONS:
             rec.stopped = True                      # a gap, or too long: keep what it has
         if rec.stopped:
             return
         rec.last, rec.dirty = time.monotonic(), True
-        if r.context_start < rec.rows:
-            _crop(rec, r.context_start)
+        if start < rec.rows:
+            _crop(rec, start)
         if n:
             # a copy even when already bf16: an in-process caller may reuse the rows' buffer
-            rec.taps.append(r.context.to("cpu", torch.bfloat16, copy=True))
+            rec.taps.append(context.to("cpu", torch.bfloat16, copy=True))
             if rec.rows == 0:
                 rec.ids = [UNKNOWN] * n             # the prompt: only its taps arrive
             else:
@@ -199,6 +207,18 @@ class Capture:
                     self.written += 1
             except Exception:                      # noqa: BLE001 -- capture must never stop serving
                 log.exception("capture: a conversation could not be written")
+
+
+def _resent(rec: _Record, context: torch.Tensor) -> bool:
+    """Whether ``context`` (a call from position 0) resends what ``rec`` holds: at least as many
+    rows, its first ones bit-identical in bf16 (the verifier resends its cached tap rows). A new
+    conversation on the same session, or recomputed taps, starts a new record instead."""
+    if rec.stopped or not rec.rows or context.shape[0] < rec.rows:
+        return False
+    held = torch.cat(rec.taps) if len(rec.taps) > 1 else rec.taps[0]
+    if len(rec.taps) > 1:
+        rec.taps = [held]                           # concatenated once, kept so
+    return torch.equal(context[:rec.rows].to("cpu", torch.bfloat16), held)
 
 
 def _crop(rec: _Record, start: int) -> None:
