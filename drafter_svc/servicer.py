@@ -76,11 +76,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
     if not item.session_id:
         raise InvalidParam("session_id", "must not be empty")
+    context = wire.from_proto(item.context, "context")
+    rows = context.shape[0] if context.dim() else 0
+    if item.context_ids and len(item.context_ids) != rows:
+        raise InvalidParam("context_ids", f"{len(item.context_ids)} ids for {rows} context rows")
     return ProposalRequest(session_id=item.session_id, context_start=item.context_start,
-                           context=wire.from_proto(item.context, "context"),
+                           context=context,
                            anchor_token=item.anchor_token, block_size=item.block_size,
                            sampling=sampling_from_proto(item.sampling), top_k=item.top_k,
-                           no_learn=item.no_learn)
+                           no_learn=item.no_learn, context_ids=tuple(item.context_ids))
 
 
 def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:

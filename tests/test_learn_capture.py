@@ -100,9 +100,45 @@ def test_sigkill_during_a_write_leaves_a_valid_store(tmp_path):
     assert store.add(*_conv(10, 0)).name == "conv_00000003.safetensors"   # numbering goes on
 
 
-def _req(sid, start, ctx, anchor, block, no_learn=False):
+def _req(sid, start, ctx, anchor, block, no_learn=False, ids=()):
     return ProposalRequest(session_id=sid, context_start=start, context=ctx, anchor_token=anchor,
-                           block_size=block, sampling=Sampling(), no_learn=no_learn)
+                           block_size=block, sampling=Sampling(), no_learn=no_learn,
+                           context_ids=tuple(ids))
+
+
+def test_sent_ids_label_a_step_the_drafter_was_not_called_for(tmp_path):
+    """A chain of 3 drafts, 1 accepted with bonus 7, then a step without a draft call that
+    committed 8: the next call's 3 rows cover both steps. Inferred from the drafts, row 2 would
+    be labelled with the rejected draft 12; the ids the verifier sends say 7, and the
+    conversation is not recorded as served by greedy chains."""
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    cap = Capture(store, min_answer_tokens=1, served_by="d@1")
+    taps = torch.randn(10, KH)
+    cap.observe([_req("a", 0, taps[:3], 10, 4, ids=[-1, -1, -1])],
+                [Proposal(tokens=torch.tensor([11, 12, 13]))])
+    cap.observe([_req("a", 3, taps[3:6], 8, 4, ids=[10, 11, 7])],
+                [Proposal(tokens=torch.tensor([20, 21, 22]))])
+    cap.observe([_req("a", 6, taps[6:8], 21, 4, ids=[8, 20])],
+                [Proposal(tokens=torch.tensor([30, 31, 32]))])
+    cap.close()
+    (conv,) = store.read("heldout")
+    assert conv["input_ids"].tolist() == [0, 0, 0, 10, 11, 7, 8, 20, 21]
+    assert conv["loss_mask"].tolist() == [0, 0, 0] + [1] * 6
+    assert "served" not in conv
+
+
+def test_ids_sent_for_a_greedy_chain_keep_its_served_record(tmp_path):
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    cap = Capture(store, min_answer_tokens=1, served_by="d@1")
+    taps = torch.randn(10, KH)
+    cap.observe([_req("a", 0, taps[:3], 10, 4, ids=[-1, -1, -1])],
+                [Proposal(tokens=torch.tensor([11, 12, 13]))])
+    cap.observe([_req("a", 3, taps[3:6], 7, 4, ids=[10, 11, 12])],
+                [Proposal(tokens=torch.tensor([20, 21, 22]))])
+    cap.close()
+    (conv,) = store.read("heldout")
+    assert conv["input_ids"].tolist() == [0, 0, 0, 10, 11, 12, 7]
+    assert (conv["served"].steps, conv["served"].tokens) == (1, 3)
 
 
 def test_committed_tokens_rebuilt_from_drafts_and_anchors(tmp_path):
@@ -324,7 +360,8 @@ def test_failed_drafts_through_the_verifier_keep_one_record_per_conversation(
         answer = torch.tensor(answers[n_prompt])
         ids, mask = c["input_ids"][n_prompt:], c["loss_mask"][n_prompt:].bool()
         assert len(ids) >= len(answer) - 3        # all but the last step's (at most a block of 4)
-        assert ids[mask].tolist() == answer[:len(ids)][mask[:len(answer)]].tolist()
+        assert mask.all()                  # the verifier sends the ids: none missed is unknown
+        assert ids.tolist() == answer[:len(ids)].tolist()
     assert failing.calls >= 3 * len(PROMPTS)
 
 
@@ -359,3 +396,32 @@ def test_learn_flags_off_by_default_and_private_dir(make_drafter, tiny_target, t
         assert cap.stop_ids                      # the target's end-of-turn id
     finally:
         cap.close()
+
+
+def test_context_ids_of_the_wrong_length_fail_their_item_alone(make_drafter, tiny_target):
+    import grpc
+
+    from dflash.core import wire
+    from dflash.core.convert import sampling_to_proto
+    from dflash.v1 import drafter_pb2, drafter_pb2_grpc
+    from drafter_svc.server import build as build_drafter
+
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target)
+    rt = build_drafter(engine, "127.0.0.1:0")
+    rt.server.start()
+    rt.set_serving(True)
+    ctx = wire.to_proto(torch.randn(3, engine.cfg.context_size))
+    item = lambda sid, ids: drafter_pb2.DraftItem(  # noqa: E731
+        session_id=sid, context_start=0, context=ctx, anchor_token=5, block_size=4,
+        sampling=sampling_to_proto(Sampling()), context_ids=ids)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{rt.port}") as ch:
+            replies = drafter_pb2_grpc.DrafterStub(ch).Draft(iter([drafter_pb2.DraftBatch(
+                batch_id=1, items=[item("bad", [-1, 7]), item("good", [-1, -1, 7])])]), timeout=10)
+            bad, good = next(iter(replies)).results
+        assert bad.error and "context_ids" in bad.error and "2 ids for 3 context rows" in bad.error
+        assert bad.error_code == drafter_pb2.DRAFT_ERROR_BAD_REQUEST
+        assert not good.error and len(good.tokens) == 3
+    finally:
+        rt.server.stop(0)
+        engine.close()

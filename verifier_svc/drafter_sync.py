@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -90,6 +90,8 @@ class DraftItem:
     trace_context: dict[str, str]
     top_k: int = 0                     # alternatives wanted per draft position (a tree); 0 = chain
     no_learn: bool = False             # its tenant opted out of online learning
+    tokens: Sequence[int] = ()         # the session's committed ids, [0, cached] (read, not kept)
+    prompt_len: int = 0                # ids below it are the request's prompt: never sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +258,14 @@ class DrafterSync:
     @staticmethod
     def _request(it: DraftItem, block_size: int) -> ProposalRequest:
         start = it.state.length
+        context = it.state.taps.rows(start)
         return ProposalRequest(session_id=it.session_id, context_start=start,
-                               context=it.state.taps.rows(start), anchor_token=it.anchor,
+                               context=context, anchor_token=it.anchor,
                                block_size=block_size, sampling=it.sampling,
                                trace_context=it.trace_context,
                                top_k=it.top_k if block_size > 1 else 0,   # nothing to rank
-                               no_learn=it.no_learn)
+                               no_learn=it.no_learn,
+                               context_ids=_context_ids(it, start, int(context.shape[0])))
 
     def _send_context(self, proposer: ContextSender, items: list[DraftItem]) -> None:
         """Context-only update nothing this step waits for; the held length advances now."""
@@ -332,3 +336,13 @@ class DrafterSync:
             return False
         return bool(torch.isfinite(lp).all() and (lp <= 0).all()
                     and (lp[:, 1:] <= lp[:, :-1]).all())
+
+
+def _context_ids(it: DraftItem, start: int, n: int) -> tuple[int, ...]:
+    """The ids of positions ``[start, start + n)`` for ``ProposalRequest.context_ids``: the
+    committed tokens, -1 for the request's prompt (its ids never reach a drafter); () when the
+    item carries no tokens."""
+    if not it.tokens:
+        return ()
+    lo = min(max(start, it.prompt_len), start + n)
+    return (-1,) * (lo - start) + tuple(it.tokens[lo:start + n])

@@ -58,7 +58,7 @@ def draft_item(r: StepRow) -> DraftItem:
                      and req.max_tokens - st.emitted > 1,
                      sampling=req.sampling.for_drafter(), trace_context=ctx,
                      top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
-                     no_learn=req.no_learn)
+                     no_learn=req.no_learn, tokens=s.tokens, prompt_len=len(req.prompt))
 
 
 def sourced(r: StepRow, d: DraftOutcome, batch: int, policy: SpeculationPolicy) -> Sourced | None:

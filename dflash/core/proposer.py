@@ -59,6 +59,8 @@ class ProposalRequest:
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C, this request's step span
     top_k: int = 0              # alternatives per draft position (Proposal.top_ids); 0 = none
     no_learn: bool = False      # its tenant opted out: never captured (dflash.learn.capture)
+    # committed ids of the context rows' positions, -1 where withheld (the prompt); () = not sent
+    context_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,13 +1,17 @@
 """What the drafter sees of a conversation, rebuilt into a training sequence.
 
-Per draft call a session sends the taps of the newly committed positions ``[s, s + n)`` and
-the anchor (bonus) token at ``s + n``; the prompt's ids never travel. The ids at
-``s + 1 .. s + n - 1`` are the drafts the verifier accepted: under greedy and sampled chains
-alike an accepted draft is the drafted token itself, so they are the first ``n - 1`` tokens of
-this session's previous chain proposal. Where that does not hold (the previous call drafted no
+Per draft call a session sends the taps of the newly committed positions ``[s, s + n)``, their
+token ids (``ProposalRequest.context_ids``; -1 for the request's prompt, whose ids never
+travel) and the anchor (bonus) token at ``s + n``. Those ids are the labels; a position whose
+id is withheld gets ``loss_mask`` 0. A verifier that predates ``context_ids`` sends none: the
+ids at ``s + 1 .. s + n - 1`` are then taken for the drafts it accepted (an accepted draft is
+the drafted token itself, greedy or sampled), the first ``n - 1`` tokens of the session's
+previous chain proposal, and unknown where that cannot hold (the previous call drafted no
 chain: a tree (``top_k``), a context-only update, suffix drafts; more rows than drafts; a stop
-token before them: the next turn's prompt) the ids are unknown and get ``loss_mask`` 0, so no
-label is ever guessed. The capture only reads requests and proposals: it changes no draft.
+token before them). That inference is wrong when the verifier committed a step without calling
+the drafter (a step with no drafts, suffix drafts) after a chain and fewer rows than the chain
+had drafts arrive: the sent ids are what keeps labels right. The capture only reads requests
+and proposals: it changes no draft.
 
 A call from ``context_start`` 0 whose rows begin with the record's (a resend after a failed or
 late draft) continues the record, the rows gained meanwhile unlabelled; any other restart at 0
@@ -99,10 +103,12 @@ class Capture:
     def _step(self, r: ProposalRequest, out: Proposal) -> None:
         rec = self._records.get(r.session_id)
         start, context = r.context_start, r.context
+        sent = [UNKNOWN if t < 0 else t for t in r.context_ids] if r.context_ids else None
         if rec is not None and start == 0 and _resent(rec, context):
             # the verifier resent the whole context (its drafter failed or was late): the same
-            # conversation goes on; the rows it gained meanwhile carry no known ids
+            # conversation goes on
             start, context = rec.rows, context[rec.rows:]
+            sent = sent[rec.rows:] if sent is not None else None
             rec.drafts, rec.greedy_chain = None, False
         elif rec is None or start == 0:
             if rec is not None:
@@ -122,11 +128,13 @@ class Capture:
             # a copy even when already bf16: an in-process caller may reuse the rows' buffer
             rec.taps.append(context.to("cpu", torch.bfloat16, copy=True))
             if rec.rows == 0:
-                rec.ids = [UNKNOWN] * n             # the prompt: only its taps arrive
+                rec.ids = sent if sent is not None else [UNKNOWN] * n  # the prompt's: withheld
             else:
-                got = self._accepted(rec, n - 1)
-                rec.greedy_chain &= rec.drafts is not None and UNKNOWN not in got
-                rec.ids += got
+                guess = self._accepted(rec, n - 1)
+                # one verify of the last chain: its rows are the accepted drafts (and the bonus)
+                rec.greedy_chain &= (rec.drafts is not None and UNKNOWN not in guess
+                                     and (sent is None or sent[1:] == guess))
+                rec.ids += guess if sent is None else sent[1:]
                 rec.steps, rec.tokens = rec.steps + 1, rec.tokens + n
             rec.rows += n
             rec.ids.append(r.anchor_token)

@@ -62,7 +62,7 @@ class DraftBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., release_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context", "top_k", "no_learn")
+    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context", "top_k", "no_learn", "context_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class DraftItem(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     NO_LEARN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_start: int
     context: _common_pb2.Tensor
@@ -88,7 +89,8 @@ class DraftItem(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     top_k: int
     no_learn: bool
-    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ..., no_learn: _Optional[bool] = ...) -> None: ...
+    context_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ..., no_learn: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("session_id", "tokens", "probs", "error", "error_code", "top_ids", "top_logprobs")
