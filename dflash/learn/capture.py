@@ -13,9 +13,9 @@ the drafter (a step with no drafts, suffix drafts) after a chain and fewer rows 
 had drafts arrive: the sent ids are what keeps labels right. The capture only reads requests
 and proposals: it changes no draft.
 
-A call from ``context_start`` 0 whose rows begin with the record's (a resend after a failed or
-late draft) continues the record, the rows gained meanwhile unlabelled; any other restart at 0
-is a new conversation. A session ends (release, eviction, such a restart, close) or goes quiet for
+A call from ``context_start`` 0 whose rows begin with the record's and whose id at the record's
+anchor agrees (a resend after a failed draft) continues the record; any other restart at 0 is
+a new conversation. A session ends (release, eviction, such a restart, close) or goes quiet for
 ``idle_s`` (the verifier keeps a conversation between turns) -> its sequence so far goes to a
 writer thread and the :class:`dflash.learn.store.CaptureStore` (a later write of a session that
 grew replaces its file); a session any of whose items says ``no_learn`` is dropped and never
@@ -104,7 +104,7 @@ class Capture:
         rec = self._records.get(r.session_id)
         start, context = r.context_start, r.context
         sent = [UNKNOWN if t < 0 else t for t in r.context_ids] if r.context_ids else None
-        if rec is not None and start == 0 and _resent(rec, context):
+        if rec is not None and start == 0 and _resent(rec, context, _id_at(r, sent, rec.rows)):
             # the verifier resent the whole context (its drafter failed or was late): the same
             # conversation goes on
             start, context = rec.rows, context[rec.rows:]
@@ -217,11 +217,23 @@ class Capture:
                 log.exception("capture: a conversation could not be written")
 
 
-def _resent(rec: _Record, context: torch.Tensor) -> bool:
+def _id_at(r: ProposalRequest, sent: list[int] | None, pos: int) -> int:
+    """The id a call from position 0 gives position ``pos``: a sent id, the anchor, or unknown."""
+    n = int(r.context.shape[0])
+    if pos == n:
+        return r.anchor_token
+    return sent[pos] if sent is not None and pos < n else UNKNOWN
+
+
+def _resent(rec: _Record, context: torch.Tensor, last: int) -> bool:
     """Whether ``context`` (a call from position 0) resends what ``rec`` holds: at least as many
-    rows, its first ones bit-identical in bf16 (the verifier resends its cached tap rows). A new
-    conversation on the same session, or recomputed taps, starts a new record instead."""
+    rows, its first ones bit-identical in bf16 (the verifier resends its cached tap rows), and
+    ``last``, its id at the record's last position (the record's anchor), the same where both
+    are known. A new conversation on the same session, or recomputed taps, starts a new record
+    instead."""
     if rec.stopped or not rec.rows or context.shape[0] < rec.rows:
+        return False
+    if UNKNOWN not in (last, rec.ids[rec.rows]) and last != rec.ids[rec.rows]:
         return False
     held = torch.cat(rec.taps) if len(rec.taps) > 1 else rec.taps[0]
     if len(rec.taps) > 1:
