@@ -368,6 +368,39 @@ def test_failed_drafts_through_the_verifier_keep_one_record_per_conversation(
     assert failing.calls >= 3 * len(PROMPTS)
 
 
+@pytest.mark.parametrize("mode", ["adaptive", "hybrid"])
+def test_captured_labels_are_the_answer_under_steps_without_a_draft_call(
+        mode, stack, make_drafter, tiny_target, hf_target, tmp_path):
+    """Adaptive and hybrid verify blocks, trees or suffix drafts and may skip the drafter on a
+    step; with the ids the verifier sends every answer position is labelled, each with the
+    token served there (inferred from drafts instead, tree and suffix steps' rows were not)."""
+    engine = DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target)
+    store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
+    engine.capture = Capture(store, min_answer_tokens=1)
+    addr = stack.add_drafter(engine)
+    v = stack.verifier_stub()
+    answers, labelled = {}, 0
+    for i, prompt in enumerate(PROMPTS):
+        want = reference(hf_target, prompt, 40)
+        p = spec(addr)
+        p.mode = mode
+        got, _ = generate_ids(v, prompt, max_tokens=len(want), session_id=f"{mode}{i}",
+                              speculation=p)
+        assert_same_tokens(hf_target, prompt, got, want)
+        answers[len(prompt)] = got
+    engine.capture.close()
+    convs = store.read("train") + store.read("heldout")
+    assert len(convs) == len(PROMPTS)
+    for c in convs:
+        n_prompt = int(c["loss_mask"].nonzero()[0])
+        answer = torch.tensor(answers[n_prompt])
+        ids, mask = c["input_ids"][n_prompt:], c["loss_mask"][n_prompt:].bool()
+        assert mask.all()
+        assert ids.tolist() == answer[:len(ids)].tolist()
+        labelled += len(ids)
+    assert labelled >= sum(len(a) for a in answers.values()) // 2
+
+
 def test_read_with_a_cache_rereads_only_what_changed(tmp_path):
     store = CaptureStore(tmp_path / "s", max_bytes=1 << 30)
     for i in range(3):
