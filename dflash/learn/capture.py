@@ -105,7 +105,7 @@ class Capture:
         start, context = r.context_start, r.context
         sent = [UNKNOWN if t < 0 else t for t in r.context_ids] if r.context_ids else None
         if rec is not None and start == 0 and _resent(rec, context, _id_at(r, sent, rec.rows)):
-            # the verifier resent the whole context (its drafter failed or was late): the same
+            # the verifier resent the whole context (a failed draft, an open circuit): the same
             # conversation goes on
             start, context = rec.rows, context[rec.rows:]
             sent = sent[rec.rows:] if sent is not None else None
