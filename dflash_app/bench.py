@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dflash.core.speculation import MODE_OFF
 from dflash.core.stats import AcceptanceCounter
+from dflash_app.bench_lossless import NEAR_TIE_GAP, PROBE_TOP, compare, difference_lines, summary_line
 
 # transformers reports no acceptance for a generation's last verify step, and our last block is
 # shortened to fit max_tokens: over a prompt set the two tau figures agree to about this much.
@@ -121,6 +122,34 @@ def gateway_row(client, task_id: str, messages: list[dict], *, max_tokens: int, 
             "accepted_suffix": st.suffix_accepted_tokens}
 
 
+def off_probe(client, prompts: dict[str, list[dict]]):
+    """A :data:`dflash_app.bench_lossless.Probe` through the running stack: prompt ``task_id``
+    (chat ``messages`` from ``prompts``) with speculation off, greedy, ``n`` tokens, with its
+    logprobs and the top :data:`~dflash_app.bench_lossless.PROBE_TOP` alternatives."""
+    from dflash.client import build_request
+
+    def probe(task_id: str, n: int):
+        c = client.complete(build_request(messages=prompts[task_id], max_tokens=n,
+                                          speculation=False, logprobs=True, top_logprobs=PROBE_TOP),
+                            timeout=1800)
+        return list(c.token_ids), list(c.logprobs)
+
+    return probe
+
+
+def compare_to_off(rows: dict[str, list[dict]], addr: str, prompts: dict[str, list[dict]], *,
+                   near_tie: float = NEAR_TIE_GAP) -> dict[str, dict]:
+    """:func:`dflash_app.bench_lossless.compare` of every mode against ``off``, probing the
+    gateway at ``addr`` for off's logprobs where a prompt differs (no request otherwise)."""
+    from dflash.client import GatewayClient
+
+    client = GatewayClient(addr)
+    try:
+        return compare(rows, MODE_OFF, off_probe(client, prompts), near_tie=near_tie)
+    finally:
+        client.close()
+
+
 def run_gateway(addr: str, prompts, *, max_tokens: int, speculation: bool, drafter: str = "",
                 mode: str = "", progress=None) -> list[dict]:
     """:func:`gateway_row` for every ``(task_id, messages)`` in ``prompts``, in order."""
@@ -212,17 +241,20 @@ def aggregate(rows: list[dict]) -> dict:
 def markdown(results: dict) -> str:
     agg = results["aggregate"]
     off = agg.get(MODE_OFF)
+    same = results.get("identical_to_off", {})
     lines = ["| mode | prompts | tokens | tau | draft acc. rate | accepted: drafter / suffix | "
-             "decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off | greedy identical to off |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, a in agg.items():
         speed = f"{off['tpot_ms'] / a['tpot_ms']:.2f}x" if off and "tpot_ms" in a else "-"
         src = a.get("accepted_by_source", {})
+        ident = f"{same[mode]['identical']}/{same[mode]['total']}" if mode in same else "-"
         lines.append(f"| {mode} | {a['prompts']} | {a['tokens']} | {a['tau']:.2f} | "
                      f"{100 * a['draft_acceptance_rate']:.1f}% | "
                      f"{src.get('drafter', 0)} / {src.get('suffix', 0)} | "
                      f"{a.get('decode_tok_s', a['tok_s']):.1f} | "
-                     f"{a.get('tpot_ms', float('nan')):.1f} | {a.get('ttft_ms_p50', float('nan')):.0f} | {speed} |")
+                     f"{a.get('tpot_ms', float('nan')):.1f} | {a.get('ttft_ms_p50', float('nan')):.0f} | "
+                     f"{speed} | {ident} |")
     if "peer" in agg:
         for mode, a in agg.items():
             if mode.startswith("spec"):
@@ -242,6 +274,11 @@ def markdown(results: dict) -> str:
             lines.append(f"\n{mode}: {100 * a['tree_share']:.0f}% of drafted steps were trees, "
                          f"{a['nodes_per_tree_step']:.1f} nodes per tree step (per-position "
                          "acceptance above = per depth of the accepted path)")
+    if same:
+        near = results.get("config", {}).get("near_tie_gap", NEAR_TIE_GAP)
+        lines.append("\ngreedy outputs identical to speculation-off: " + summary_line(same) +
+                     f" (logit gap at the first difference, off's distribution; near-tie <= {near})")
+        lines += difference_lines(same)
     return "\n".join(lines) + "\n"
 
 
@@ -334,6 +371,8 @@ def cmd_bench(a) -> int:
                     start = time.monotonic() - t0
                     rows[mode].append({**run(task_id, prompt), "t_start_s": start})
                     bar.update(1)
+        # after the timed runs, while the stack is up: off's logprobs where a prompt differs
+        same = compare_to_off(rows, a.gateway, dict(prompts), near_tie=a.near_tie_gap)
     finally:
         for c in set(clients.values()):
             c.close()
@@ -343,17 +382,15 @@ def cmd_bench(a) -> int:
                           "gateway": a.gateway,
                           "drafters": drafters, "spec_modes": policies},
                "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
-    off_ids = {r["task_id"]: r["token_ids"] for r in rows[MODE_OFF]}
-    results["lossless"] = {m: sum(r["token_ids"] == off_ids[r["task_id"]] for r in rs)
-                           for m, rs in rows.items() if m != MODE_OFF}
+    results["identical_to_off"] = same
+    results["config"]["near_tie_gap"] = a.near_tie_gap
+    results["lossless"] = {m: c["identical"] for m, c in results["identical_to_off"].items()}
     if "peer" in rows:
         peer_ids = {r["task_id"]: r["token_ids"] for r in rows["peer"]}
         results["peer_same_tokens"] = {m: sum(r["token_ids"] == peer_ids[r["task_id"]] for r in rs)
                                        for m, rs in rows.items() if m.startswith("spec")}
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
-    md += "\ngreedy outputs identical to speculation-off: " + ", ".join(
-        f"{m} {n}/{len(prompts)}" for m, n in results["lossless"].items()) + "\n"
     (out / "bench.md").write_text(md)
     plot(results, out / "bench.png")
     print(md)
@@ -398,7 +435,7 @@ def _load_sweep(a, prompts, out: Path) -> int:
 
 
 def add_parser(sub) -> None:
-    from dflash.serving.argtypes import at_least, int_list
+    from dflash.serving.argtypes import at_least, int_list, positive_float
     from dflash_app.cli import _add_stack_args
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
@@ -415,6 +452,9 @@ def add_parser(sub) -> None:
     b.add_argument("--peer", action="store_true",
                    help="also run transformers' in-process DFlash generation with the same weights")
     b.add_argument("--out", default="bench_out", help="output directory")
+    b.add_argument("--near-tie-gap", type=positive_float, default=NEAR_TIE_GAP,
+                   help="largest logit gap (nats) at a first difference from speculation off "
+                        "that the report calls a near-tie rather than DIFFERS")
     b.add_argument("--suffix-answers", action="store_true",
                    help="with --start: keep recent answers as suffix candidates, each mode its "
                         "own tenant (off by default: each prompt runs once per mode, and in one "

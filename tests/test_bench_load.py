@@ -99,7 +99,7 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
 def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     """`dflash bench --start --tiny --spec-modes fixed,adaptive --peer`: every prompt runs through
     every mode (and the in-process peer) before the next prompt starts, so a drift in the
-    machine's speed lands on all modes alike; outputs and the lossless counts are written."""
+    machine's speed lands on all modes alike; outputs and the identical-to-off counts are written."""
     import json
     import subprocess
     import sys
@@ -124,7 +124,11 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     firsts = [[m for _, t, m in runs if t == task][0] for task in dict.fromkeys(tasks)]
     assert len(set(firsts)) == 3, f"mode order not rotated per prompt: {firsts}"
     assert res["lossless"] == {"spec[fixed]": 3, "spec[adaptive]": 3, "peer": 3}
-    assert (tmp_path / "out" / "bench.md").exists() and (tmp_path / "out" / "bench.png").exists()
+    assert {m: (c["identical"], c["total"], c["differences"]) for m, c in res["identical_to_off"].items()} \
+        == {m: (3, 3, []) for m in ("spec[fixed]", "spec[adaptive]", "peer")}
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "greedy outputs identical to speculation-off: spec[fixed] 3/3, spec[adaptive] 3/3, peer 3/3" in md
+    assert "| speedup vs off | greedy identical to off |" in md and (tmp_path / "out" / "bench.png").exists()
 
 
 @pytest.mark.parametrize("flags, flag", [
@@ -144,6 +148,8 @@ def test_humaneval_bench_cli_interleaves_modes(tmp_path):
     (["--requests", "0"], "--requests"),
     (["--requests-per-client", "0"], "--requests-per-client"),
     (["--limit", "0"], "--limit"),
+    (["--near-tie-gap", "0"], "--near-tie-gap"),
+    (["--near-tie-gap", "x"], "--near-tie-gap"),
 ])
 def test_bench_refuses_bad_flags_naming_them(flags, flag, capsys):
     """Each of these crashed with a traceback mid-run (ZeroDivisionError, IndexError) or was
