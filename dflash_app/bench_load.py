@@ -14,7 +14,10 @@ requests in flight (vLLM's ``benchmark_serving`` likewise sends many more prompt
 * tau = 1 + accepted / drafts over all requests (bonus included; ``dflash.core.stats``);
 * TTFT p50 / p99 (client side, first text);
 * inter-token latency p50 / p99: the gap between consecutive streamed deltas divided by the
-  tokens the later delta completes, once per token (the gateway histogram's definition).
+  tokens the later delta completes, once per token (the gateway histogram's definition);
+* greedy identical to off: requests whose tokens equal off's in the same request slot (same
+  prompt) at the same concurrency and round, and for each that differs the logit gap at its
+  first difference (:mod:`dflash_app.bench_lossless`).
 
 Output: ``load.json``, ``load.md`` (one table, modes side by side) and ``load.png``
 (aggregate throughput vs concurrency, one line per mode).
@@ -58,8 +61,8 @@ def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
         prev = t
         if k:
             itl += [gap / k] * k
-    return {"tokens": n, "ttft_s": c.ttft_s, "latency_s": c.latency_s, "itl_s": itl,
-            "drafts": st.drafts, "draft_tokens": st.draft_tokens, "accepted": st.accepted_tokens,
+    return {"tokens": n, "token_ids": list(c.token_ids), "ttft_s": c.ttft_s,
+            "latency_s": c.latency_s, "itl_s": itl, "drafts": st.drafts, "draft_tokens": st.draft_tokens, "accepted": st.accepted_tokens,
             "accepted_per_position": st.accepted_per_position}
 
 
@@ -88,10 +91,11 @@ def run_level(addr: str, prompts, *, concurrency: int, requests_per_client: int,
         client = GatewayClient(addr)
         start.wait()
         for r in range(requests_per_client):
-            p = prompts[(ci * requests_per_client + r) % len(prompts)][1]
-            row = _one(client, p, max_tokens=max_tokens, mode=mode, drafter=drafter)
+            slot = ci * requests_per_client + r
+            row = _one(client, prompts[slot % len(prompts)][1], max_tokens=max_tokens, mode=mode,
+                       drafter=drafter)
             with lock:
-                rows.append(row)
+                rows.append({**row, "task_id": str(slot)})
         client.close()
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(concurrency)]
@@ -101,7 +105,9 @@ def run_level(addr: str, prompts, *, concurrency: int, requests_per_client: int,
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return summarize(rows, wall, mode=mode, concurrency=concurrency)
+    # every request's tokens, by slot: the same slot gets the same prompt in every mode
+    outputs = {r["task_id"]: r["token_ids"] for r in rows}
+    return {**summarize(rows, wall, mode=mode, concurrency=concurrency), "outputs": outputs}
 
 
 def summarize(rows: list[dict], wall_s: float, *, mode: str, concurrency: int) -> dict:
@@ -119,6 +125,23 @@ def summarize(rows: list[dict], wall_s: float, *, mode: str, concurrency: int) -
             "tau": st.mean_acceptance_length, "per_position": st.per_position_rate,
             "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
             "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99))}
+
+
+def identical_to_off(levels: list[dict], probe, *, near_tie: float) -> None:
+    """Set ``identical_to_off`` on every non-off cell of ``levels`` that has an off cell at
+    the same concurrency and repeat: its outputs against off's, slot by slot
+    (:func:`dflash_app.bench_lossless.compare`; ``probe`` gives off's logprobs at batch 1, so a
+    gap is measured only where the batch-1 probe reproduces the batched off output)."""
+    from dflash_app.bench_lossless import compare
+
+    offs = {(x["concurrency"], x.get("repeat", 0)): x for x in levels if x["mode"] == MODE_OFF}
+    for x in levels:
+        off = offs.get((x["concurrency"], x.get("repeat", 0)))
+        if x["mode"] == MODE_OFF or off is None:
+            continue
+        rows = {m: [{"task_id": t, "token_ids": ids} for t, ids in y["outputs"].items()]
+                for m, y in ((MODE_OFF, off), ("spec", x))}
+        x["identical_to_off"] = compare(rows, MODE_OFF, probe, near_tie=near_tie)["spec"]
 
 
 def _cells(levels: list[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -163,7 +186,7 @@ def markdown(levels: list[dict]) -> str:
     modes = _modes(levels)
     conc = sorted({x["concurrency"] for x in levels})
     lines = ["| concurrency | mode | aggregate tok/s | per-request tok/s | tau | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+             "ITL p50 / p99 ms | greedy identical to off |", "|---|---|---|---|---|---|---|---|"]
     for c in conc:
         for m in modes:
             runs = by.get((m, c))
@@ -173,9 +196,12 @@ def markdown(levels: list[dict]) -> str:
             if len(runs) > 1:
                 v = [x["agg_tok_s"] for x in runs]
                 agg += f" ({min(v):.1f}–{max(v):.1f})"
+            same = [x["identical_to_off"] for x in runs if "identical_to_off" in x]
+            ident = (f"{sum(d['identical'] for d in same)}/{sum(d['total'] for d in same)}"
+                     if same else "-")
             lines.append(f"| {c} | {m} | {agg} | {_mean(runs, 'req_tok_s'):.1f} | {_mean(runs, 'tau'):.2f} | "
                          f"{_mean(runs, 'ttft_ms_p50'):.0f} / {_mean(runs, 'ttft_ms_p99'):.0f} | "
-                         f"{_mean(runs, 'itl_ms_p50'):.1f} / {_mean(runs, 'itl_ms_p99'):.1f} |")
+                         f"{_mean(runs, 'itl_ms_p50'):.1f} / {_mean(runs, 'itl_ms_p99'):.1f} | {ident} |")
     best = []
     for c in conc:
         agg = {m: _mean(by[(m, c)], "agg_tok_s") for m in modes if (m, c) in by}
@@ -191,6 +217,14 @@ def markdown(levels: list[dict]) -> str:
             best.append(line)
     if best:
         lines.append("\n" + "; ".join(best))
+    diffs = {f"c={x['concurrency']} {x['mode']} round {x.get('repeat', 0)}": x["identical_to_off"]
+             for x in levels if x.get("identical_to_off", {}).get("differences")}
+    if diffs:
+        from dflash_app.bench_lossless import difference_lines, summary_line
+
+        lines.append("\ngreedy outputs that differ from off at the same concurrency (request slot, "
+                     "logit gap in off's batch-1 distribution): " + summary_line(diffs))
+        lines += difference_lines(diffs)
     return "\n".join(lines) + "\n"
 
 
@@ -246,6 +280,18 @@ def cmd_load(a, prompts, out: Path) -> int:
                 x["repeat"] = rep
                 levels.append(x)
                 _report(x, out, config, levels)
+    if MODE_OFF in modes:
+        from dflash.client import GatewayClient
+        from dflash_app.bench import off_probe
+
+        slots = {t for x in levels for t in x["outputs"]}
+        client = GatewayClient(a.gateway)
+        try:
+            identical_to_off(levels, off_probe(client, {t: prompts[int(t) % len(prompts)][1] for t in slots}),
+                             near_tie=a.near_tie_gap)
+        finally:
+            client.close()
+        (out / "load.json").write_text(json.dumps({"config": config, "levels": levels}, indent=1))
     md = markdown(levels)
     (out / "load.md").write_text(md)
     plot(levels, out / "load.png")

@@ -31,6 +31,35 @@ def test_itl_spreads_each_gap_over_the_tokens_of_its_delta():
     assert bench_load._delta_tokens(c) == [4, 1]
 
 
+def test_each_speculative_cell_is_compared_with_off_at_its_concurrency_and_round():
+    """Slot by slot against the off cell of the same concurrency and round only; a difference is
+    named in the table's column and listed with its gap from the probe."""
+    def cell(mode, c, rep, outputs):
+        x = bench_load.summarize([row(10, 0.1, 1.0, [0.1])], 1.0, mode=mode, concurrency=c)
+        return {**x, "repeat": rep, "outputs": outputs}
+
+    levels = [cell("off", 2, 0, {"0": [1, 2], "1": [3, 4]}), cell("fixed", 2, 0, {"0": [1, 2], "1": [3, 9]}),
+              cell("off", 2, 1, {"0": [1, 2], "1": [3, 9]}), cell("fixed", 2, 1, {"0": [1, 2], "1": [3, 9]}),
+              cell("fixed", 4, 0, {"0": [1, 2]})]                    # no off cell at c=4
+    probed = []
+
+    def probe(t, n):
+        probed.append((t, n))
+        ids = [3, 4][:n]
+        return ids, [types.SimpleNamespace(token_id=i, logprob=-1.0, top_ids=[i, 9], top_logprobs=[-1.0, -1.5])
+                     for i in ids]
+
+    bench_load.identical_to_off(levels, probe, near_tie=0.125)
+    assert probed == [("1", 2)]
+    d = levels[1]["identical_to_off"]
+    assert (d["identical"], d["total"], d["differs"]) == (1, 2, 1)
+    assert d["differences"][0]["position"] == 1 and d["differences"][0]["gap"] == pytest.approx(0.5)
+    assert levels[3]["identical_to_off"]["identical"] == 2 and "identical_to_off" not in levels[4]
+    md = bench_load.markdown(levels)
+    assert "| 3/4 |" in md                               # c=2 fixed: both rounds summed
+    assert "- c=2 fixed round 0 1: first difference at token 1: off 4, speculation 9: DIFFERS: gap 0.5" in md
+
+
 def test_table_and_plot(tmp_path):
     levels = [bench_load.summarize([row(10, 0.1, 1.0, [0.1])], w, mode=m, concurrency=c)
               for c in (1, 4) for m, w in (("off", 2.0), ("fixed", 1.0), ("adaptive", 0.9))]
@@ -91,6 +120,11 @@ def test_sweep_cli_on_a_tiny_stack(tmp_path):
     assert res["config"]["requests_per_client"] == 2
     md = (tmp_path / "out" / "load.md").read_text()
     assert "run-to-run spread" in md and (tmp_path / "out" / "load.png").exists()
+    # every speculative request against off's in its slot, same concurrency and round
+    same = [(x["concurrency"], x["identical_to_off"]) for x in res["levels"] if x["mode"] != "off"]
+    assert len(same) == 8 and all(d["total"] == 2 * c for c, d in same)
+    assert all(d["identical"] == d["total"] for _, d in same), same
+    assert "| greedy identical to off |" in md and "| 2 | fixed |" in md and "| 4/4 |" in md
     for log in (tmp_path / "logs").iterdir():
         assert "stopped" in log.read_text(), log.name
 
