@@ -11,6 +11,8 @@ the held-out chat set of :mod:`dflash_app.bench_prompts`; or a JSONL file) it ru
 Figures (DFlash ``benchmark.py`` conventions): TPOT = decode time / (output tokens - 1) where
 decode time = end-to-end latency - TTFT; speedup = TPOT(off) / TPOT(spec); tau = 1 + accepted /
 drafts over the run (bonus included); per-position rate = accepted at position i / drafts.
+Per mode, the greedy outputs identical to off, and the logit gap at each first difference
+(:mod:`dflash_app.bench_lossless`: a tie, a near-tie or a bug).
 Output: JSON, a markdown table, and a PNG (per-position acceptance, tau histogram).
 """
 
