@@ -53,10 +53,12 @@ class Served:
         return {"threads": self.threads,
                 "target": {"dtype": str(t.dtype).replace("torch.", ""),
                            "skinny_max_rows": t.skinny_max_rows, "packed_linear": t.packed_linear,
-                           "panel_linear": t.panel_linear},
+                           "panel_linear": t.panel_linear,
+                           "batch_invariant": getattr(t, "batch_invariant", False)},
                 "drafter": {"dtype": d.card.dtype, "skinny_max_rows": d.skinny_max_rows,
                             "packed_linear": d.packed_linear,
-                            "panel_linear": d.panel_linear},
+                            "panel_linear": d.panel_linear,
+                            "batch_invariant": d.batch_invariant},
                 "tree_budgets": list(self.tree_budgets), "tree_budget": self.tree_budget}
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from dflash.core.checkpoint import load_drafter, load_target_head, target_finger
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
-from dflash.core.modeling import DFlashDrafter, TargetHead
+from dflash.core.modeling import DFlashAttention, DFlashDrafter, TargetHead
 from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest, check_top_k
 from dflash.serving.threads import claim
 from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
@@ -33,6 +33,7 @@ from drafter_svc.forward import append_context, draft_blocks
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
+    set_invariant,
     switch_linear,
     tune_max_rows,
     tune_products,
@@ -99,13 +100,17 @@ class DrafterEngine:
             Raises ValueError for other values.
         capture: records what each call carries for the online learner
             (``dflash.learn.capture.Capture``; it only reads requests and drafts); None = off.
+        batch_invariant: every linear layer, the LM head and the attention take the
+            batch-invariant kernels (:mod:`kernels.invariant`; the product choices above are
+            then unused): a session's drafts do not depend on the other sessions of a batched
+            call, nor on how its context arrived.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
                  context_sched: str = "idle", capture: Capture | None = None,
-                 panel_linear: str = "off"):
+                 panel_linear: str = "off", batch_invariant: bool = False):
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -124,6 +129,12 @@ class DrafterEngine:
             panel_linear=panel_linear)
         self.skinny_max_rows = skinny_max_rows
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            set_invariant(drafter, True, also=[head])
+            for m in drafter.modules():
+                if isinstance(m, DFlashAttention):
+                    m.batch_invariant = True
         self._compute_ident: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=self._compute_thread, initargs=(threads,))
@@ -162,7 +173,8 @@ class DrafterEngine:
                         version: str | None = None, draft_vocab_size: int = -1,
                         skinny_max_rows: int = DEFAULT_MAX_ROWS, packed_linear: str = "off",
                         threads: int = 0, context_threads: int = 1,
-                        context_sched: str = "idle", panel_linear: str = "off") -> "DrafterEngine":
+                        context_sched: str = "idle", panel_linear: str = "off",
+                        batch_invariant: bool = False) -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -188,7 +200,8 @@ class DrafterEngine:
         vocab = load_draft_vocab(drafter_dir, drafter.cfg.vocab_size, draft_vocab_size)
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
                    packed_linear=packed_linear, threads=threads, context_threads=context_threads,
-                   context_sched=context_sched, panel_linear=panel_linear)
+                   context_sched=context_sched, panel_linear=panel_linear,
+                   batch_invariant=batch_invariant)
 
     @property
     def num_sessions(self) -> int:
@@ -215,6 +228,8 @@ class DrafterEngine:
                                    anchor_token=0, block_size=block, sampling=Sampling())
 
         self.propose([req(self.cfg.block_size)])
+        if self.batch_invariant:         # every product is the invariant one: nothing to choose
+            return
         if self.skinny_max_rows == AUTO and self.device.type == "cpu":   # CPU-only product
             rows = tuple(n for n in (2, 4, 8, 16) if n <= self.cfg.block_size) or (2,)
 

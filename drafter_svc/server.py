@@ -79,6 +79,7 @@ def load_engine(a, device, threads: int):
     kernels tuned there (``DrafterEngine.warmup``). ``dflash diagnose`` loads what it prices
     with this function."""
     from drafter_svc.engine import DrafterEngine
+    from kernels.invariant import resolve as resolve_invariant
 
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
                                            name=a.name,
@@ -87,7 +88,9 @@ def load_engine(a, device, threads: int):
                                            packed_linear=a.packed_linear, threads=threads,
                                            panel_linear=a.panel_linear,
                                            context_threads=a.context_threads,
-                                           context_sched=a.context_sched)
+                                           context_sched=a.context_sched,
+                                           batch_invariant=resolve_invariant(a.batch_invariant,
+                                                                             device))
     engine.warmup()
     return engine
 

@@ -25,13 +25,13 @@ bytes (SmolLM2-135M: +540 MB with the LM head). The torch reference is ``F.linea
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 import weakref
 from pathlib import Path
 
 import torch
+
+from kernels import cpp_build
 
 log = logging.getLogger("dflash.kernels.panel_linear")
 
@@ -44,53 +44,21 @@ PANEL = 32
 MAX_ROWS = 64
 #: Attribute on a weight tensor holding ``(key, panels)``.
 _ATTR = "_dflash_panels"
-_SOURCE = Path(__file__).with_name("csrc") / "panel_linear.cpp"
-_CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
+_SOURCE = cpp_build.CSRC / "panel_linear.cpp"
 #: id -> weak reference of every weight holding panels (:func:`release_new`).
 _PACKED: dict[int, weakref.ref] = {}
 
 
 def build_directory() -> tuple[str, Path]:
-    """The extension's module name and build folder: under torch's extensions root
-    (``TORCH_EXTENSIONS_DIR``), named by a hash of the source, torch's version and the flags."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    tag = hashlib.sha256("\n".join([_SOURCE.read_text(), torch.__version__, *_CFLAGS]).encode())
-    name = f"dflash_panel_linear_{tag.hexdigest()[:12]}"
-    return name, Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    """The extension's module name and build folder (``kernels.cpp_build.build_directory``)."""
+    return cpp_build.build_directory(_SOURCE, cpp_build.AVX512_CFLAGS, "dflash_panel_linear")
 
 
 @functools.cache
 def _extension():
-    """The compiled extension module, or None where this CPU or toolchain cannot build it.
-
-    Built in :func:`build_directory`, from a copy of the source kept there: every checkout of
-    the same source shares one build, and a changed source builds anew. The build runs under
-    an exclusive ``flock`` that the kernel releases when its holder dies, and torch's own lock
-    file found under it is stale and removed: a build killed half-way (a Ctrl-C during the
-    first start) would otherwise leave a lock every later start waits on forever."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
-    try:
-        import fcntl
-
-        from torch.utils.cpp_extension import load
-
-        src = _SOURCE.read_text()
-        name, build = build_directory()
-        root = build.parent
-        build.mkdir(parents=True, exist_ok=True)
-        with open(root / f"{name}.flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            source = build / _SOURCE.name
-            if not source.exists() or source.read_text() != src:
-                source.write_text(src)
-            return load(name=name, sources=[str(source)], build_directory=str(build),
-                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:    # no compiler, headers or ninja: the other paths stay
-        log.warning("panel linear unavailable: the extension did not build (%s)", str(e)[:300])
-        return None
+    """The compiled extension module, or None where this CPU or toolchain cannot build it
+    (``kernels.cpp_build.load_avx512``)."""
+    return cpp_build.load_avx512(_SOURCE, "dflash_panel_linear")
 
 
 def available() -> bool:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.core.flags import PACKED_CHOICES
+from kernels.invariant import linear as invariant_linear
 from kernels.packed_linear import available as packed_available, try_packed_linear
 from kernels.panel_linear import (
     MAX_ROWS as PANEL_MAX_ROWS,
@@ -54,7 +55,7 @@ MARGIN = 0.03
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   max_rows: int = DEFAULT_MAX_ROWS, one_row: bool = False,
-                  packed: int = 0, panel: int = 0) -> torch.Tensor:
+                  packed: int = 0, panel: int = 0, invariant: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``(weight @ x2d.T).T`` when it has 2..``max_rows`` rows
     (and, with ``one_row``, for one row, computed as two copies of it); with ``packed``, as the
     oneDNN product on the prepacked weight (:mod:`kernels.packed_linear`) at every row count
@@ -76,11 +77,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         panel: from this many rows on (0 = never) up to ``kernels.panel_linear.MAX_ROWS``,
             take :func:`kernels.panel_linear.try_panel_linear` (CPU float32 on AVX-512) before
             all of them; :func:`tune_panel` decides it.
+        invariant: take :func:`kernels.invariant.linear` at every row count instead of all the
+            others (batch-invariant mode: a row's result does not depend on the call's rows).
     Returns:
         [..., out_features], ``x``'s dtype, contiguous (row-major, as ``F.linear`` returns).
     Raises:
         RuntimeError: shape or dtype mismatch (from torch, as ``F.linear`` would).
     """
+    if invariant:
+        return invariant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if panel and panel <= rows <= PANEL_MAX_ROWS:
         out = try_panel_linear(x, weight, bias)
@@ -116,10 +121,11 @@ class SkinnyLinear(torch.nn.Linear):
     skinny_one_row: bool = False
     skinny_packed: int = 0
     skinny_panel: int = 0
+    skinny_invariant: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias, self.skinny_max_rows, self.skinny_one_row,
-                             self.skinny_packed, self.skinny_panel)
+                             self.skinny_packed, self.skinny_panel, self.skinny_invariant)
 
 
 def use_skinny_linear(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
@@ -194,6 +200,21 @@ def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, dev
     set_packed(model, int(mode == "on"), also)
     set_panel(model, int(panel == "on"), also)
     return mode, panel
+
+
+def set_invariant(model: torch.nn.Module, on: bool, also: Iterable[Any] = ()) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to :class:`SkinnyLinear` and set its
+    batch-invariant product (:func:`kernels.invariant.linear`) on or off, and the same attribute
+    (``skinny_invariant``) of each object in ``also``. Returns the number of layers set."""
+    use_skinny_linear(model, 0, always=True)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SkinnyLinear):
+            m.skinny_invariant = on
+            n += 1
+    for o in also:
+        o.skinny_invariant = on
+    return n
 
 
 def packed_state(threshold: int) -> str:

@@ -194,15 +194,24 @@ def load_target(a, devices, *, on_failure=None):
     ``a`` (:func:`parse_args`); the kernels are tuned later, on the thread that runs the
     forwards (``TargetModel.tune_skinny``). ``dflash diagnose`` loads what it prices with this
     function. ``on_failure(reason)``: called when an expert-parallel rank dies."""
+    from kernels.invariant import resolve as resolve_invariant
     from verifier_svc.target import TargetModel
 
     if a.ep_size <= 1:
+        invariant = resolve_invariant(a.batch_invariant, devices[0])
         target = TargetModel(a.target, dtype=a.dtype, device=devices[0],
                              skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs,
-                             packed_linear=a.packed_linear, panel_linear=a.panel_linear)
-        log.info("target on %s in %s%s", target.device, target.dtype,
-                 ", CUDA graphs" if a.cuda_graphs else "")
+                             packed_linear=a.packed_linear, panel_linear=a.panel_linear,
+                             batch_invariant=invariant)
+        log.info("target on %s in %s%s%s", target.device, target.dtype,
+                 ", CUDA graphs" if a.cuda_graphs else "",
+                 ", batch-invariant kernels" if invariant else "")
         return target
+    if a.batch_invariant == "on":
+        from dflash.core.device import DeviceError
+
+        raise DeviceError("--batch-invariant", "not with --ep-size > 1 (the expert-parallel "
+                          "ranks keep their own kernels)")
     from verifier_svc.ep import DistributedTarget
 
     shards = DistributedTarget(a.target, ep_size=a.ep_size, dtype=a.dtype, devices=devices,

@@ -27,9 +27,11 @@ from dflash.core.checkpoint import target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.taps import hidden_state_indices
+from kernels.invariant import register_attention
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
+    set_invariant,
     switch_linear,
     tune_max_rows,
     tune_products,
@@ -81,13 +83,19 @@ class TargetModel:
             the other paths by :meth:`tune_skinny`; "off" (default) never.
         panel_linear: the same choices for the float32 panel product on AVX-512 CPUs
             (``kernels.panel_linear``), tuned after the other two.
+        batch_invariant: every linear layer and attention takes the batch-invariant kernels
+            (:mod:`kernels.invariant`; the three product choices above are then unused): a
+            verify of k rows gives the bits of k one-token decodes at the same positions, for
+            chains, trees and batched steps alike, so greedy speculation is plain decoding bit
+            for bit in every dtype. Not with ``cuda_graphs``.
 
     On CPU it calls :func:`grouped_kv_attention` before loading.
 
     Raises:
         FileNotFoundError / OSError: no loadable checkpoint at ``path``.
         dflash.core.device.DeviceError: naming ``--device`` / ``--dtype`` / ``--cuda-graphs`` for a
-            device that is not there, a dtype outside the list, graphs without CUDA.
+            device that is not there, a dtype outside the list, graphs without CUDA or with
+            ``--batch-invariant``.
         ValueError: naming the config field, for a layout the batch KV pool cannot hold
             (``verifier_svc.target_layout.read_layout``).
     """
@@ -98,7 +106,8 @@ class TargetModel:
 
     def __init__(self, path: str | Path, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", skinny_max_rows: int = DEFAULT_MAX_ROWS,
-                 cuda_graphs: bool = False, packed_linear: str = "off", panel_linear: str = "off"):
+                 cuda_graphs: bool = False, packed_linear: str = "off", panel_linear: str = "off",
+                 batch_invariant: bool = False):
         self.path = Path(path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
@@ -106,6 +115,11 @@ class TargetModel:
             from dflash.core.device import DeviceError
 
             raise DeviceError("--cuda-graphs", f"needs a CUDA device, the target runs on {self.device}")
+        if cuda_graphs and batch_invariant:
+            from dflash.core.device import DeviceError
+
+            raise DeviceError("--cuda-graphs", "not with --batch-invariant (its reference path "
+                              "reads each query's visible keys on the host)")
         if self.device.type == "cpu":
             grouped_kv_attention()
         self.model = self._load()
@@ -132,6 +146,10 @@ class TargetModel:
         self.max_positions: int = layout.max_positions
         self.rope_theta: float = layout.rope_theta
         self.attention = layout.attention
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            set_invariant(self.model, True)
+            self.model.set_attn_implementation(register_attention())
         self.pool = KVPool(self.num_layers, layout.kv_heads, layout.head_dim, dtype=self.dtype,
                            device=self.device)
         self.graphs = None
@@ -256,6 +274,8 @@ class TargetModel:
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
         when it was set explicitly, or off the CPU: the transposed product is CPU-only)."""
         tune_rows = self.skinny_max_rows == AUTO and self.device.type == "cpu"
+        if self.batch_invariant:        # every product is the invariant one: nothing to choose
+            return self.skinny_max_rows
         if not tune_rows and "auto" not in (self.packed_linear, self.panel_linear):
             return self.skinny_max_rows
         cache = self.new_cache()

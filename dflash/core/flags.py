@@ -8,3 +8,6 @@ DTYPE_FLAGS = ("auto", "bfloat16", "float16", "float32")
 #: ``--packed-linear``: oneDNN products on prepacked weights (``kernels.packed_linear``);
 #: "auto" = measured at start against the other CPU paths.
 PACKED_CHOICES = ("auto", "on", "off")
+#: ``--batch-invariant``: the batch-invariant kernels (``kernels.invariant``); "auto" = on where
+#: the CPU kernels build (``kernels.invariant.resolve``).
+INVARIANT_CHOICES = ("auto", "on", "off")

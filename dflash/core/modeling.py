@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash.core.config import DrafterConfig
+from kernels.invariant import attention as invariant_attention
 from kernels.skinny_linear import skinny_linear
 
 # One layer's cached context keys and values: ([b, kv_heads, n, head_dim], same).
@@ -64,7 +65,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class DFlashAttention(nn.Module):
-    """Block self-attention with the injected context K/V prefix (non-causal)."""
+    """Block self-attention with the injected context K/V prefix (non-causal).
+
+    ``batch_invariant`` (attribute, off by default): attend through
+    ``kernels.invariant.attention``, so a block's drafts do not depend on the other blocks of a
+    batched call or on their context lengths."""
+
+    batch_invariant: bool = False
 
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -98,6 +105,9 @@ class DFlashAttention(nn.Module):
         k, v = self._kv(x, cos, sin)
         k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
+        if self.batch_invariant:
+            out = invariant_attention(q, k, v, mask, self.head_dim ** -0.5)     # [b, q, h, d]
+            return self.o_proj(out.reshape(b, q_len, -1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
@@ -201,6 +211,7 @@ class TargetHead(nn.Module):
     skinny_max_rows: int = 0
     skinny_packed: int = 0
     skinny_panel: int = 0
+    skinny_invariant: bool = False
     embed: torch.Tensor        # [V, H] buffer
     lm_head: torch.Tensor      # [V, H] buffer
 
@@ -220,8 +231,9 @@ class TargetHead(nn.Module):
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (float32). ``weight`` [N, H]: a subset of the LM
         head's rows (a draft vocabulary, ``dflash.core.draft_vocab``) -> logits [..., N].
-        ``skinny_max_rows`` (attribute, 0 = off), ``skinny_packed`` and ``skinny_panel``: see
-        ``kernels.skinny_linear``."""
+        ``skinny_max_rows`` (attribute, 0 = off), ``skinny_packed``, ``skinny_panel`` and
+        ``skinny_invariant``: see ``kernels.skinny_linear``."""
         w = self.lm_head if weight is None else weight
         return skinny_linear(hidden, w, max_rows=self.skinny_max_rows,
-                             packed=self.skinny_packed, panel=self.skinny_panel).float()
+                             packed=self.skinny_packed, panel=self.skinny_panel,
+                             invariant=self.skinny_invariant).float()

@@ -364,8 +364,9 @@ def add_compute_args(p, thread: str) -> None:
     threads of ``thread``, the one that runs every forward; env DFLASH_TORCH_THREADS) and
     ``--skinny-max-rows`` (``kernels.skinny_linear``; env DFLASH_SKINNY_MAX_ROWS) and
     ``--packed-linear`` (``kernels.packed_linear``; env DFLASH_PACKED_LINEAR) and
-    ``--panel-linear`` (``kernels.panel_linear``; env DFLASH_PANEL_LINEAR)."""
-    from dflash.core.flags import PACKED_CHOICES
+    ``--panel-linear`` (``kernels.panel_linear``; env DFLASH_PANEL_LINEAR) and
+    ``--batch-invariant`` (``kernels.invariant``; env DFLASH_BATCH_INVARIANT)."""
+    from dflash.core.flags import INVARIANT_CHOICES, PACKED_CHOICES
     from kernels.skinny_linear import AUTO  # here: the gateway never imports torch
 
     env = os.environ.get
@@ -388,6 +389,12 @@ def add_compute_args(p, thread: str) -> None:
                         "weights packed once into column panels (compiled on first use; one more "
                         "copy of the weights); auto = measure at start from which row count it "
                         "wins (kernels/panel_linear.py) [DFLASH_PANEL_LINEAR]")
+    p.add_argument("--batch-invariant", type=one_of(INVARIANT_CHOICES),
+                   default=env("DFLASH_BATCH_INVARIANT", "auto"),
+                   help="batch-invariant kernels: a verify of k rows gives the bits of k one-token "
+                        "decodes, so greedy speculation is plain decoding bit for bit in every "
+                        "dtype; auto = on for a CPU with AVX-512 (kernels/invariant.py, "
+                        "docs/batch-invariance.md) [DFLASH_BATCH_INVARIANT]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:
