@@ -255,3 +255,41 @@ def test_usage_counts_cached_tokens_over_grpc_and_http_per_client(target_model, 
     finally:
         h.stop()
         stack.close()
+
+
+def test_the_shared_prefix_file_is_read_and_bad_ones_name_the_flag(tmp_path):
+    from verifier_svc.prefix_reuse import read_shared
+
+    good = tmp_path / "shared.json"
+    good.write_text("[[1, 2, 3], [4, 5]]")
+    assert read_shared(good, 10) == [[1, 2, 3], [4, 5]]
+    for text, why in (("{", "cannot read"), ('{"a": 1}', "list of token-id lists"),
+                      ("[[]]", "entry 0"), ("[[1], [2, 99]]", "entry 1: 99"),
+                      ('[[1, "x"]]', "entry 0")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="--prefix-cache-shared") as e:
+            read_shared(bad, 10)
+        assert why in str(e.value)
+    with pytest.raises(ValueError, match="--prefix-cache-shared: cannot read"):
+        read_shared(tmp_path / "missing.json", 10)
+
+
+def test_the_flags_turn_the_cache_on_by_default_off_and_declare_shared(target_model, tmp_path):
+    from verifier_svc.flags import parse_args
+    from verifier_svc.server import _engine_of
+
+    shared = tmp_path / "shared.json"
+    shared.write_text(f"[{PROMPT[:20]}]")
+    engines = [_engine_of(parse_args(["--target", "t", *argv]), target_model, 0)
+               for argv in ([], ["--prefix-cache", "off"],
+                            ["--prefix-cache-mb", "3", "--prefix-cache-shared", str(shared)])]
+    try:
+        on, off, sized = engines
+        assert on.prefix_cache is not None and on.prefix_cache.max_bytes == 2048 << 20
+        assert off.prefix_cache is None
+        assert sized.prefix_cache.max_bytes == 3 << 20
+        assert sized.prefix_cache.shared_prefixes == [tuple(PROMPT[:20])]
+    finally:
+        for e in engines:
+            e.close()

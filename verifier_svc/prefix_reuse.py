@@ -12,7 +12,9 @@ its tenant's other requests while it is idle, and moves back at its next turn (n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from dflash.core.kv_pool import KVPool
 from verifier_svc.decode_state import DecodeState
@@ -35,6 +37,30 @@ def new_prefix_cache(pool: KVPool, max_mb: float, shared: Iterable[Sequence[int]
     (``--prefix-cache-mb``), with the operator's ``shared`` prefixes. Raises ValueError naming
     ``max_bytes`` for a negative ``max_mb``."""
     return PrefixCache(int(max_mb * (1 << 20)), kv_bytes_per_token(pool), shared=shared)
+
+
+def read_shared(path: str | Path, vocab_size: int) -> list[list[int]]:
+    """The operator's shared prefixes from ``path`` (``--prefix-cache-shared``): a JSON list of
+    token-id lists, each non-empty, ids in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: naming ``--prefix-cache-shared`` (unreadable, not JSON, malformed).
+    """
+    flag = "--prefix-cache-shared"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: cannot read {str(path)[:200]!r}: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{flag}: a JSON list of token-id lists expected")
+    for i, p in enumerate(data):
+        if not isinstance(p, list) or not p:
+            raise ValueError(f"{flag}: entry {i}: a non-empty list of token ids expected")
+        bad = next((t for t in p if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{flag}: entry {i}: {bad!r} is not a token id in [0, {vocab_size})")
+    return data
 
 
 def checkout_pin(s: Session, cache: PrefixCache) -> None:
