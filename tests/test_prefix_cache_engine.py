@@ -170,7 +170,7 @@ def test_a_cancelled_request_leaves_nothing_and_its_session_lets_go(target_model
         assert next(gen).cached_prompt_tokens == len(PROMPT)       # its pin taken back
         gone["now"] = True
         assert [ev.finish for ev in gen][-1] == FINISH_CANCELLED
-        assert "S" not in engine._sessions and cache.pinned_bytes == 0
+        assert engine.num_sessions == 0 and cache.pinned_bytes == 0
         # the turn had taken its K/V back, and a cancelled turn keeps nothing (its session
         # goes, as without the cache)
         assert _run(engine, PROMPT + [1, 2], rid="x")[1] == 0
