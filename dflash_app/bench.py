@@ -326,6 +326,8 @@ def cmd_bench(a) -> int:
         return cmd_ep(a, prompts, out)
     if a.concurrency:
         return _load_sweep(a, prompts, out)
+    if a.workload:
+        return _workload(a, prompts, out)
     drafters = a.use_drafter or [""]
     policies = [m for m in a.spec_modes.split(",") if m and m != MODE_OFF] or [""]
     modes = [("spec" + (f":{d}" if d else "") + (f"[{m}]" if len(policies) > 1 else ""), True, d, m)
@@ -418,6 +420,25 @@ def require_gateway(addr: str, timeout_s: float = 10.0) -> None:
         channel.close()
 
 
+def _workload(a, prompts, out: Path) -> int:
+    """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
+    stack or not."""
+    from dflash_app.bench_prefix import cmd_workload
+
+    stack = None
+    if a.start:
+        from dflash_app.launcher import LocalStack
+
+        stack = LocalStack(bench_stack_config(a)).start()
+        a.gateway = stack.gateway_addr
+    try:
+        require_gateway(a.gateway)
+        return cmd_workload(a, prompts, out)
+    finally:
+        if stack:
+            stack.stop()
+
+
 def _load_sweep(a, prompts, out: Path) -> int:
     """``--concurrency``: the many-users sweep (``dflash_app.bench_load``), on a started stack or not."""
     from dflash_app.bench_load import cmd_load
@@ -480,5 +501,19 @@ def add_parser(sub) -> None:
     b.add_argument("--ep-sizes", default="",
                    help="comma-separated expert-parallel sizes (e.g. 1,2): a stack per size on the "
                         "--target MoE, tokens/s, tau and EP overhead per step side by side (ep.json/md)")
+    b.add_argument("--workload", choices=("multiturn", "shared-system"), default=None,
+                   help="the prefix cache's workloads (docs/prefix-cache.md): conversations that "
+                        "resend their history, or one long system prompt before many users' "
+                        "questions; arms off / cache (/ session_id), interleaved (prefix.json/md)")
+    b.add_argument("--conversations", type=at_least(1), default=8, help="--workload multiturn")
+    b.add_argument("--turns", type=at_least(1), default=6, help="--workload multiturn")
+    b.add_argument("--users", type=at_least(1), default=16, help="--workload shared-system")
+    b.add_argument("--system-file", default="",
+                   help="--workload shared-system: the system prompt's text (default: the "
+                        "prompt set's texts joined to --system-tokens)")
+    b.add_argument("--system-tokens", type=at_least(1), default=1200,
+                   help="--workload shared-system: about this many tokens of system prompt")
+    b.add_argument("--no-speculation", action="store_true",
+                   help="--workload: every arm with speculation off")
     _add_stack_args(b)
     b.set_defaults(func=cmd_bench)

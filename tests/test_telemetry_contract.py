@@ -151,6 +151,8 @@ METRICS = {
     "dflash_verifier_step_batch_size",
     "dflash_verifier_waiting_prompt_tokens",
     "dflash_verifier_waiting_requests",
+    "vllm:prefix_cache_hits",
+    "vllm:prefix_cache_queries",
 }
 PUBLIC_LITERAL = re.compile(r"^(dflash\.(?!v1\.)[a-z_]+(\.[a-z_]+)*|(verifier|drafter)\.[a-z_]+)$")
 

@@ -40,6 +40,7 @@ class DecodeState:
     suffix_limit: int = 0                    # deepest suffix candidate it may verify; 0: none
     reuse: int = 0                           # prompt positions reused from the session's cache
     shared: int = 0                          # prompt positions copied from a group's session
+    hit: int = 0                             # prompt positions copied from the prefix cache
     prefilled: int = 0                       # prompt positions in the cache
     prefill_seconds: float = 0.0
     emitted: int = 0

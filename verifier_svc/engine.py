@@ -45,6 +45,8 @@ from verifier_svc.policy import (
     SpeculationPolicy,
 )
 from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
+from verifier_svc.prefix_cache import PrefixCache
+from verifier_svc.prefix_reuse import checkout_pin, keep_finished, take_cached
 from verifier_svc.proposals import draft_item, sourced, suffix_offers
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
@@ -82,6 +84,10 @@ class VerifierEngine:
         max_batch: sessions verified per step.
         context_flush: ``verifier_svc.drafter_sync.DrafterSync``. Raises ValueError below 1.
         max_unread: events a reader may leave unread before its request is cancelled.
+        prefix_cache: finished requests' K/V kept for later prompts that start the same way,
+            per tenant (``verifier_svc.prefix_cache``; sessions wait there between turns,
+            pinned); None = none kept (``--prefix-cache off``), and always None on a target
+            without ``supports_fork``.
         threads: torch threads of the scheduler thread, which runs every forward; it then is
             the process's only multi-threaded torch thread (``dflash.serving.threads.claim``; the
             service calls ``dflash.serving.threads.reserve`` at start). 0 = leave torch's threads alone.
@@ -92,7 +98,8 @@ class VerifierEngine:
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
                  tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None,
-                 answers: AnswerStore | None = None, suffix: bool = True):
+                 answers: AnswerStore | None = None, suffix: bool = True,
+                 prefix_cache: PrefixCache | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -111,6 +118,7 @@ class VerifierEngine:
         self._sessions = SessionStore(target.new_cache, self._dropped, max_sessions=max_sessions,
                                       ttl_s=session_ttl_s)
         self.totals = AcceptanceCounter()
+        self.prefix_cache = prefix_cache if target.supports_fork else None
         self.suffix = suffix and self.trees
         self.answers = answers if answers is not None else AnswerStore()
         self.suffix_calibration = SuffixCalibration()
@@ -146,7 +154,28 @@ class VerifierEngine:
     @property
     def cached_tokens(self) -> int:
         """Target KV positions held by all sessions (a metrics gauge)."""
-        return sum(s.cached for s in self._sessions.values())
+        return sum(s.held for s in self._sessions.values())
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of the prefix cache's entries (gauges read 0 with the cache off)."""
+        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+
+    @property
+    def prefix_cache_pinned_bytes(self) -> int:
+        return self.prefix_cache.pinned_bytes if self.prefix_cache is not None else 0
+
+    @property
+    def prefix_cache_entries(self) -> int:
+        return self.prefix_cache.entries if self.prefix_cache is not None else 0
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        return self.prefix_cache.tokens if self.prefix_cache is not None else 0
+
+    @property
+    def prefix_cache_evictions(self) -> int:
+        return self.prefix_cache.stats.evicted if self.prefix_cache is not None else 0
 
     def close_session(self, sid: str) -> bool:
         """Drop a session on the verifier and its drafter. Returns whether it existed."""
@@ -158,6 +187,9 @@ class VerifierEngine:
 
     def _dropped(self, s: Session) -> None:
         self.sync.release(s.id, s.drafter)
+        pin, s.pin = s.pin, None
+        if pin is not None and self.prefix_cache is not None:
+            self.prefix_cache.unpin(pin)     # the entry stays, now evictable
 
     def validate(self, req: Request) -> None:
         """Raise InvalidParam naming the field for a request that cannot run."""
@@ -197,9 +229,14 @@ class VerifierEngine:
         finally:
             job.closed = True
             self.core.wait_gone(job)
-            if req.session_id and finished:
+            if finished and (req.session_id or self.prefix_cache is not None):
                 with self.target.lock:
                     self.target.own(session.cache)   # kept for the next turn, out of the batch
+                    if self.prefix_cache is not None:
+                        keep_finished(session, req, self.target, self.prefix_cache,
+                                      pin=bool(req.session_id))
+                if session.pin is not None and sid not in self._sessions:
+                    self._dropped(session)           # closed while it finished: no pin left
             session.busy.release()
             session.last_used = time.monotonic()
             if not req.session_id or not finished:
@@ -222,6 +259,8 @@ class VerifierEngine:
         """Set up a request's decode state before its first prefill chunk (the loop's thread);
         returns the prompt positions its session's cache already holds."""
         s, req, t = st.session, st.req, self.target
+        if self.prefix_cache is not None:
+            checkout_pin(s, self.prefix_cache)
         taps_usable = self.sync.bind(s.id, s.drafter, req.proposer)
         reuse = common_prefix(s.tokens, req.prompt) if taps_usable else 0
         st.reuse = st.prefilled = min(reuse, s.cached, len(req.prompt) - 1)
@@ -239,6 +278,8 @@ class VerifierEngine:
             t.crop(s.cache, st.reuse)
         self.sync.truncate(s.drafter, st.reuse)
         share_prefix(st, t, self._sessions.values())
+        if self.prefix_cache is not None:
+            take_cached(st, t, self.prefix_cache)
         if req.trace is not None:
             req.trace.prefill_started()
         return st.prefilled

@@ -157,6 +157,20 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    p.add_argument("--prefix-cache", default=env("DFLASH_PREFIX_CACHE", "on"),
+                   type=one_of(("on", "off")),
+                   help="keep finished requests' K/V for later prompts of the same tenant that "
+                        "start the same way (a resent conversation, a shared system prompt): "
+                        "they prefill only the rest (docs/prefix-cache.md) [DFLASH_PREFIX_CACHE]")
+    p.add_argument("--prefix-cache-mb", type=positive_float,
+                   default=env("DFLASH_PREFIX_CACHE_MB", "2048"),
+                   help="MiB of cached prefixes not in use (K/V and taps); past it the least "
+                        "recently used go first; sessions' pinned K/V between turns is bounded "
+                        "by --max-sessions instead [DFLASH_PREFIX_CACHE_MB]")
+    p.add_argument("--prefix-cache-shared", default=env("DFLASH_PREFIX_CACHE_SHARED", ""),
+                   help="a JSON file of token-id lists (e.g. a system prompt's ids) every "
+                        "tenant's requests may reuse from the prefix cache; the operator's, "
+                        "never a tenant's secret [DFLASH_PREFIX_CACHE_SHARED]")
     p.add_argument("--prefill-chunk", type=int, default=int(env("DFLASH_PREFILL_CHUNK", "256")),
                    help="prompt tokens prefilled between two decode steps of the running batch "
                         "[DFLASH_PREFILL_CHUNK]")

@@ -72,7 +72,15 @@ class VerifierObserver:
             ("suffix_lookup_seconds_total", "suffix_lookup_seconds", "Seconds spent looking up "
              "suffix candidates (summed over decode steps)."),
             ("suffix_lookups_total", "suffix_lookups", "Decode steps that looked up suffix "
-             "candidates.")))
+             "candidates."),
+            ("prefix_cache_bytes", "prefix_cache_bytes", "Bytes of cached prefixes (K/V and "
+             "taps), pinned ones included."),
+            ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes", "Of those, bytes never "
+             "evicted: sessions between turns and the declared shared prefixes."),
+            ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes."),
+            ("prefix_cache_tokens", "prefix_cache_tokens", "Positions held by cached prefixes."),
+            ("prefix_cache_evictions_total", "prefix_cache_evictions", "Cached prefixes "
+             "evicted for room.")))
         PolicyGauges(telemetry.registry, lambda: self.engine)
 
     def bind(self, engine) -> None:
@@ -144,6 +152,8 @@ class VerifierObserver:
                     sc.FINISH_REASONS: [FINISH_NAME.get(last.finish_reason) or "unknown"],
                     sc.CACHE_READ_INPUT_TOKENS: last.cached_prompt_tokens}))
                 self.metrics.cached_prompt_tokens.inc(last.cached_prompt_tokens)
+                self.metrics.prefix_cache_queries.inc(last.prompt_tokens)
+                self.metrics.prefix_cache_hits.inc(last.cached_prompt_tokens)
             if spans.view is not None:
                 span.set_attribute(sc.DRAFTER_VERSION, spans.view.label)
 
@@ -187,6 +197,8 @@ class RequestSpans:
                 if ev.finish != FINISH_CANCELLED and self._prefill_t0 is not None:
                     self.o.metrics.prefill(prompt_tokens=self.prompt_tokens,
                                            seconds=time.perf_counter() - self._prefill_t0)
+                self._prefill.set_attributes(sc.with_aliases(
+                    {sc.CACHE_READ_INPUT_TOKENS: ev.cached_prompt_tokens}))
                 self._prefill.end()
                 self._prefill = None
                 self._decode = self.o.tracer.start_span(sc.SPAN_VERIFIER_DECODE, context=self.server_ctx)

@@ -119,7 +119,7 @@ def prefill_chunk(st: DecodeState, t: Target, budget: int, *, suffix: bool) -> S
         d.proposer = req.proposer
     return StepEvent(tokens=[first], finish=finish, verify_seconds=st.prefill_seconds,
                      stats=st.stats, prompt_tokens=len(req.prompt),
-                     cached_prompt_tokens=st.reuse + st.shared,
+                     cached_prompt_tokens=st.reuse + st.shared + st.hit,
                      logprobs=token_logprobs(raw, [0], [first], req.sampling.top_logprobs)
                      if req.sampling.logprobs else None)
 

@@ -78,7 +78,8 @@ class StepEvent:
     stats: AcceptanceCounter | None = None   # the request's counts so far (same object each step)
     prompt_tokens: int = 0             # set on the prefill event (the first)
     cached_prompt_tokens: int = 0      # prompt tokens not prefilled: reused from the session's
-    #                                    cache or copied from another session of its prefix group
+    #                                    cache, copied from the prefix cache or from another
+    #                                    session of its prefix group
     batch_size: int = 1                # sessions verified in this step's target forward
     policy: Decision | None = None     # the speculation policy's choice for this step
     tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)

@@ -128,7 +128,16 @@ def _engine_of(a, target, threads: int):
     """The engine over ``target`` with the session, speculation, suffix and batch flags of
     ``a``; its scheduler thread claims ``threads`` compute threads."""
     from verifier_svc.engine import VerifierEngine
+    from verifier_svc.prefix_reuse import new_prefix_cache, read_shared
 
+    cache = None
+    if a.prefix_cache == "on" and target.supports_fork:
+        try:
+            shared = read_shared(a.prefix_cache_shared, target.vocab_size) \
+                if a.prefix_cache_shared else []
+        except ValueError as e:
+            raise SystemExit(f"python -m verifier_svc: error: {e}") from None
+        cache = new_prefix_cache(target.pool, a.prefix_cache_mb, shared)
     return VerifierEngine(target, session_ttl_s=a.session_ttl, spec_mode=a.spec_mode,
                           prefill_chunk=a.prefill_chunk, max_batch=a.max_batch,
                           context_flush=a.context_flush, max_unread=a.max_unread_events,
@@ -138,7 +147,8 @@ def _engine_of(a, target, threads: int):
                           answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total,
                                               corpus=corpus_of(a, target)),
                           admission=Admission(max_waiting=a.max_waiting,
-                                              max_waiting_tokens=a.max_waiting_tokens))
+                                              max_waiting_tokens=a.max_waiting_tokens),
+                          prefix_cache=cache)
 
 
 def _attach_drafters(rt, engine, a, upstream_tls) -> None:

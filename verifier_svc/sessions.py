@@ -6,11 +6,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dflash.core.suffix import SuffixIndex
 from verifier_svc.drafter_sync import DrafterState
 from verifier_svc.suffix_drafts import SessionRates
+
+if TYPE_CHECKING:   # the prefix cache's entries hold a session's cache handle
+    from verifier_svc.prefix_cache import Entry
 
 
 class CacheHandle(Protocol):
@@ -35,10 +38,19 @@ class Session:
     # set once a prompt is fully in the cache (then tokens, cache and taps agree), cleared when
     # a turn starts changing them: only such a session lends its prompt to its group's others
     prefix_group: str = ""
+    # between turns with the prefix cache on: the entry holding its K/V and taps (pinned), and
+    # ``cache`` is empty until its next turn takes them back (verifier_svc.prefix_reuse)
+    pin: Entry | None = None
 
     @property
     def cached(self) -> int:
+        """Target positions in ``cache`` (0 between turns while ``pin`` holds them)."""
         return self.cache.get_seq_length()
+
+    @property
+    def held(self) -> int:
+        """Target positions it holds, in ``cache`` or its pinned entry."""
+        return self.pin.length if self.pin is not None else self.cached
 
 
 class SessionStore:

@@ -73,6 +73,12 @@ class VerifierMetrics:
         self.cached_prompt_tokens = Counter("dflash_verifier_cached_prompt_tokens",
                                             "Prompt tokens reused from a session's KV cache.",
                                             registry=r)
+        # vLLM's names and meaning (tokens): prompt tokens looked up, and of those found cached
+        # (the prefix cache, the session's own K/V, or a sample of the same request)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the KV caches.", registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
+                                         "Prompt tokens found cached (not prefilled).", registry=r)
         self.prefill_seconds = Histogram("dflash_verifier_prefill_seconds",
                                          "Prefill (prompt forward + first token).", buckets=SECONDS,
                                          registry=r)
