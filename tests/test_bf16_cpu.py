@@ -4,6 +4,8 @@ The GPU default is bf16 (``--dtype auto`` takes the checkpoint's dtype there); t
 same bf16 arithmetic on the CPU, through the real services (verifier + drafter over gRPC on
 loopback), with ``device="cpu"`` passed explicitly. The comparison is bf16 against bf16: the
 verifier with speculation off is the reference (a float32 ``generate()`` is a different model).
+With the default kernels a near-tie may flip (shown with its logit gap); in batch-invariant mode
+(``kernels.invariant``) nothing may.
 """
 
 from __future__ import annotations
@@ -75,12 +77,16 @@ def _block_noise(target, prompt, tokens, block=16):
 def _assert_greedy_within(target, prompt, got, noise, what):
     """Every emitted token is the bf16 target's greedy choice at its own prefix (teacher-forced
     one-token decode), except where the top logit beats it by no more than ``noise``: a near-tie
-    that a block forward and a one-token forward round differently (shown with its gap)."""
+    that a block forward and a one-token forward round differently (shown with its gap). An
+    exact tie (gap 0.0) whose other token was emitted is a flip too: decoding takes the first
+    of tied ids, a block forward that rounds them apart may take the other. Returns the flips,
+    (position, emitted, decode's top, gap)."""
     logits = _decode_logits(target, prompt, got)
     top = logits.max(dim=-1)
     chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
     gaps = (top.values - chosen).tolist()
-    flips = [(t, got[t], int(top.indices[t]), round(g, 5)) for t, g in enumerate(gaps) if g > 0]
+    flips = [(t, got[t], int(top.indices[t]), round(g, 5)) for t, g in enumerate(gaps)
+             if g > 0 or got[t] != int(top.indices[t])]
     assert all(g <= noise for g in gaps), (
         f"{what}: token not the target's greedy choice beyond bf16 noise {noise:.4f}: "
         f"(position, emitted, target's top, logit gap) {flips}")
@@ -123,9 +129,46 @@ def test_bf16_greedy_speculation_equals_speculation_off(bf16_stack, bf16_target,
         flips = _assert_greedy_within(bf16_target, p, got, noise, f"prompt {i} oracle")
         if got == off[i]:
             assert last.stats.mean_acceptance_length == pytest.approx(16)
-        else:       # the oracle drafts off's tokens: only a near-tie flip may cut a block
+        else:       # the oracle drafts off's tokens: only a (near-)tie flip may cut a block
             assert flips, f"prompt {i}: oracle output differs from off without a near-tie"
     assert identical >= len(PROMPTS) - 1, "more than one prompt flipped at a near-tie"
+
+
+@pytest.fixture(scope="module")
+def bf16_invariant_target(tiny_target):
+    from verifier_svc.target import TargetModel
+
+    return TargetModel(tiny_target, dtype="bfloat16", device="cpu", batch_invariant=True)
+
+
+def test_bf16_greedy_speculation_is_plain_decoding_bit_for_bit_in_batch_invariant_mode(
+        bf16_invariant_target, tokenizer, make_drafter, tiny_target):
+    """With the batch-invariant kernels (verifier and drafter) bf16 needs no near-tie allowance:
+    every speculative output is speculation off's, token for token, the oracle's τ is exactly
+    16 (every block of 16 accepted whole), and off is the target's own teacher-forced greedy
+    choice at every position (no flip, not even at an exact tie)."""
+    s = Stack(bf16_invariant_target, tokenizer)
+    try:
+        v = s.verifier_stub()
+        off = {i: generate_ids(v, p, max_tokens=N, ignore_eos=True)[0] for i, p in enumerate(PROMPTS)}
+        for i, p in enumerate(PROMPTS):
+            assert not _assert_greedy_within(bf16_invariant_target, p, off[i], 0.0, f"prompt {i} off")
+        engine = DrafterEngine.from_pretrained(make_drafter(block_size=16), tiny_target,
+                                               dtype="bfloat16", device="cpu", batch_invariant=True)
+        dflash_addr = s.add_drafter(engine, label="bf16")
+        refs = {f"o{i}": p + off[i] for i, p in enumerate(PROMPTS)}
+        oracle_addr = s.add_drafter(ReferenceDrafter(bf16_invariant_target, refs, block_size=16),
+                                    label="oracle@16")
+        for i, p in enumerate(PROMPTS):
+            got, last = generate_ids(v, p, max_tokens=N, ignore_eos=True,
+                                     speculation=spec(dflash_addr))
+            assert got == off[i] and last.stats.drafts > 0, f"prompt {i}: DFlash differs from off"
+            got, last = generate_ids(v, p, max_tokens=N, session_id=f"o{i}", ignore_eos=True,
+                                     speculation=spec(oracle_addr))
+            assert got == off[i], f"prompt {i}: the oracle differs from off"
+            assert last.stats.mean_acceptance_length == 16.0
+    finally:
+        s.close()
 
 
 def test_bf16_taps_travel_as_bf16_by_default(bf16_target):
