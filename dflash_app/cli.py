@@ -40,16 +40,22 @@ def _default_target() -> str:
 
 
 def _tiny_models() -> tuple[str, str]:
-    """Random-weight tiny target + drafter under the cache dir (quick smoke runs)."""
+    """Random-weight tiny target + drafter under the cache dir (quick smoke runs). Built under
+    an exclusive lock: two `--tiny` runs at once (parallel tests) never read a half-written one."""
+    import fcntl
+
     from dflash_app.target_setup import default_cache_dir
     from dflash_app.testing import make_tiny_drafter, make_tiny_target
 
     root = default_cache_dir() / "tiny"
     t, d = root / "target", root / "drafter"
-    if not (t / "config.json").exists():
-        make_tiny_target(t)
-    if not (d / "config.json").exists():
-        make_tiny_drafter(d, t, block_size=8)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (t / "config.json").exists():
+            make_tiny_target(t)
+        if not (d / "config.json").exists():
+            make_tiny_drafter(d, t, block_size=8)
     return str(t), str(d)
 
 

@@ -17,6 +17,47 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (./test.sh runs two workers), the e2e and slow tests first: a worker
+    that starts a long one last would leave the other idle at the end of the run."""
+    if getattr(config.option, "numprocesses", None):
+        items.sort(key=lambda item: not any(item.iter_markers(m) for m in ("e2e", "slow")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    """The real SmolLM2 target directory (``dflash_app.target_setup.setup_target``), built once
+    per machine; the lock keeps two test workers from building it at once."""
+    import fcntl
+
+    from dflash_app.target_setup import setup_target, target_dir
+
+    lock_path = target_dir().parent / ".setup.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return setup_target()
+
+
+@pytest.fixture(scope="session")
+def smollm2_stack(smollm2_target, tmp_path_factory):
+    """``dflash_app.launcher.LocalStack``: the SmolLM2 target and the committed drafter as
+    separate processes (default flags), one per session. Tests that use it carry
+    ``pytest.mark.xdist_group("smollm2")`` so that they share one worker, and one stack."""
+    from dflash_app.cli import DEFAULT_DRAFTER
+    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
+
+    from helpers import free_ports
+
+    gw, ver, dr = free_ports(3)
+    cfg = StackConfig(target=str(smollm2_target),
+                      drafters=[DrafterSpec(path=str(DEFAULT_DRAFTER), port=dr)],
+                      gateway_port=gw, verifier_port=ver,
+                      run_dir=str(tmp_path_factory.mktemp("smollm2-stack")))
+    with LocalStack(cfg) as stack:
+        yield stack
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     from dflash_app.testing import make_tiny_target

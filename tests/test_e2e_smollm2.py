@@ -1,13 +1,13 @@
 """End to end on the real model: the SmolLM2 target (set up from PyPI) and the committed drafter,
-through the real stack as separate processes. Marked e2e (`./test.sh -m "not e2e"` skips it)."""
+through the real stack as separate processes (the session's ``smollm2_stack``, conftest.py).
+Marked e2e (`./test.sh -m "not e2e"` skips it)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash_app.cli import DEFAULT_DRAFTER
-
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# the stack (conftest.py, smollm2_stack) is shared with test_e2e_ep.py: one worker, one stack
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 N_PROMPTS = 3
 MAX_TOKENS = 64
@@ -17,22 +17,6 @@ MAX_TOKENS = 64
 # floor leaves a margin for run-to-run differences and still fails a drafter that accepts
 # nothing (tau 1.0) or version 1 (tau 1.32 here). Outputs must match token for token regardless.
 TAU_FLOOR = 1.4
-
-
-@pytest.fixture(scope="module")
-def smollm2_stack(tmp_path_factory):
-    from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
-    from dflash_app.target_setup import setup_target
-
-    from helpers import free_ports
-
-    target = setup_target()
-    gw, ver, dr = free_ports(3)
-    cfg = StackConfig(target=str(target), drafters=[DrafterSpec(path=str(DEFAULT_DRAFTER), port=dr)],
-                      gateway_port=gw, verifier_port=ver,
-                      run_dir=str(tmp_path_factory.mktemp("smollm2-stack")))
-    with LocalStack(cfg) as stack:
-        yield stack
 
 
 def test_greedy_spec_equals_off_and_tau_floor(smollm2_stack):
