@@ -177,6 +177,19 @@ class VerifierEngine:
     def prefix_cache_evictions(self) -> int:
         return self.prefix_cache.stats.evicted if self.prefix_cache is not None else 0
 
+    # sessions started from a drafter's kept context (``DrafterSync.prefixes``)
+    @property
+    def drafter_prefix_hits(self) -> int:
+        return self.sync.prefixes.hits
+
+    @property
+    def drafter_prefix_hit_tokens(self) -> int:
+        return self.sync.prefixes.hit_tokens
+
+    @property
+    def drafter_prefix_misses(self) -> int:
+        return self.sync.prefixes.misses
+
     def close_session(self, sid: str) -> bool:
         """Drop a session on the verifier and its drafter. Returns whether it existed."""
         return self._sessions.close(sid)
