@@ -270,3 +270,32 @@ def test_another_tenant_never_starts_from_a_kept_context(target_model, make):
     finally:
         engine.close()
         drafter.close()
+
+
+def test_over_mtls_a_kept_prefix_is_its_verifiers_own(make):
+    """Keys are scoped by the caller's identity: another verifier naming the same key misses;
+    a key longer than the wire allows is refused naming the field."""
+    from dflash.core import wire
+    from dflash.core.sampling import InvalidParam
+    from dflash.v1 import drafter_pb2
+    from drafter_svc.servicer import DrafterServicer, _request
+
+    engine = make()
+    servicer = DrafterServicer(engine)
+    rows = torch.randn(12, engine.cfg.context_size, generator=torch.Generator().manual_seed(2))
+    try:
+        engine.propose([_req("a", 0, rows[:10])])
+        servicer._keep([drafter_pb2.KeepPrefix(session_id="a", key=b"k", length=10)], "spiffe://v1")
+
+        def item(key=b"k"):
+            return drafter_pb2.DraftItem(session_id="n", context_start=10, prefix_key=key,
+                                         context=wire.to_proto(rows[10:]), anchor_token=3,
+                                         block_size=3)
+
+        other = engine.propose([_request(item(), "spiffe://v2")])[0]
+        assert isinstance(other, DraftError) and other.reason == FallbackReason.PREFIX_MISS
+        assert isinstance(engine.propose([_request(item(), "spiffe://v1")])[0], Proposal)
+        with pytest.raises(InvalidParam, match="prefix_key"):
+            _request(item(b"x" * 65), "spiffe://v1")
+    finally:
+        engine.close()

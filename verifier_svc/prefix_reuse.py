@@ -112,11 +112,14 @@ def take_cached(st: DecodeState, t: Target, cache: PrefixCache) -> None:
         cache.release(entry)
 
 
-def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pin: bool) -> None:
+def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pin: bool
+                  ) -> Entry | None:
     """After a finished turn (its K/V spilled by ``Target.own``; caller holds ``t.lock``): its
     cached positions join ``cache`` as the request's tenant's entry, and any declared shared
     prefix they start with is filled (a copy). ``pin``: the session keeps the entry for its next
-    turn (its cache and taps are handed over and replaced by empty ones)."""
+    turn (its cache and taps are handed over and replaced by empty ones). Returns the entry
+    kept for a one-shot request (None: pinned, or not kept), for
+    :func:`keep_drafter_context` once the lock is released."""
     n = s.cached
     tokens = s.tokens[:n]
     tap_ids = s.drafter.tap_ids
@@ -133,12 +136,12 @@ def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pi
             copied.append(taps.rows(0)[:length].clone())
         cache.put_shared(tokens[:length], seq, copied, tap_ids)
     entry = cache.put(req.tenant, tokens, s.cache, taps, tap_ids, pin=pin)
-    if entry is not None and not pin:
-        keep_drafter_context(s, req, entry)
     if pin:
         s.pin = entry
         s.cache = t.new_cache()
         s.drafter.taps = TapRows()
+        return None
+    return entry
 
 
 def keep_drafter_context(s: Session, req: Request, entry: Entry) -> None:
