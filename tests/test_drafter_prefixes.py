@@ -13,7 +13,7 @@ import torch
 
 from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.core.sampling import Sampling
-from dflash.core.speculation import MODE_FIXED
+from dflash.core.speculation import MODE_FIXED, MODE_TREE
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.engine import Request, VerifierEngine
@@ -27,7 +27,7 @@ N = 20
 
 class Recording(DrafterEngine):
     """A DrafterEngine that records every item it serves: (session, context_start, rows,
-    prefix_key, drafts or the error's reason)."""
+    prefix_key, the error's reason or (drafts, the top-k log-probs' bytes))."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -36,7 +36,9 @@ class Recording(DrafterEngine):
     def propose(self, requests):
         out = super().propose(requests)
         for r, o in zip(requests, out):
-            got = o.reason if isinstance(o, DraftError) else tuple(o.tokens.tolist())
+            got = o.reason if isinstance(o, DraftError) else (
+                tuple(o.tokens.tolist()),
+                None if o.top_logprobs is None else o.top_logprobs.numpy().tobytes())
             self.calls.append((r.session_id, r.context_start, int(r.context.shape[0]),
                                r.prefix_key, got))
         return out
@@ -164,12 +166,12 @@ def test_a_prefix_not_held_is_a_miss_and_the_store_is_bounded(make):
         make(prefix_mb=-1)
 
 
-def _turns(engine, proposer, between=lambda: None):
+def _turns(engine, proposer, between=lambda: None, mode=MODE_FIXED):
     """Turn 1, then turn 2 resending the conversation (no session_id); turn 2's tokens."""
     def run(rid, prompt):
         evs = list(engine.generate(Request(request_id=rid, prompt=prompt, max_tokens=N,
                                            ignore_eos=True, proposer=proposer,
-                                           spec_mode=MODE_FIXED, tenant="t")))
+                                           spec_mode=mode, tenant="t")))
         return [t for ev in evs for t in ev.tokens], evs[0].cached_prompt_tokens
 
     first, _ = run("turn1", PROMPT)
@@ -185,20 +187,22 @@ def _calls(engine, rid="turn2"):
     return [c for c in engine.calls if c[0] == f"req-{rid}"]
 
 
+@pytest.mark.parametrize("mode", [MODE_FIXED, MODE_TREE])
 def test_a_restarted_drafter_is_sent_everything_and_drafts_the_same(target_model, hf_target,
-                                                                     make):
+                                                                     make, mode):
     """The same two turns twice: with the drafter holding turn 1's context (turn 2 starts
     from it and uploads only the rest) and with the drafter restarted between the turns (it
-    says it does not hold it; the same step uploads the whole context). Turn 2's drafts are
-    identical call for call, and its tokens are the target's own."""
+    says it does not hold it; the same step uploads the whole context). Turn 2's drafts (and,
+    for a tree, the drafter's top-k log-probs) are identical call for call, and its tokens are
+    the target's own."""
     held = Restartable(make)
     lost = Restartable(make)
     runs = {}
     for name, proposer in (("held", held), ("lost", lost)):
-        engine = VerifierEngine(target_model, spec_mode=MODE_FIXED,
+        engine = VerifierEngine(target_model, spec_mode=mode,
                                 prefix_cache=new_prefix_cache(target_model.pool, 64.0))
         try:
-            turn, got = _turns(engine, proposer,
+            turn, got = _turns(engine, proposer, mode=mode,
                                between=lost.restart if proposer is lost else lambda: None)
             assert_same_tokens(hf_target, turn, got, reference(hf_target, turn, N,
                                                                ignore_eos=True))
@@ -217,7 +221,8 @@ def test_a_restarted_drafter_is_sent_everything_and_drafts_the_same(target_model
     assert miss_calls[1][1] == 0 and not miss_calls[1][3]
     assert (hits2, misses2) == (0, 1)
     drafts = [c[4] for c in hit_calls]
-    assert drafts == [c[4] for c in miss_calls[1:]] and any(drafts)
+    assert drafts == [c[4] for c in miss_calls[1:]] and any(d[0] for d in drafts)
+    assert (mode == MODE_TREE) == any(d[1] is not None for d in drafts)
 
 
 def test_the_wire_carries_keeps_prefix_keys_and_misses(target_model, hf_target, make):
