@@ -84,8 +84,11 @@ def load_engine(a, device, threads: int):
     thread on ``threads`` torch threads (``dflash.serving.threads.reserve``), warmed up with its
     kernels tuned there (``DrafterEngine.warmup``). ``dflash diagnose`` loads what it prices
     with this function."""
+    from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
     from drafter_svc.engine import DrafterEngine
     from kernels.invariant import resolve as resolve_invariant
+
+    dev = resolve_device(device)
 
     engine = DrafterEngine.from_pretrained(a.drafter, a.target, dtype=a.dtype, device=device,
                                            name=a.name,
@@ -96,8 +99,10 @@ def load_engine(a, device, threads: int):
                                            context_threads=a.context_threads,
                                            context_sched=a.context_sched,
                                            prefix_mb=a.prefix_context_mb,
-                                           batch_invariant=resolve_invariant(a.batch_invariant,
-                                                                             device))
+                                           batch_invariant=resolve_invariant(
+                                               a.batch_invariant, dev, resolve_dtype(
+                                                   a.dtype, checkpoint_dtype(a.drafter), dev,
+                                                   cpu_bf16=True)))
     engine.warmup()
     return engine
 

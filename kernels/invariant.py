@@ -183,10 +183,12 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
-def resolve(choice: str, device: torch.device | str) -> bool:
-    """The ``--batch-invariant`` flag (``dflash.core.flags.INVARIANT_CHOICES``) on ``device``:
-    "on" / "off" as given; "auto" on where the CPU kernels build (a CPU with AVX-512), off
-    elsewhere (a GPU would take the row-at-a-time references; ``docs/batch-invariance.md``).
+def resolve(choice: str, device: torch.device | str, dtype: torch.dtype | str = "float32") -> bool:
+    """The ``--batch-invariant`` flag (``dflash.core.flags.INVARIANT_CHOICES``) for a model of
+    ``dtype`` on ``device``: "on" / "off" as given; "auto" on for float32 on a CPU where the
+    kernels build (AVX-512), where the mode costs least, off elsewhere: bfloat16 CPUs have
+    faster vendor products (AMX, AVX512-BF16) than its float32 FMA chains, and a GPU would take
+    the row-at-a-time references (figures: ``docs/batch-invariance.md``).
 
     Raises:
         ValueError: naming ``batch_invariant`` for another value.
@@ -195,4 +197,5 @@ def resolve(choice: str, device: torch.device | str) -> bool:
         raise ValueError(f"batch_invariant: one of auto, on, off, got {choice!r}")
     if choice != "auto":
         return choice == "on"
-    return torch.device(device).type == "cpu" and kernels_available()
+    dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    return torch.device(device).type == "cpu" and dt == torch.float32 and kernels_available()

@@ -235,7 +235,7 @@ def e2e(a) -> dict:
     logs = Path(a.logs)
     logs.mkdir(parents=True, exist_ok=True)
     vport, dport = _free_port(), _free_port()
-    common = ["--device", a.device, "--dtype", a.dtype]
+    common = ["--device", a.device, "--dtype", a.dtype, "--batch-invariant", a.batch_invariant]
     verifier = _start(["-m", "verifier_svc", "--target", a.target, "--bind", f"127.0.0.1:{vport}",
                        "--allow-unregistered-drafters", "--spec-mode", "fixed",
                        "--draft-timeout", "30", "--prefill-chunk", "1024",
@@ -251,7 +251,8 @@ def e2e(a) -> dict:
     ort.set_serving(True)
     oracle_addr = f"127.0.0.1:{ort.port}"
     out = {"device": a.device, "dtype": a.dtype, "prompt_len": a.prompt_len,
-           "max_tokens": a.max_tokens, "block": a.block, "levels": {}}
+           "max_tokens": a.max_tokens, "block": a.block, "batch_invariant": a.batch_invariant,
+           "levels": {}}
     try:
         t0 = time.perf_counter()
         for name, p, addr in (("verifier", verifier, f"127.0.0.1:{vport}"),
@@ -328,6 +329,7 @@ def report(a) -> int:
     d = Path(a.dir)
     res = {"meta": _load(d / "meta.json") or {}, "realsize": _load(d / "realsize.json"),
            "step": _load(d / "step.json"), "e2e": _load(d / "e2e.json"),
+           "e2e_invariant": _load(d / "e2e_invariant.json"),
            "kernels": _kernel_rows((d / "kernels.md").read_text())
            if (d / "kernels.md").is_file() else None,
            "pytest_gpu": (d / "pytest_gpu.txt").read_text().strip().splitlines()[-1:]
@@ -342,6 +344,16 @@ def report(a) -> int:
         v = values[key]
         ok = None if v is None else (v <= bound if op == "<=" else v >= bound)
         checks.append({"target": label, "value": v, "met": ok})
+    inv1 = ((res["e2e_invariant"] or {}).get("levels") or {}).get("1")
+    block = (res["e2e_invariant"] or {}).get("block")
+    checks.append({"target": "batch-invariant bf16: oracle tau = block size, every output "
+                             "identical to off (batch 1)",
+                   "value": inv1 and f"tau {inv1['oracle']['tau']} (default kernels: "
+                            f"{lvl1 and lvl1['oracle']['tau']}), identical "
+                            f"{inv1['oracle']['same_as_off'] and inv1['random']['same_as_off']}",
+                   "met": None if not inv1 else (inv1["oracle"]["tau"] == block
+                                                 and inv1["oracle"]["same_as_off"]
+                                                 and inv1["random"]["same_as_off"])})
     k32 = [r for r in res["kernels"] or [] if r["batch"] == "32" and r["op"] != "pack"]
     if k32:
         checks.append({"target": "Triton kernels faster than torch at batch 32, bit-exact",
@@ -376,10 +388,12 @@ def _markdown(res: dict) -> str:
             lines.append(f"| {r['batch']} | {r['decode_ms']} | {r['verify16_ms']} | "
                          f"{r['verify16_over_decode']} | {r['draft_ms']} | {r['wire_ms']} | "
                          f"{100 * r['wire_share_of_step']:.2f}% |")
-    if res["e2e"]:
-        e = res["e2e"]
-        lines += ["", f"## End to end (gRPC on loopback; prompts of {e['prompt_len']} random ids, "
-                      f"{e['max_tokens']} new tokens, greedy, block {e['block']})", "",
+    for key, kernels in (("e2e", "default kernels"), ("e2e_invariant", "batch-invariant kernels")):
+        if not res.get(key):
+            continue
+        e = res[key]
+        lines += ["", f"## End to end, {kernels} (gRPC on loopback; prompts of {e['prompt_len']} "
+                      f"random ids, {e['max_tokens']} new tokens, greedy, block {e['block']})", "",
                   "| concurrency | drafter | tokens/s | per-request decode tok/s | tau | "
                   "speedup | same tokens as off |", "|---:|---|---:|---:|---:|---:|:---:|"]
         for c, lvl in e["levels"].items():
@@ -423,6 +437,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--block", type=int, default=16)
     e.add_argument("--start-timeout", type=float, default=240)
     e.add_argument("--logs", default="gpu_out/logs")
+    e.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="off",
+                   help="the services' --batch-invariant (kernels/invariant.py)")
     e.add_argument("--verifier-args", nargs=argparse.REMAINDER, default=[],
                    help="extra verifier flags (last), e.g. --cuda-graphs")
     r = sub.add_parser("report")

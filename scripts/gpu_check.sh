@@ -15,7 +15,10 @@
 #   5. step        scripts/gpu_bench.py step: decode, verify of 16, drafter call, wire time at
 #                  batch 1/8/32 on the real-size checkpoints
 #   6. e2e         scripts/gpu_bench.py e2e: tokens/s through the real services over gRPC on
-#                  loopback: speculation off vs the oracle drafter vs the random drafter
+#                  loopback: speculation off vs the oracle drafter vs the random drafter, with
+#                  the default kernels (bf16 near-ties may cut the oracle's blocks)
+#   6b. e2e_invariant  the same at batch 1 with --batch-invariant on (kernels/invariant.py):
+#                  the oracle's tau must be the block size and every output identical to off
 #   7. report      $OUT/results.json + $OUT/report.md (targets met or not), $OUT/check.log,
 #                  $OUT/details.tar.gz (every stage's output and the services' logs)
 # Copy results.json and report.md to docs/bench/gpu-<date>/ (docs/gpu.md).
@@ -50,6 +53,7 @@ if [[ $DRY == 1 ]]; then
   KERNELS=(--smoke)
   STEP=(--batches 1 2 --context 32 --iters 1)
   E2E=(--concurrency 1 --prompt-len 16 --max-tokens 33 --start-timeout 120)
+  E2E_INV=(--concurrency 1 --prompt-len 16 --max-tokens 33 --start-timeout 120)
   MODE="dry run: CPU, tiny shapes"
 else
   PY=${PYTHON:-python3}
@@ -58,6 +62,8 @@ else
   KERNELS=(--batch 1 8 32 --vocab 151936 --hidden 20480 --iters 20)
   STEP=(--batches 1 8 32 --context 512 --iters 10)
   E2E=(--concurrency 1 8 --prompt-len 256 --max-tokens 128)
+  # off the AVX-512 CPU kernels the invariant mode takes its row-at-a-time references: batch 1
+  E2E_INV=(--concurrency 1 --prompt-len 256 --max-tokens 64)
   MODE="real size: Qwen3-8B target, Qwen3-8B-DFlash-b16 drafter, bf16"
   # What the image lacks or has in another version travels as wheels (scripts/gpu_wheels.sh).
   if compgen -G ".whl/*.whl" > /dev/null; then
@@ -123,7 +129,12 @@ stage step 180 - "$PY" scripts/gpu_bench.py step --target "$WORK/ckpt/target" \
 
 stage e2e 240 - "$PY" scripts/gpu_bench.py e2e --target "$WORK/ckpt/target" \
   --drafter "$WORK/ckpt/drafter" --device "$DEVICE" --dtype bfloat16 --out "$RUN/e2e.json" \
-  --logs "$RUN/logs" "${E2E[@]}"
+  --logs "$RUN/logs" --batch-invariant off "${E2E[@]}"
+
+stage e2e_invariant 150 - "$PY" scripts/gpu_bench.py e2e --target "$WORK/ckpt/target" \
+  --drafter "$WORK/ckpt/drafter" --device "$DEVICE" --dtype bfloat16 \
+  --out "$RUN/e2e_invariant.json" --logs "$RUN/logs/invariant" --batch-invariant on \
+  "${E2E_INV[@]}"
 
 "$PY" - "$RUN/meta.json" "$STAGES" "$(( SECONDS - START ))" <<'EOF'
 import json, sys

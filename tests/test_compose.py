@@ -451,10 +451,8 @@ def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
 def test_committed_drafter_checkpoint_is_present():
     from dflash_app.cli import DEFAULT_DRAFTER
 
-    if not DEFAULT_DRAFTER.exists():
-        pytest.skip(f"{DEFAULT_DRAFTER.relative_to(ROOT)} is not committed yet (being trained); the "
-                    "compose drafters mount it")
-    assert (DEFAULT_DRAFTER / "config.json").is_file()
+    # the compose drafters mount it: a checkout without it cannot run the compose stack
+    assert (DEFAULT_DRAFTER / "config.json").is_file(), f"{DEFAULT_DRAFTER} is missing"
     assert (DEFAULT_DRAFTER / "model.safetensors").is_file()
 
 
@@ -672,8 +670,7 @@ def _datasource_refs(node):
 
 
 def test_dashboard_uses_the_provisioned_datasources():
-    if not DASHBOARD.exists():
-        pytest.skip(f"{DASHBOARD.relative_to(ROOT)} is not committed yet (observability work)")
+    assert DASHBOARD.is_file(), f"{DASHBOARD} is missing (Grafana provisions it)"
     dash = json.loads(DASHBOARD.read_text())
     assert dash.get("panels"), "dashboard has no panels"
     ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "datasources.yml").read_text())

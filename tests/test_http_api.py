@@ -238,11 +238,10 @@ def _verifier_sends_logprobs(stack) -> bool:
 
 
 def test_logprobs_are_the_targets(served, tokenizer, hf_target):
-    """The verifier half (issue 27: logprobs from the verification logits) is task A's; this
-    checks what comes out of the HTTP API against the target's own log_softmax."""
+    """What comes out of the HTTP API against the target's own log_softmax (the verifier sends
+    logprobs from the verification logits: verifier_svc/commit.py)."""
     stack, _, client = served
-    if not _verifier_sends_logprobs(stack):
-        pytest.skip("the verifier sends no logprobs yet (issue 27, its verifier half)")
+    assert _verifier_sends_logprobs(stack), "the verifier sent no logprobs for logprobs=True"
     r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0,
                                        logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content

@@ -208,7 +208,11 @@ def load_target(a, devices, *, on_failure=None):
     from verifier_svc.target import TargetModel
 
     if a.ep_size <= 1:
-        invariant = resolve_invariant(a.batch_invariant, devices[0])
+        from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
+
+        dev = resolve_device(devices[0])
+        invariant = resolve_invariant(a.batch_invariant, dev,
+                                      resolve_dtype(a.dtype, checkpoint_dtype(a.target), dev))
         target = TargetModel(a.target, dtype=a.dtype, device=devices[0],
                              skinny_max_rows=a.skinny_max_rows, cuda_graphs=a.cuda_graphs,
                              packed_linear=a.packed_linear, panel_linear=a.panel_linear,

@@ -393,7 +393,7 @@ def add_compute_args(p, thread: str) -> None:
                    default=env("DFLASH_BATCH_INVARIANT", "auto"),
                    help="batch-invariant kernels: a verify of k rows gives the bits of k one-token "
                         "decodes, so greedy speculation is plain decoding bit for bit in every "
-                        "dtype; auto = on for a CPU with AVX-512 (kernels/invariant.py, "
+                        "dtype; auto = on for float32 on a CPU with AVX-512 (kernels/invariant.py, "
                         "docs/batch-invariance.md) [DFLASH_BATCH_INVARIANT]")
 
 

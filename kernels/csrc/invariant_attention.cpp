@@ -18,7 +18,7 @@
 
 namespace {
 
-constexpr int QB = 8;        // queries of one (row, head) that share each key's loads
+constexpr int QB = 4;        // query rows per task (times the heads of a key head's group)
 constexpr int MAXV = 16;     // head_dim up to 256 (16 vectors of 16 floats)
 
 inline __mmask16 lanes(int64_t d, int c) {
@@ -65,88 +65,187 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n);
 }
 
-template <typename T>
+// Sum of each of 16 vectors' lanes, as lane i of the result: per vector the tree of
+// _mm512_reduce_add_ps (lanes l + l+8, then l + l+4, l + l+2, l + l+1), so a key's score is
+// the same bits whether it is reduced alone or in a group, in any position of the group.
+inline __m512 reduce16(__m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)       // 8 lanes per vector, two vectors per register
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)       // 4 lanes per vector, four per register
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)       // 2 lanes per vector
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane order after the three levels: vector k's sum lands in lane perm(k); undo it below
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Which input vector's sum reduce16 leaves in each output lane (found once, at load).
+struct Lanes {
+  int of[16];
+  Lanes() {
+    alignas(64) float probe[16][16] = {};
+    __m512 v[16];
+    for (int k = 0; k < 16; ++k) {
+      probe[k][k] = static_cast<float>(k + 1);     // vector k sums to k + 1
+      v[k] = _mm512_load_ps(probe[k]);
+    }
+    alignas(64) float out[16];
+    _mm512_store_ps(out, reduce16(v));
+    for (int l = 0; l < 16; ++l) of[l] = static_cast<int>(out[l]) - 1;
+  }
+};
+
+inline __mmask16 visible16(const bool* row, int64_t stride, int64_t j0, int64_t n) {
+  // bit t: key j0 + t is visible to this query (keys past n are never)
+  const __mmask16 in = n - j0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (n - j0)) - 1);
+  if (!row) return in;
+  if (stride == 1)
+    return _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, row + j0), _mm_setzero_si128());
+  __mmask16 m = 0;
+  for (int t = 0; t < 16 && j0 + t < n; ++t) m |= static_cast<__mmask16>(row[(j0 + t) * stride] ? 1u << t : 0u);
+  return m;
+}
+
+// One task: the queries of row b, key head kh, query rows i0..i0+rows-1 and every query head
+// of kh's group, sharing each group of 16 keys (and then values) while it sits in L1.
+template <typename T, int NV>
+void task(const T* q, const T* kb, const T* vb, const bool* mask, T* out, int64_t b, int64_t kh,
+          int64_t i0, int rows, int64_t L, int64_t D, int64_t groups, float scale,
+          const int64_t* sq, const int64_t* sk, const int64_t* sv, const int64_t* sm,
+          const int64_t* so, const __m512i& unperm, float* s, int32_t* idx, int64_t* cnt,
+          __m512* o, float* inv) {
+  const int nq = rows * static_cast<int>(groups);
+  const int64_t stride = L + 16;
+  // query u: head kh * groups + u % groups, row i0 + u / groups
+  auto head = [&](int u) { return kh * groups + u % groups; };
+  auto qrow = [&](int u) { return i0 + u / groups; };
+  auto vis_row = [&](int u) -> const bool* {
+    return mask ? mask + b * sm[0] + head(u) * sm[1] + qrow(u) * sm[2] : nullptr;
+  };
+  for (int u = 0; u < nq; ++u) cnt[u] = 0;
+  // scores of the visible keys, in key order: each key's dot is one FMA chain over head_dim,
+  // its lanes summed by reduce16's tree
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    for (int u = 0; u < nq; ++u) {
+      const __mmask16 vis = visible16(vis_row(u), sm[3], j0, L);
+      if (!vis) continue;
+      __m512 qv[NV];
+      const T* qp = q + b * sq[0] + head(u) * sq[1] + qrow(u) * sq[2];
+      for (int c = 0; c < NV; ++c) qv[c] = load16(qp + 16 * c, lanes(D, c));
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        __m512 a = _mm512_setzero_ps();
+        if (j0 + t < L)
+          for (int c = 0; c < NV; ++c)
+            a = _mm512_fmadd_ps(qv[c], load16(kb + (j0 + t) * sk[2] + 16 * c, lanes(D, c)), a);
+        acc[t] = a;
+      }
+      const __m512 sc = _mm512_mul_ps(_mm512_permutexvar_ps(unperm, reduce16(acc)),
+                                      _mm512_set1_ps(scale));
+      _mm512_mask_compressstoreu_ps(s + u * stride + cnt[u], vis, sc);
+      _mm512_mask_compressstoreu_epi32(idx + u * stride + cnt[u], vis, _mm512_add_epi32(
+          _mm512_set1_epi32(static_cast<int32_t>(j0)),
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+      cnt[u] += __builtin_popcount(static_cast<unsigned>(vis));
+    }
+  }
+  for (int u = 0; u < nq; ++u) idx[u * stride + cnt[u]] = INT32_MAX;    // each list's end
+  // softmax weights: exp(s - max), and their sum in 16 lanes by position, in order
+  for (int u = 0; u < nq; ++u) {
+    float* su = s + u * stride;
+    const int64_t n = cnt[u];
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, su[j]);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 use = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(use, su + j), mv));
+      _mm512_mask_storeu_ps(su + j, use, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(use, e));
+    }
+    inv[u] = n ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+    for (int c = 0; c < NV; ++c) o[u * NV + c] = _mm512_setzero_ps();
+    cnt[u] = 0;                     // now: how many of its weights are consumed
+  }
+  // weighted values of the visible keys, in key order, one group of 16 values at a time
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    for (int u = 0; u < nq; ++u) {
+      const float* su = s + u * stride;
+      const int32_t* iu = idx + u * stride;
+      int64_t j = cnt[u];
+      if (iu[j] >= j0 + 16) continue;
+      __m512 acc[NV];
+      for (int c = 0; c < NV; ++c) acc[c] = o[u * NV + c];
+      for (; iu[j] < j0 + 16; ++j) {
+        const __m512 p = _mm512_set1_ps(su[j]);
+        const T* vj = vb + iu[j] * sv[2];
+        for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vj + 16 * c, lanes(D, c)), acc[c]);
+      }
+      for (int c = 0; c < NV; ++c) o[u * NV + c] = acc[c];
+      cnt[u] = j;
+    }
+  }
+  for (int u = 0; u < nq; ++u) {
+    T* dst = out + b * so[0] + qrow(u) * so[1] + head(u) * so[2];
+    const __m512 w = _mm512_set1_ps(inv[u]);
+    for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(o[u * NV + c], w), lanes(D, c));
+  }
+}
+
+template <typename T, int NV>
 void run(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H,
          int64_t Q, int64_t L, int64_t D, int64_t groups, float scale,
          const int64_t* sq, const int64_t* sk, const int64_t* sv, const int64_t* sm,
          const int64_t* so) {
-  const int nv = static_cast<int>((D + 15) / 16);
-  const int64_t qblocks = (Q + QB - 1) / QB;
-  const int64_t tasks = B * H * qblocks;
+  static const Lanes perm;
+  alignas(64) int32_t un[16];
+  for (int l = 0; l < 16; ++l) un[perm.of[l]] = l;     // output lane i takes reduce16's lane un[i]
+  const __m512i unperm = _mm512_load_si512(un);
+  const int64_t KVH = H / groups;
+  const int rb = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(QB, 64 / groups)));
+  const int64_t qblocks = (Q + rb - 1) / rb;
+  const int64_t tasks = B * KVH * qblocks;
   const int threads = omp_in_parallel() ? 1 : static_cast<int>(std::min<int64_t>(omp_get_max_threads(), tasks));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s(static_cast<size_t>(QB) * std::max<int64_t>(L, 1));
-    std::vector<__m512> acc(static_cast<size_t>(QB) * nv);
+    const size_t nq = static_cast<size_t>(rb * groups);
+    std::vector<float> s(nq * (L + 16));
+    std::vector<int32_t> idx(nq * (L + 16));
+    std::vector<int64_t> cnt(nq);
+    std::vector<__m512> o(nq * NV);
+    std::vector<float> inv(nq);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t b = t / (H * qblocks), h = t / qblocks % H, i0 = t % qblocks * QB;
-      const int rows = static_cast<int>(std::min<int64_t>(QB, Q - i0));
-      const int64_t kh = h / groups;
-      const T* kb = k + b * sk[0] + kh * sk[1];
-      const T* vb = v + b * sv[0] + kh * sv[1];
-      const bool* mb = mask ? mask + b * sm[0] + h * sm[1] : nullptr;
-      __m512 qv[QB][MAXV];
-      for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < nv; ++c)
-          qv[r][c] = load16(q + b * sq[0] + h * sq[1] + (i0 + r) * sq[2] + 16 * c, lanes(D, c));
-      int64_t cnt[QB] = {0};
-      // scores of the visible keys, in key order
-      for (int64_t j = 0; j < L; ++j) {
-        __m512 kj[MAXV];
-        bool any = false;
-        for (int r = 0; r < rows && !any; ++r) any = !mb || mb[(i0 + r) * sm[2] + j * sm[3]];
-        if (!any) continue;
-        for (int c = 0; c < nv; ++c) kj[c] = load16(kb + j * sk[2] + 16 * c, lanes(D, c));
-        for (int r = 0; r < rows; ++r) {
-          if (mb && !mb[(i0 + r) * sm[2] + j * sm[3]]) continue;
-          __m512 a = _mm512_setzero_ps();
-          for (int c = 0; c < nv; ++c) a = _mm512_fmadd_ps(qv[r][c], kj[c], a);
-          s[r * L + cnt[r]++] = _mm512_reduce_add_ps(a) * scale;
-        }
-      }
-      // softmax weights: exp(s - max) and their sum, both in the scores' order
-      float inv[QB];
-      for (int r = 0; r < rows; ++r) {
-        float* sr = s.data() + r * L;
-        const int64_t n = cnt[r];
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 mv = _mm512_set1_ps(m);
-        for (int64_t j = 0; j < n; j += 16) {
-          const __mmask16 use = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (n - j)) - 1);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(use, sr + j), mv));
-          _mm512_mask_storeu_ps(sr + j, use, e);
-          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(use, e));
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[r] = n ? 1.0f / total : 0.0f;
-        for (int c = 0; c < nv; ++c) acc[r * nv + c] = _mm512_setzero_ps();
-        cnt[r] = 0;
-      }
-      // weighted values of the visible keys, in key order
-      for (int64_t j = 0; j < L; ++j) {
-        __m512 vj[MAXV];
-        bool loaded = false;
-        for (int r = 0; r < rows; ++r) {
-          if (mb && !mb[(i0 + r) * sm[2] + j * sm[3]]) continue;
-          if (!loaded) {
-            for (int c = 0; c < nv; ++c) vj[c] = load16(vb + j * sv[2] + 16 * c, lanes(D, c));
-            loaded = true;
-          }
-          const __m512 p = _mm512_set1_ps(s[r * L + cnt[r]++]);
-          for (int c = 0; c < nv; ++c) acc[r * nv + c] = _mm512_fmadd_ps(p, vj[c], acc[r * nv + c]);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        T* o = out + b * so[0] + (i0 + r) * so[1] + h * so[2];
-        const __m512 w = _mm512_set1_ps(inv[r]);
-        for (int c = 0; c < nv; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r * nv + c], w), lanes(D, c));
-      }
+      const int64_t b = t / (KVH * qblocks), kh = t / qblocks % KVH, i0 = t % qblocks * rb;
+      const int rows = static_cast<int>(std::min<int64_t>(rb, Q - i0));
+      task<T, NV>(q, k + b * sk[0] + kh * sk[1], v + b * sv[0] + kh * sv[1], mask, out, b, kh, i0,
+                  rows, L, D, groups, scale, sq, sk, sv, sm, so, unperm, s.data(), idx.data(),
+                  cnt.data(), o.data(), inv.data());
     }
   }
+}
+
+template <typename T>
+void dispatch(int nv, const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B,
+              int64_t H, int64_t Q, int64_t L, int64_t D, int64_t groups, float scale,
+              const int64_t* sq, const int64_t* sk, const int64_t* sv, const int64_t* sm,
+              const int64_t* so) {
+#define DFLASH_NV(N) case N: return run<T, N>(q, k, v, mask, out, B, H, Q, L, D, groups, scale, sq, sk, sv, sm, so);
+  switch (nv) {
+    DFLASH_NV(1) DFLASH_NV(2) DFLASH_NV(3) DFLASH_NV(4) DFLASH_NV(5) DFLASH_NV(6) DFLASH_NV(7)
+    DFLASH_NV(8) DFLASH_NV(9) DFLASH_NV(10) DFLASH_NV(11) DFLASH_NV(12) DFLASH_NV(13)
+    DFLASH_NV(14) DFLASH_NV(15) DFLASH_NV(16)
+    default: TORCH_CHECK(false, "invariant_attention: head_dim above 256");
+  }
+#undef DFLASH_NV
 }
 
 // query [B, H, Q, D]; key, value [B, KVH, L, D] (last dim contiguous, any other strides);
@@ -186,12 +285,14 @@ torch::Tensor invariant_attention(torch::Tensor query, torch::Tensor key, torch:
   if (B * H * Q == 0) return out;
   const float sc = static_cast<float>(scale);
   if (dt == torch::kFloat32) {
-    run<float>(query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), mp,
-               out.data_ptr<float>(), B, H, Q, L, D, H / KVH, sc, sq, sk, sv, sm, so);
+    dispatch<float>(static_cast<int>((D + 15) / 16), query.data_ptr<float>(), key.data_ptr<float>(),
+                    value.data_ptr<float>(), mp, out.data_ptr<float>(), B, H, Q, L, D, H / KVH, sc,
+                    sq, sk, sv, sm, so);
   } else {
-    run<c10::BFloat16>(query.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(),
-                       value.data_ptr<c10::BFloat16>(), mp, out.data_ptr<c10::BFloat16>(), B, H,
-                       Q, L, D, H / KVH, sc, sq, sk, sv, sm, so);
+    dispatch<c10::BFloat16>(static_cast<int>((D + 15) / 16), query.data_ptr<c10::BFloat16>(),
+                            key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(), mp,
+                            out.data_ptr<c10::BFloat16>(), B, H, Q, L, D, H / KVH, sc, sq, sk, sv,
+                            sm, so);
   }
   return out;
 }
