@@ -185,7 +185,7 @@ class ModeRace:
     def estimates(self, b: int) -> dict[str, float]:
         """Arm -> tokens per second at bucket ``b`` (measured arms only)."""
         st = self.buckets.get(b)
-        return {} if st is None else {a: e for a, arm in st.arms.items()
+        return {} if st is None else {a: e for a, arm in list(st.arms.items())
                                       if (e := arm.estimate()) is not None}
 
     def _bucket(self, b: int) -> _Bucket:
@@ -197,9 +197,9 @@ class ModeRace:
     def _start_order(self, b: int) -> list[str]:
         """A new bucket's race: the nearest measured bucket's leader first (its neighbour's
         best is the likeliest best), then the order of preference."""
-        near = sorted((abs(math.log2(b2) - math.log2(b)), b2) for b2, st in self.buckets.items()
-                      if st.leader is not None)
-        first = [self.buckets[near[0][1]].leader] if near else []
+        near = sorted((abs(math.log2(b2) - math.log2(b)), b2, st.leader)
+                      for b2, st in self.buckets.items() if st.leader is not None)
+        first = [near[0][2]] if near else []
         return list(dict.fromkeys([*first, *self.order]))
 
     # ------------------------------------------------------------------ feedback
