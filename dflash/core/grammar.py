@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.core.errors import FieldError
+from dflash.core.sampling import InvalidParam
 
 __all__ = ["GRAMMAR_KINDS", "MAX_GRAMMAR_CHARS", "GrammarSpec", "GrammarTokenizer", "GrammarCache",
            "GrammarState", "choice_lark"]
@@ -40,7 +40,7 @@ MAX_CHOICES = 256
 MAX_FORCED = 16                    # forced tokens offered per step (a block's positions)
 # The parser's bounds (llguidance ParserLimits): compilation and each mask step run out of fuel
 # instead of running long, and the lexer's states (1-2 kB each) bound a matcher's memory.
-LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+LIMITS: dict[str, int | bool] = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=20_000, max_grammar_size=200_000,
               verbose_errors=False)
 # Compact JSON without free whitespace: the grammar then forces every separator and key.
@@ -62,7 +62,7 @@ class GrammarSpec:
     (``response_format.json_schema.schema``).
 
     Raises:
-        FieldError: naming ``field``, for an unknown kind or a text over
+        InvalidParam: naming ``field``, for an unknown kind or a text over
             :data:`MAX_GRAMMAR_CHARS`.
     """
 
@@ -72,23 +72,23 @@ class GrammarSpec:
 
     def __post_init__(self):
         if self.kind not in GRAMMAR_KINDS:
-            raise FieldError(self.field, f"kind {self.kind!r} is not one of {', '.join(GRAMMAR_KINDS)}")
+            raise InvalidParam(self.field, f"kind {self.kind!r} is not one of {', '.join(GRAMMAR_KINDS)}")
         if len(self.text) > MAX_GRAMMAR_CHARS:
-            raise FieldError(self.field, f"{len(self.text)} characters, more than {MAX_GRAMMAR_CHARS}")
+            raise InvalidParam(self.field, f"{len(self.text)} characters, more than {MAX_GRAMMAR_CHARS}")
 
 
 def choice_lark(choices: list[str], field: str) -> str:
     """A Lark grammar for exactly one of ``choices`` (non-empty strings, at most
-    :data:`MAX_CHOICES`). Raises FieldError naming ``field``."""
+    :data:`MAX_CHOICES`). Raises InvalidParam naming ``field``."""
     if not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES:
-        raise FieldError(field, f"must be a list of 1 to {MAX_CHOICES} strings")
+        raise InvalidParam(field, f"must be a list of 1 to {MAX_CHOICES} strings")
     if any(not isinstance(c, str) or not c for c in choices):
-        raise FieldError(field, "every choice must be a non-empty string")
+        raise InvalidParam(field, "every choice must be a non-empty string")
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 def _grammar_of(spec: GrammarSpec) -> str:
-    """llguidance's grammar text for ``spec``; FieldError naming its field when the text is
+    """llguidance's grammar text for ``spec``; InvalidParam naming its field when the text is
     not what its kind needs (schema not JSON, choices not a list of strings)."""
     M = _llg().LLMatcher
     if spec.kind in ("json_schema", "json_object"):
@@ -98,13 +98,13 @@ def _grammar_of(spec: GrammarSpec) -> str:
             try:
                 schema = json.loads(spec.text)
             except ValueError as e:
-                raise FieldError(spec.field, f"not valid JSON: {e}") from None
+                raise InvalidParam(spec.field, f"not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise FieldError(spec.field, "a JSON schema must be an object or a boolean")
+                raise InvalidParam(spec.field, "a JSON schema must be an object or a boolean")
         try:
             return M.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
-            raise FieldError(spec.field, str(e)) from None
+            raise InvalidParam(spec.field, str(e)) from None
     if spec.kind == "regex":
         return M.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -144,14 +144,16 @@ class GrammarTokenizer:
 class GrammarCache:
     """Compiled grammars, cached per spec (least recently used dropped first).
 
-    ``max_entries`` and ``max_chars`` (summed grammar text) bound its memory; each compile is
-    bounded by the parser's fuel (:data:`LIMITS`), so a hostile grammar fails, it never runs
-    long. Thread-safe (the gRPC threads validate requests concurrently).
+    ``max_entries`` and ``max_chars`` (summed grammar text) bound its memory; each compile and
+    each mask step is bounded by the parser's fuel and sizes (``limits``, llguidance
+    ``LLParserLimits`` keywords; default :data:`LIMITS`), so a hostile grammar fails, it never
+    runs long. Thread-safe (the gRPC threads validate requests concurrently).
     """
 
     def __init__(self, tokenizer: GrammarTokenizer, max_entries: int = 256,
-                 max_chars: int = 16 << 20):
+                 max_chars: int = 16 << 20, limits: dict[str, int | bool] | None = None):
         self.tokenizer = tokenizer
+        self.limits = dict(LIMITS if limits is None else limits)
         self.max_entries, self.max_chars = max_entries, max_chars
         self._lru: collections.OrderedDict[GrammarSpec, str] = collections.OrderedDict()
         self._chars = 0
@@ -171,7 +173,7 @@ class GrammarCache:
         """The validated grammar of ``spec``.
 
         Raises:
-            FieldError: naming ``spec.field``: an invalid schema, an unsupported keyword, a
+            InvalidParam: naming ``spec.field``: an invalid schema, an unsupported keyword, a
                 grammar over the parser's limits (too large or too slow to compile), a regex or
                 grammar that matches nothing.
         """
@@ -183,15 +185,15 @@ class GrammarCache:
         t0 = time.perf_counter()
         grammar = _grammar_of(spec)
         llg = _llg()
-        limits = llg.LLParserLimits(**LIMITS)
+        limits = llg.LLParserLimits(**self.limits)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer.ll,
                                                                        limits=limits)
         if is_error:
-            raise FieldError(spec.field, msgs[0].strip() if msgs else "invalid grammar")
+            raise InvalidParam(spec.field, msgs[0].strip() if msgs else "invalid grammar")
         m = llg.LLMatcher(self.tokenizer.ll, grammar, log_level=0, limits=limits)
         m.compute_bitmask()
         if m.is_error() or (m.is_stopped() and not m.is_accepting()):
-            raise FieldError(spec.field, "matches nothing" + (f": {m.get_error()}" if m.get_error() else ""))
+            raise InvalidParam(spec.field, "matches nothing (no output satisfies it)")
         with self._lock:
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - t0
@@ -206,7 +208,7 @@ class GrammarCache:
     def state(self, spec: GrammarSpec) -> "GrammarState":
         """A fresh matcher for one request (compiles ``spec`` on a miss; raises as
         :meth:`compile`)."""
-        return GrammarState(self.tokenizer, self.compile(spec), spec.field)
+        return GrammarState(self.tokenizer, self.compile(spec), spec.field, self.limits)
 
 
 class GrammarState:
@@ -216,13 +218,16 @@ class GrammarState:
         tokenizer: the grammar tokenizer of the target.
         grammar: a grammar from :meth:`GrammarCache.compile`.
         field: the request field the grammar came from (errors name it).
+        limits: the parser's limits (:class:`GrammarCache`'s).
     """
 
-    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, field: str = "structured_output"):
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, field: str = "structured_output",
+                 limits: dict[str, int | bool] | None = None):
         llg = _llg()
         self.tok = tokenizer
         self.field = field
-        self.m = llg.LLMatcher(tokenizer.ll, grammar, log_level=0, limits=llg.LLParserLimits(**LIMITS))
+        self.m = llg.LLMatcher(tokenizer.ll, grammar, log_level=0,
+                               limits=llg.LLParserLimits(**(LIMITS if limits is None else limits)))
         self.vocab = tokenizer.vocab_size
         self.mask_seconds = 0.0
         self.masks = 0
