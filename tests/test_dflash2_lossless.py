@@ -129,3 +129,17 @@ def test_sampled_with_dflash2_matches_target_distribution(mode, seeded):
     stat, df, pval = goodness_of_fit(counts, p)
     assert df == df_need
     assert pval > ALPHA, f"DFlash2 {mode} sampling is biased: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_offline_evaluation_loop_with_dflash2_is_the_targets_greedy(hf_target, tiny_target,
+                                                                   dflash2_engine):
+    """``dflash.train.evaluate.dflash_greedy`` (what the held-out gate and the accelerator
+    run measure with) drafts the selector's path and commits the target's greedy tokens."""
+    from dflash.core.checkpoint import load_target_head
+    from dflash.train.evaluate import dflash_greedy
+
+    head = load_target_head(tiny_target)
+    for prompt in PROMPTS:
+        got = dflash_greedy(hf_target, dflash2_engine.drafter, head, list(prompt), MAX_NEW, set())
+        assert got.tokens[:MAX_NEW] == reference(hf_target, prompt, ignore_eos=True)[:len(got.tokens)]
+        assert len(got.tokens) >= MAX_NEW
