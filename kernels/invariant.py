@@ -185,17 +185,15 @@ def register_attention() -> str:
 
 def resolve(choice: str, device: torch.device | str, dtype: torch.dtype | str = "float32") -> bool:
     """The ``--batch-invariant`` flag (``dflash.core.flags.INVARIANT_CHOICES``) for a model of
-    ``dtype`` on ``device``: "on" / "off" as given; "auto" on for float32 on a CPU where the
-    kernels build (AVX-512), where the mode costs least, off elsewhere: bfloat16 CPUs have
-    faster vendor products (AMX, AVX512-BF16) than its float32 FMA chains, and a GPU would take
-    the row-at-a-time references (figures: ``docs/batch-invariance.md``).
+    ``dtype`` on ``device``: "on" / "off" as given; "auto" on only where the mode was measured
+    to cost at most 10% of a forward at every shape the verifier runs. No such place yet: on
+    the AVX-512 CPUs a float32 verify of 8 x 16 rows costs +19% and a prefill chunk +23%, and
+    bfloat16 (AMX, AVX512-BF16) and GPUs (the references) far more (``docs/batch-invariance.md``),
+    so "auto" is off; ``device`` and ``dtype`` are the inputs a future kernel will decide by.
 
     Raises:
         ValueError: naming ``batch_invariant`` for another value.
     """
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"batch_invariant: one of auto, on, off, got {choice!r}")
-    if choice != "auto":
-        return choice == "on"
-    dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
-    return torch.device(device).type == "cpu" and dt == torch.float32 and kernels_available()
+    return choice == "on"

@@ -124,9 +124,9 @@ def test_a_query_that_sees_nothing_gets_zeros_and_bad_masks_are_refused(path):
 
 def test_resolve_reads_the_flag():
     assert inv.resolve("on", "cpu") and not inv.resolve("off", "cpu")
-    assert inv.resolve("auto", "cpu") == inv.kernels_available()
-    assert inv.resolve("auto", "cpu", torch.float32) == inv.resolve("auto", "cpu", "float32")
-    assert not inv.resolve("auto", "cpu", torch.bfloat16) and inv.resolve("on", "cpu", "bfloat16")
+    # auto: off until a kernel costs <= 10% at every shape (docs/batch-invariance.md)
+    assert not inv.resolve("auto", "cpu", torch.float32) and not inv.resolve("auto", "cuda", "bfloat16")
+    assert inv.resolve("on", "cpu", "bfloat16")
     with pytest.raises(ValueError, match="batch_invariant"):
         inv.resolve("yes", "cpu")
 

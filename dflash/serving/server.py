@@ -393,8 +393,8 @@ def add_compute_args(p, thread: str) -> None:
                    default=env("DFLASH_BATCH_INVARIANT", "auto"),
                    help="batch-invariant kernels: a verify of k rows gives the bits of k one-token "
                         "decodes, so greedy speculation is plain decoding bit for bit in every "
-                        "dtype; auto = on for float32 on a CPU with AVX-512 (kernels/invariant.py, "
-                        "docs/batch-invariance.md) [DFLASH_BATCH_INVARIANT]")
+                        "dtype; auto = off until it costs <= 10%% at every shape (kernels/"
+                        "invariant.py, docs/batch-invariance.md) [DFLASH_BATCH_INVARIANT]")
 
 
 def run_until_signal(rt: ServiceRuntime, grace_s: float, on_stop=None) -> None:
