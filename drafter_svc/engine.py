@@ -435,8 +435,7 @@ class DrafterEngine:
 
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
         """Logits [block_size - 1, N] per item, all blocks in one forward (``forward.draft_blocks``)."""
-        return draft_blocks(self.drafter, self.head, self.pool, items, self._draft_head,
-                            self.draft_vocab)
+        return draft_blocks(self.drafter, self.head, self.pool, items, self._draft_head)
 
     def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``drafts.top_k_logprobs`` of one block's logits, ids in the target vocabulary."""

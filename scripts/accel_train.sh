@@ -33,9 +33,6 @@
 #                HumanEval and 8 chat prompts x 128 tokens, committed drafter and new one
 #   7. pack      $OUT (at most 8 files, each < 16 MiB): drafter.tar.partNN (split -b 15M),
 #                shards.tar.gz (new shards + manifest), results.json, accel.log, details.tar.gz
-# DFLASH_ACCEL_ARCH=dflash2: stage 5 trains a DFlash2 drafter (--architecture dflash2) from the
-# committed DFlash one, which it equals at step 0 (conv identity, selector projection zero); the
-# evaluation drafts its selector's path. Everything else is unchanged.
 # Stages are bounded by what is left of DFLASH_ACCEL_BUDGET_S (470 s); one that fails or runs
 # out is reported in results.json and the later ones still run where they can.
 # Join the drafter here: cat FILES/drafter.tar.part* | tar -x -C runs/accel
@@ -45,7 +42,7 @@ cd "$(dirname "$0")/.."
 case "$*" in                      # one optional argument
   "") DRY=0 ;;
   --dry-run) DRY=1 ;;
-  -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
   *) echo "accel_train.sh: unknown arguments '$*' (use --dry-run)" >&2; exit 2 ;;
 esac
 
@@ -208,8 +205,7 @@ TRAIN_MIN=$("$PY" -c "import sys; print(round(max(0.1, (int(sys.argv[1]) - int(s
 stage train "$TRAIN_CAP" "$PY" -m dflash.train --threads "$THREADS" train --device "$DEVICE" \
   --target-dir "$TARGET" --data-dir "$WORK/data" --feature-cache "$WORK/featcache" \
   --run-dir "$WORK/run" --out-dir "$WORK/drafter" --init-from "$BASE_DRAFTER" \
-  --time-budget-min "$TRAIN_MIN" --version "${DFLASH_ACCEL_VERSION:-accel-1}" "${TRAIN[@]}" \
-  --architecture "${DFLASH_ACCEL_ARCH:-dflash}"
+  --time-budget-min "$TRAIN_MIN" --version "${DFLASH_ACCEL_VERSION:-accel-1}" "${TRAIN[@]}"
 
 # ---------------------------------------------------------------- 6. evaluation
 for which in base new; do
