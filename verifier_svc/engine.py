@@ -18,15 +18,11 @@ A request's penalties and logit bias (``dflash.core.logits_processors``) are app
 logits of every verified row, each with the state its own path implies, before verification
 (and to the first token after prefill); the state advances as tokens commit. Requests without
 them skip this entirely. Log-probabilities, when asked, come from the raw logits of the rows that
-emitted the committed tokens. A request's grammar (``dflash.core.grammar``; docs/structured-outputs.md)
-prunes its drafts before the forward, adds the tokens it forces as drafts
-(``verifier_svc.grammar_rows``), and masks every verified row after the penalties, each with
-its own path's grammar state; its matcher advances as tokens commit.
+emitted the committed tokens.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Generator
 
@@ -34,7 +30,6 @@ import torch
 
 from dflash.core.cards import check_drafter_card
 from dflash.core.finish import FINISH_CANCELLED
-from dflash.core.grammar import GrammarCache, GrammarTokenizer
 from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.sampling import InvalidParam
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
@@ -43,7 +38,6 @@ from verifier_svc.commit import commit_row, log_step, step_feedback
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync
-from verifier_svc.grammar_rows import constrain
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
@@ -96,8 +90,6 @@ class VerifierEngine:
             per tenant (``verifier_svc.prefix_cache``; sessions wait there between turns,
             pinned); None = none kept (``--prefix-cache off``), and always None on a target
             without ``supports_fork``.
-        grammars: the compiled-grammar cache of structured requests; None: built on the first
-            such request from the tokenizer in the target's directory (``target.path``).
         threads: torch threads of the scheduler thread, which runs every forward; it then is
             the process's only multi-threaded torch thread (``dflash.serving.threads.claim``; the
             service calls ``dflash.serving.threads.reserve`` at start). 0 = leave torch's threads alone.
@@ -110,7 +102,7 @@ class VerifierEngine:
                  tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, mode_race: bool = False,
                  admission: Admission | None = None,
                  answers: AnswerStore | None = None, suffix: bool = True,
-                 prefix_cache: PrefixCache | None = None, grammars: GrammarCache | None = None):
+                 prefix_cache: PrefixCache | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -137,7 +129,6 @@ class VerifierEngine:
         self.suffix_lookups = 0
         self.step_listeners: list[Callable[[Request, StepEvent], None]] = []
         self._last_cycle_end = 0.0           # for the policy's per-cycle overhead
-        self._grammars = grammars
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -217,23 +208,8 @@ class VerifierEngine:
             self.prefix_cache.unpin(pin)     # the entry stays, now evictable
 
     def validate(self, req: Request) -> None:
-        """Raise InvalidParam naming the field for a request that cannot run (a grammar is
-        compiled here, on the caller's thread, so its errors come before the first event)."""
+        """Raise InvalidParam naming the field for a request that cannot run."""
         validate(req, self.target.vocab_size, self.target.max_positions)
-        if req.grammar is not None:
-            self.grammars.compile(req.grammar)
-
-    @property
-    def grammars(self) -> GrammarCache:
-        """The compiled-grammar cache (built on first use; PreconditionError naming
-        ``structured_output`` for a target without a tokenizer in its directory)."""
-        if self._grammars is None:
-            path = getattr(self.target, "path", None)
-            if path is None or not (path / "tokenizer.json").exists():
-                raise PreconditionError("structured_output", "this target has no tokenizer for grammars")
-            tok = GrammarTokenizer.from_dir(path, self.target.vocab_size, sorted(self.target.eos_token_ids))
-            self._grammars = GrammarCache(tok)
-        return self._grammars
 
     # ------------------------------------------------------------------ the thread bridge
     def generate(self, req: Request, cancelled: Callable[[], bool] = lambda: False
@@ -312,7 +288,6 @@ class VerifierEngine:
         st.gen = req.sampling.generator(t.device)
         st.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
                         if req.sampling.penalised else None)
-        st.grammar = self.grammars.state(req.grammar) if req.grammar is not None else None
         st.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
         st.mode, st.block_limit, st.tree_budget, st.suffix_limit = speculation_limits(
             req, self.spec_mode, trees=self.trees, suffix=self.suffix, tree_budget=self.tree_budget,
@@ -349,8 +324,7 @@ class VerifierEngine:
         draft_s = time.perf_counter() - td
         for r, d in zip(rows, drafts.outcomes):
             r.draft, r.sourced = d, sourced(r, d, len(rows), self.policy)
-            constrain(r)
-            r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else r.draft.tokens.tolist())
+            r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())
 
         tv = time.perf_counter()
         with t.lock:
@@ -419,17 +393,15 @@ class VerifierEngine:
 
 def _processed(r: StepRow) -> torch.Tensor:
     """The logits ``[block, V]`` row ``r`` verifies: its penalties and bias applied to each row
-    with that row's own state (``dflash.core.logits_processors``), then its grammar's masks
-    (``r.masks``, each row its own path's), or the raw logits when it has neither."""
+    with that row's own state (``dflash.core.logits_processors``), or the raw logits when it
+    has none."""
     assert r.logits is not None                      # the target's forward ran
     processor, tree = r.state.processor, r.tree
-    x = r.logits
-    if processor is not None:
-        x = (processor.apply(x, tree.tokens, tree.parents) if tree is not None
-             else processor.apply(x, r.block[1:]))
-    if r.masks is not None:
-        x = x.float().masked_fill(~r.masks.to(x.device), -math.inf)
-    return x
+    if processor is None:
+        return r.logits
+    if tree is not None:
+        return processor.apply(r.logits, tree.tokens, tree.parents)
+    return processor.apply(r.logits, r.block[1:])
 
 
 def _params(st: DecodeState) -> RowParams:

@@ -10,7 +10,6 @@ import dataclasses
 from typing import Protocol
 
 from dflash.core.errors import PreconditionError  # re-exported: the stages import it from here
-from dflash.core.grammar import GrammarSpec
 from dflash.core.logits_processors import TokenLogprob
 from dflash.core.proposer import MAX_BLOCK_SIZE, Proposer
 from dflash.core.sampling import InvalidParam, Sampling
@@ -57,7 +56,6 @@ class Request:
     tenant: str = ""                    # whose recent answers may be suffix candidates (the
     #                                     gateway's client identity; "" = the anonymous tenant)
     no_learn: bool = False              # the tenant opted out: drafters never capture it (--no-learn-tenants)
-    grammar: GrammarSpec | None = None  # the output's constraint (dflash.core.grammar); None: free text
     trace: RequestTrace | None = None
 
     @property

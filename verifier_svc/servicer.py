@@ -9,14 +9,7 @@ import uuid
 import grpc
 
 from dflash.core.cards import check_drafter_card
-from dflash.core.convert import (
-    FINISH,
-    card_from_proto,
-    card_to_proto,
-    grammar_from_proto,
-    sampling_from_proto,
-    stats_to_proto,
-)
+from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
 from dflash.core.proposer import FallbackReason
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
@@ -202,8 +195,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
                        block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
                        tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group,
-                       tenant=m.tenant, no_learn=m.tenant in self.no_learn_tenants,
-                       grammar=grammar_from_proto(m.structured_output))
+                       tenant=m.tenant, no_learn=m.tenant in self.no_learn_tenants)
 
     def _proposer(self, m, context):
         spec = m.speculation

@@ -22,7 +22,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "drafter", "session_id", "block_size", "speculation_mode", "tree_budget", "n", "structured_output")
+    __slots__ = ("prompt", "chat", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "drafter", "session_id", "block_size", "speculation_mode", "tree_budget", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +36,6 @@ class GenerateRequest(_message.Message):
     SPECULATION_MODE_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
-    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     sampling: _common_pb2.SamplingParams
@@ -50,8 +49,7 @@ class GenerateRequest(_message.Message):
     speculation_mode: str
     tree_budget: int
     n: int
-    structured_output: _common_pb2.StructuredOutput
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., drafter: _Optional[str] = ..., session_id: _Optional[str] = ..., block_size: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., tree_budget: _Optional[int] = ..., n: _Optional[int] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., drafter: _Optional[str] = ..., session_id: _Optional[str] = ..., block_size: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., tree_budget: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

@@ -49,7 +49,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group", "tenant", "structured_output")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,7 +60,6 @@ class VerifierGenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_GROUP_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
-    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -71,8 +70,7 @@ class VerifierGenerateRequest(_message.Message):
     speculation: SpeculationParams
     prefix_group: str
     tenant: str
-    structured_output: _common_pb2.StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ..., tenant: _Optional[str] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class VerifierGenerateChunk(_message.Message):
     __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs", "fallback", "tree_nodes", "draft_seconds", "verify_seconds", "suffix_nodes", "suffix_accepted")
