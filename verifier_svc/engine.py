@@ -74,8 +74,6 @@ class VerifierEngine:
             0: any batch).
         tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
             chains only). Trees need a target with ``supports_trees``.
-        mode_race: adaptive races whole modes per batch bucket (``--mode-race``; the services
-            default to on; ``verifier_svc.mode_race``).
         admission: bounds on waiting requests (``verifier_svc.scheduler.Admission``; default
             its defaults).
         answers: recent answers per tenant for suffix candidates (``verifier_svc.suffix_drafts.
@@ -99,8 +97,7 @@ class VerifierEngine:
                  spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
-                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, mode_race: bool = False,
-                 admission: Admission | None = None,
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None,
                  answers: AnswerStore | None = None, suffix: bool = True,
                  prefix_cache: PrefixCache | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
@@ -114,7 +111,7 @@ class VerifierEngine:
         self.tree_budget = tree_budget
         self.trees = target.supports_trees
         self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else (),
-                                        tree_max_batch=tree_max_batch, race=mode_race)
+                                        tree_max_batch=tree_max_batch)
         self.scheduler = Scheduler(prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    max_unread=max_unread, admission=admission)
         self.core = EngineCore(self.scheduler, self)

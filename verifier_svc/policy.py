@@ -58,14 +58,12 @@ metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Collection, Sequence
 
 from dflash.core.speculation import (
     MODE_ADAPTIVE,
     MODE_FIXED,
     MODE_HYBRID,
-    MODE_OFF,
     MODE_SUFFIX,
     MODE_TREE,
     MODES,
@@ -74,7 +72,6 @@ from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimat
 from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, limits, tree_shape
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.exploration import DEFAULT_EXPLORE_BACKOFF, Exploration
-from verifier_svc.mode_race import ModeRace
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
 
@@ -90,26 +87,9 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-#: The modes adaptive races when no list is given (``race_arms``; ``{N}``: the largest tree
-#: budget). ``tree:N`` is ``hybrid:N`` without the suffix candidates, and the smaller budgets
-#: and chains are among the per-step choice's own arms (docs/batching.md, "The mode race").
-DEFAULT_RACE_ARMS = (MODE_ADAPTIVE, MODE_OFF, MODE_SUFFIX, MODE_HYBRID + ":{N}", MODE_FIXED)
 #: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
 #: below it never displaces a drafter node.
 MIN_NODE_VALUE = 0.02
-
-
-def split_arm(arm: str) -> tuple[str, int]:
-    """A race arm's mode and tree budget (``"hybrid:15"`` -> ``("hybrid", 15)``; 0: the
-    mode's own). Raises ValueError naming ``race_arms`` for anything else."""
-    mode, _, n = arm.partition(":")
-    if mode not in MODES or (n and (not n.isdigit() or int(n) < 1
-                                    or mode not in (MODE_TREE, MODE_HYBRID, MODE_SUFFIX))):
-        raise ValueError(f"race_arms: {arm!r} is not a mode (off, fixed, tree:n, hybrid:n, "
-                         f"suffix[:n], adaptive)")
-    if mode in (MODE_TREE, MODE_HYBRID) and not n:
-        raise ValueError(f"race_arms: {arm!r} needs a node budget ({mode}:n)")
-    return mode, int(n or 0)
 
 
 class SpeculationPolicy:
@@ -126,19 +106,12 @@ class SpeculationPolicy:
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
             batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
             8 and 32 sessions, where every row is compute (docs/trees.md, "Under load").
-        race: race whole modes per batch bucket (:class:`verifier_svc.mode_race.ModeRace`,
-            the policy's ``race``): adaptive jobs play the mode with the most measured tokens
-            per second, the per-step choice being one of them. ``race_arms``: the modes raced
-            (``off``, ``fixed``, ``tree:n``, ``hybrid:n``, ``suffix``, ``adaptive``; ``{N}``:
-            the largest tree budget); ``race_kw``: the schedule's settings. Raises ValueError
-            for an arm that is no mode.
     """
 
     def __init__(self, mode: str = MODE_FIXED, *, alpha: float = 0.05, explore_every: int = 25,
                  explore_backoff: int = DEFAULT_EXPLORE_BACKOFF,
                  tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS,
-                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, race: bool = False,
-                 race_arms: Sequence[str] = DEFAULT_RACE_ARMS, race_kw: dict | None = None):
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH):
         if mode not in MODES:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
         if any(n < 1 for n in tree_budgets):
@@ -153,23 +126,13 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(alpha)
         self.costs = StepCostModel(alpha)
         self._steps = 0
-        self.race: ModeRace | None = None
-        if race:
-            top = max(self.tree_budgets, default=0)
-            arms = [a.replace("{N}", str(top)) for a in race_arms if top or "{N}" not in a]
-            for a in arms:
-                split_arm(a)
-            self.race = ModeRace(list(dict.fromkeys(arms)), **(race_kw or {}))
-        # the race's step about to run: (bucket, arm, adaptive job indices, explored)
-        self._race_step: tuple[int, str, tuple[int, ...], bool] | None = None
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
         """Everything one step teaches: its verify seconds (always: the drafters' deadline is
         derived from them), its cost (if ``record_cost``), each drafter's acceptance, the
-        calibration outcome, the cycle overhead (if known), the race's reward. Through the
-        ``observe_*`` methods, so a wrapper on one of them sees the step."""
-        self.observe_race(fb)
+        calibration outcome, the cycle overhead (if known). Through the ``observe_*`` methods,
+        so a wrapper on one of them sees the step."""
         self.observe_verify(fb.batch, fb.k, fb.verify_seconds)
         if fb.record_cost:
             self.observe_step(fb.batch, fb.k, fb.verify_seconds, fb.draft_seconds)
@@ -182,19 +145,6 @@ class SpeculationPolicy:
         self.observe_outcome(fb.committed, fb.fell_back)
         if fb.cycle_overhead is not None:
             self.observe_overhead(fb.cycle_overhead)
-
-    def observe_race(self, fb: StepFeedback) -> None:
-        """The race's reward for the step just chosen: the tokens its adaptive jobs committed
-        over the step's seconds (verify, draft, and the cycle's overhead: its own, else the
-        EMA)."""
-        step, self._race_step = self._race_step, None
-        if step is None or self.race is None:
-            return
-        b, arm, idx, explored = step
-        over = fb.cycle_overhead if fb.cycle_overhead is not None else self.costs.overhead_seconds
-        seconds = fb.verify_seconds + fb.draft_seconds + over
-        self.race.observe(b, arm, float(sum(fb.committed[i] for i in idx if i < len(fb.committed))),
-                          seconds, len(idx), explored)
 
     def observe_acceptance(self, label: str, blocks: Sequence[tuple[int, int]]) -> None:
         """One step's verified blocks of drafter ``label``: ``(drafts, accepted drafts)`` each."""
@@ -272,7 +222,6 @@ class SpeculationPolicy:
         prefill behind this step; ``offers``: each job's suffix candidates this step (None:
         none)."""
         self.acceptance.clear_expectation()
-        self._race_step = None
         batch = Batch.of(jobs, offers)
         shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
         if not batch.adaptive:
@@ -282,11 +231,6 @@ class SpeculationPolicy:
         if waiting:
             return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
                                                waiting=waiting))
-        if self.race is not None:
-            arm, race_explored = self.race.pick(batch.bucket, self.race_available(batch))
-            self._race_step = (batch.bucket, arm, tuple(batch.adaptive), race_explored)
-            if arm != MODE_ADAPTIVE:
-                return self._race_choice(batch, shapes, arm, race_explored)
         ex = Expectations(self, jobs, batch.limits)
         arms = Arms(self, batch, shapes, ex)
         best, explored = self._pick(arms)
@@ -296,52 +240,7 @@ class SpeculationPolicy:
         # not yet measured is valued by the chain's prior, which would skew the ratio for good
         if (best.k > 0 or best.budget) and not (family(best) == TREE and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
-        d = arms.decision(best, explored)
-        if self._race_step is not None:
-            d = dataclasses.replace(d, arm=MODE_ADAPTIVE, explored=explored or self._race_step[3])
-        return StepChoice(shapes, d, ex)
-
-    def race_available(self, batch: Batch) -> list[str]:
-        """The race's arms this step's adaptive jobs may play: trees when every one may
-        verify the budget, suffix arms when some may verify suffix candidates."""
-        assert self.race is not None
-        adaptive = batch.adaptive
-        cap = min(batch.budgets[i] for i in adaptive)
-        drafts = any(batch.limits[i] for i in adaptive)
-        suffix = any(batch.suffix_limits[i] for i in adaptive)
-        out = []
-        for a in self.race.order:
-            mode, n = split_arm(a)
-            if mode in (MODE_TREE, MODE_HYBRID) and not (drafts and n <= cap):
-                continue
-            if (mode == MODE_FIXED and not drafts) or (mode == MODE_SUFFIX and not suffix):
-                continue
-            out.append(a)
-        return out
-
-    def arm_shape(self, arm: str, batch: Batch, i: int) -> Shape:
-        """Adaptive job ``i``'s shape when the step plays race arm ``arm``: the shape the
-        job would have pinned in that mode."""
-        mode, n = split_arm(arm)
-        lim, offer = batch.limits[i], batch.offers[i]
-        if mode == MODE_FIXED:
-            return Shape(lim)
-        if mode == MODE_TREE:
-            return tree_shape(lim, n)
-        if mode == MODE_HYBRID:
-            return hybrid_shape(lim, n, offer is not None)
-        if mode == MODE_SUFFIX:
-            return self.suffix_shape(offer, batch.bucket, n or batch.budgets[i], batch.suffix_limits[i])
-        return Shape(0)
-
-    def _race_choice(self, batch: Batch, shapes: list[Shape], arm: str, explored: bool) -> StepChoice:
-        for i in batch.adaptive:
-            shapes[i] = self.arm_shape(arm, batch, i)
-        played = [shapes[i] for i in batch.adaptive]
-        return StepChoice(shapes, Decision(
-            mode=MODE_ADAPTIVE, k=max(sh.k for sh in played), batch=len(shapes),
-            explored=explored, budget=max(sh.budget for sh in played),
-            suffix=all(sh.suffix and not sh.k for sh in played if sh.budget), arm=arm))
+        return StepChoice(shapes, arms.decision(best, explored), ex)
 
     def _pinned_shape(self, batch: Batch, i: int) -> Shape:
         """Job ``i``'s shape when its mode fixes it (an adaptive job's placeholder: no drafts)."""

@@ -143,7 +143,7 @@ def _engine_of(a, target, threads: int):
                           context_flush=a.context_flush, max_unread=a.max_unread_events,
                           threads=threads, tree_budget=a.tree_budget,
                           tree_budgets=parse_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
-                          mode_race=a.mode_race == "on", suffix=a.suffix == "on",
+                          suffix=a.suffix == "on",
                           answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total,
                                               corpus=corpus_of(a, target)),
                           admission=Admission(max_waiting=a.max_waiting,
