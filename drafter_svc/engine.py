@@ -26,19 +26,10 @@ from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashAttention, DFlashDrafter, TargetHead
-from dflash.core.proposer import (
-    MAX_PREFIX_KEY,
-    DrafterCard,
-    DraftError,
-    FallbackReason,
-    Proposal,
-    ProposalRequest,
-    check_top_k,
-)
+from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest, check_top_k
 from dflash.serving.threads import claim
 from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
 from drafter_svc.forward import append_context, draft_blocks
-from drafter_svc.prefixes import PrefixStore
 from kernels.skinny_linear import (
     AUTO,
     DEFAULT_MAX_ROWS,
@@ -112,20 +103,14 @@ class DrafterEngine:
         batch_invariant: every linear layer, the LM head and the attention take the
             batch-invariant kernels (:mod:`kernels.invariant`; the product choices above are
             then unused): a session's drafts do not depend on the other sessions of a batched
-            call, nor on how its context arrived (a cached prefix's or an upload's).
-        prefix_mb: MiB of finished sessions' context K/V kept as prefixes later sessions start
-            from (:meth:`keep_prefix`, ``drafter_svc.prefixes``); 0 = none kept. Raises
-            ValueError below 0.
+            call, nor on how its context arrived.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
                  context_sched: str = "idle", capture: Capture | None = None,
-                 panel_linear: str = "off", batch_invariant: bool = False,
-                 prefix_mb: float = 512.0):
-        if prefix_mb < 0:
-            raise ValueError(f"prefix_mb must be >= 0, got {prefix_mb}")
+                 panel_linear: str = "off", batch_invariant: bool = False):
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -167,9 +152,6 @@ class DrafterEngine:
         self.pool = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads,
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
-        per_token = 2 * self.cfg.num_hidden_layers * self.cfg.num_key_value_heads * \
-            self.cfg.head_dim * p.element_size()
-        self.prefixes = PrefixStore(self.pool, int(prefix_mb * (1 << 20)), per_token)
         self.capture = capture
         self.last_draft = 0.0        # time.monotonic() of the last call's arrival (learner's idle clock)
         self._sessions: dict[str, _SessionCtx] = {}
@@ -192,8 +174,7 @@ class DrafterEngine:
                         skinny_max_rows: int = DEFAULT_MAX_ROWS, packed_linear: str = "off",
                         threads: int = 0, context_threads: int = 1,
                         context_sched: str = "idle", panel_linear: str = "off",
-                        batch_invariant: bool = False, prefix_mb: float = 512.0
-                        ) -> "DrafterEngine":
+                        batch_invariant: bool = False) -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -220,7 +201,7 @@ class DrafterEngine:
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
                    packed_linear=packed_linear, threads=threads, context_threads=context_threads,
                    context_sched=context_sched, panel_linear=panel_linear,
-                   batch_invariant=batch_invariant, prefix_mb=prefix_mb)
+                   batch_invariant=batch_invariant)
 
     @property
     def num_sessions(self) -> int:
@@ -230,35 +211,6 @@ class DrafterEngine:
     def cached_tokens(self) -> int:
         """Context positions held for all sessions (a metrics gauge)."""
         return sum(s.length for s in list(self._sessions.values()))
-
-    # gauges of the prefix store (read at scrape, no lock: counts only)
-    @property
-    def prefix_entries(self) -> int:
-        return self.prefixes.entries
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self.prefixes.tokens
-
-    @property
-    def prefix_bytes(self) -> int:
-        return self.prefixes.nbytes
-
-    @property
-    def prefix_hits(self) -> int:
-        return self.prefixes.stats.hits
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        return self.prefixes.stats.hit_tokens
-
-    @property
-    def prefix_misses(self) -> int:
-        return self.prefixes.stats.misses
-
-    @property
-    def prefix_evictions(self) -> int:
-        return self.prefixes.stats.evicted
 
     def warmup(self) -> None:
         """One tiny draft so first requests don't pay lazy initialisation; then, with
@@ -369,7 +321,6 @@ class DrafterEngine:
             self._context.shutdown(wait=True)
         with self._lock:
             self._sessions.clear()
-            self.prefixes.clear()
             self.pool.collect()
         if self.capture is not None:
             self.capture.close()
@@ -381,18 +332,6 @@ class DrafterEngine:
             self.pool.collect()
         if self.capture is not None:
             self.capture.end(session_ids)
-
-    def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
-        """The session ends (as :meth:`release`); its context K/V becomes the prefix ``key``
-        (at most ``MAX_PREFIX_KEY`` bytes) when it holds exactly ``length`` positions (else,
-        or past the bound, nothing is kept: a later item naming ``key`` is a miss)."""
-        with self._lock:
-            sess = self._sessions.pop(session_id, None)
-            if sess is not None and len(key) <= MAX_PREFIX_KEY:
-                self.prefixes.keep(key, sess.seq, length)
-            self.pool.collect()
-        if self.capture is not None:
-            self.capture.end([session_id])
 
     # ------------------------------------------------------------------ internals
     def _session_for(self, r: ProposalRequest) -> _SessionCtx:
@@ -407,8 +346,6 @@ class DrafterEngine:
             raise DraftError(FallbackReason.BAD_REQUEST, f"anchor_token: {r.anchor_token} outside vocabulary")
         if r.block_size > cfg.max_position_embeddings:
             raise DraftError(FallbackReason.BAD_REQUEST, "block_size too large")
-        if r.prefix_key and r.context_start > 0:
-            return self._session_from_prefix(r)
         sess = self._sessions.get(r.session_id)
         have = sess.length if sess else 0
         if r.context_start > have:
@@ -420,17 +357,6 @@ class DrafterEngine:
         elif r.context_start < have:
             self.pool.set_length(sess.seq, r.context_start)
         sess.last_used = time.monotonic()
-        return sess
-
-    def _session_from_prefix(self, r: ProposalRequest) -> _SessionCtx:
-        """A new context for ``r``'s session: the first ``context_start`` positions of its
-        cached prefix. Raises DraftError(PREFIX_MISS) when the drafter does not hold them."""
-        sess = _SessionCtx(seq=self.pool.new_seq())
-        if not self.prefixes.start(r.prefix_key, sess.seq, r.context_start):
-            raise DraftError(FallbackReason.PREFIX_MISS,
-                             f"prefix_key: no cached prefix of {r.context_start} positions")
-        self._sessions[r.session_id] = sess
-        self._evict()
         return sess
 
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:

@@ -76,8 +76,7 @@ def to_items(requests: list[ProposalRequest], wire_dtype=None) -> tuple[list[dra
             session_id=r.session_id, context_start=r.context_start, context=t,
             anchor_token=r.anchor_token, block_size=r.block_size,
             sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller,
-            top_k=r.top_k, no_learn=r.no_learn, context_ids=r.context_ids,
-            prefix_key=r.prefix_key))
+            top_k=r.top_k, no_learn=r.no_learn, context_ids=r.context_ids))
     return items, nbytes
 
 

@@ -10,8 +10,8 @@ A step waits for its drafts at most the step's **deadline**: what speculating is
 step (``budget_s``, from the policy's cost model: ``verifier_svc.cost_model.StepCostModel.
 draft_budget``), at least ``BreakerConfig.deadline_floor_s``, at most ``timeout_s``
 (``--draft-timeout``). A call without a budget (the cost model knows nothing yet) waits
-``timeout_s``, and so does an **upload** (a session's context from position 0 or from a cached
-prefix, or more than ``UPLOAD_ROWS`` rows of it: a prompt, a resend), which the cost model does not price, and any
+``timeout_s``, and so does an **upload** (a session's context from position 0, or more than
+``UPLOAD_ROWS`` rows of it: a prompt, a resend), which the cost model does not price, and any
 call queued on the stream behind an upload not yet answered.
 A reply later than a budget-derived deadline would have made the step slower than no
 speculation: the step goes on without it (``DraftError(LATE)``), the batch stays queued on
@@ -50,12 +50,6 @@ PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter
 # More context rows for one session than a steady step sends (its committed tokens, at most a
 # block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
 UPLOAD_ROWS = 128
-
-
-def is_upload(r: ProposalRequest) -> bool:
-    """A session's context from position 0, from a cached prefix (the drafter may have to be
-    sent all of it after all), or more than ``UPLOAD_ROWS`` rows of it."""
-    return r.context_start == 0 or bool(r.prefix_key) or r.context.shape[0] > UPLOAD_ROWS
 
 
 def describe(address: str, timeout_s: float = 5.0, tls: ClientTLS | None = None) -> DrafterCard:
@@ -185,7 +179,7 @@ class RemoteProposer:
                 return None
             self._pending[bid] = fut
             self._uploads = [f for f in self._uploads if not f.done()]
-            if any(map(is_upload, requests)):
+            if any(r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests):
                 self._uploads.append(fut)
         q.put(drafter_pb2.DraftBatch(batch_id=bid, items=items))
         return bid, fut
@@ -223,7 +217,8 @@ class RemoteProposer:
         if self.breaker.is_open:
             return [DraftError(FallbackReason.CIRCUIT_OPEN, f"drafter {self.address} out of the step path")] \
                 * len(requests)
-        if budget_s is not None and (self.behind_upload() or any(map(is_upload, requests))):
+        if budget_s is not None and (self.behind_upload() or any(
+                r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests)):
             budget_s = None                      # an upload: the budget does not price it
         deadline = self.last_deadline_s = self.deadline(budget_s)
         cut = deadline < self.timeout_s          # the budget, not the cap, set this deadline
@@ -385,18 +380,6 @@ class RemoteProposer:
         self.wire_stats.drop(session_ids)
         if q is not None and session_ids:
             q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
-
-    def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
-        """The session ends on the drafter; its context is kept as the prefix ``key`` when the
-        drafter holds ``length`` positions (``dflash.core.proposer.PrefixKeeper``). Queued
-        behind the session's calls on the stream; a stream that is down keeps nothing (a
-        later use of ``key`` is a miss, answered with a full upload)."""
-        with self._lock:
-            q = self._queue
-        self.wire_stats.drop([session_id])
-        if q is not None:
-            q.put(drafter_pb2.DraftBatch(batch_id=0, keep_prefixes=[drafter_pb2.KeepPrefix(
-                session_id=session_id, key=key, length=length)]))
 
     def close(self) -> None:
         self._closed.set()

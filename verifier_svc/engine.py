@@ -46,7 +46,7 @@ from verifier_svc.policy import (
 )
 from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
 from verifier_svc.prefix_cache import PrefixCache
-from verifier_svc.prefix_reuse import checkout_pin, keep_drafter_context, keep_finished, take_cached
+from verifier_svc.prefix_reuse import checkout_pin, keep_finished, take_cached
 from verifier_svc.proposals import draft_item, sourced, suffix_offers
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
@@ -177,19 +177,6 @@ class VerifierEngine:
     def prefix_cache_evictions(self) -> int:
         return self.prefix_cache.stats.evicted if self.prefix_cache is not None else 0
 
-    # sessions started from a drafter's kept context (``DrafterSync.prefixes``)
-    @property
-    def drafter_prefix_hits(self) -> int:
-        return self.sync.prefixes.hits
-
-    @property
-    def drafter_prefix_hit_tokens(self) -> int:
-        return self.sync.prefixes.hit_tokens
-
-    @property
-    def drafter_prefix_misses(self) -> int:
-        return self.sync.prefixes.misses
-
     def close_session(self, sid: str) -> bool:
         """Drop a session on the verifier and its drafter. Returns whether it existed."""
         return self._sessions.close(sid)
@@ -243,14 +230,11 @@ class VerifierEngine:
             job.closed = True
             self.core.wait_gone(job)
             if finished and (req.session_id or self.prefix_cache is not None):
-                entry = None
                 with self.target.lock:
                     self.target.own(session.cache)   # kept for the next turn, out of the batch
                     if self.prefix_cache is not None:
-                        entry = keep_finished(session, req, self.target, self.prefix_cache,
-                                              pin=bool(req.session_id))
-                if entry is not None:    # its drafter keeps the context too (before the release)
-                    keep_drafter_context(session, req, entry)
+                        keep_finished(session, req, self.target, self.prefix_cache,
+                                      pin=bool(req.session_id))
                 if session.pin is not None and sid not in self._sessions:
                     self._dropped(session)           # closed while it finished: no pin left
             session.busy.release()

@@ -27,10 +27,7 @@ readers' threads.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -38,19 +35,6 @@ from verifier_svc.sessions import CacheHandle
 from verifier_svc.tap_buffer import TapRows
 
 BLOCK = 16            # tokens per hashed block (the lookup's granularity before the exact match)
-# This process's salt of the drafter's keys: a restarted verifier (an empty cache) names none
-# of the prefixes a drafter kept for the one before.
-_DRAFTER_SALT = os.urandom(16)
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterPrefix:
-    """What the entry's drafter kept of it: the session's context under ``key``, ``length``
-    positions (its first ones; the drafter may hold fewer than the entry's tokens)."""
-
-    proposer: object                   # the drafter it was kept on (a hit on another: no use)
-    key: bytes
-    length: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,7 +51,6 @@ class Entry:
     refs: int = 0                      # acquired (copying, pinned by a session): never evicted
     pinned: bool = False               # a session's between its turns (outside the bound)
     shared: bool = False               # an operator's declared prefix: every tenant reads it
-    drafter: DrafterPrefix | None = None   # its drafter's kept context, when it kept one
 
     @property
     def length(self) -> int:
@@ -94,18 +77,6 @@ def block_hashes(tenant: str, tokens: Sequence[int], block: int = BLOCK) -> list
         h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
         out.append(h)
     return out
-
-
-def drafter_key(tenant: str, tokens: Sequence[int], tap_ids: Sequence[int]) -> bytes:
-    """The key a drafter keeps the context of ``tokens`` (tapped at ``tap_ids``) under for
-    ``tenant``: salted like the block hashes (the tenant, then the ids), but a 32-byte digest
-    (and this process's salt): the drafter never sees prompt ids, so it cannot check a match
-    and trusts the key alone."""
-    h = hashlib.blake2b(digest_size=32, key=_DRAFTER_SALT, person=b"dflash-prefix")
-    h.update(tenant.encode())
-    h.update(b"\0" + ",".join(map(str, tap_ids)).encode() + b"\0")
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
 
 
 def _common(a: Sequence[int], b: Sequence[int], start: int) -> int:

@@ -24,7 +24,6 @@ DRAFT_ERROR = {
     FallbackReason.BAD_REQUEST: drafter_pb2.DRAFT_ERROR_BAD_REQUEST,
     FallbackReason.CONTEXT_GAP: drafter_pb2.DRAFT_ERROR_CONTEXT_GAP,
     FallbackReason.NO_CONTEXT: drafter_pb2.DRAFT_ERROR_NO_CONTEXT,
-    FallbackReason.PREFIX_MISS: drafter_pb2.DRAFT_ERROR_PREFIX_MISS,
 }
 DRAFT_ERROR_NAME = {v: k for k, v in DRAFT_ERROR.items()}
 
