@@ -420,11 +420,9 @@ def require_gateway(addr: str, timeout_s: float = 10.0) -> None:
         channel.close()
 
 
-def _workload(a, prompts, out: Path) -> int:
-    """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
-    stack or not."""
-    from dflash_app.bench_prefix import cmd_workload
-
+def _on_stack(a, run) -> int:
+    """``run()`` against ``a.gateway``, or against a stack started for it with ``--start``
+    (stopped after)."""
     stack = None
     if a.start:
         from dflash_app.launcher import LocalStack
@@ -433,28 +431,25 @@ def _workload(a, prompts, out: Path) -> int:
         a.gateway = stack.gateway_addr
     try:
         require_gateway(a.gateway)
-        return cmd_workload(a, prompts, out)
+        return run()
     finally:
         if stack:
             stack.stop()
+
+
+def _workload(a, prompts, out: Path) -> int:
+    """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
+    stack or not."""
+    from dflash_app.bench_prefix import cmd_workload
+
+    return _on_stack(a, lambda: cmd_workload(a, prompts, out))
 
 
 def _load_sweep(a, prompts, out: Path) -> int:
     """``--concurrency``: the many-users sweep (``dflash_app.bench_load``), on a started stack or not."""
     from dflash_app.bench_load import cmd_load
 
-    stack = None
-    if a.start:
-        from dflash_app.launcher import LocalStack
-
-        stack = LocalStack(bench_stack_config(a)).start()
-        a.gateway = stack.gateway_addr
-    try:
-        require_gateway(a.gateway)
-        return cmd_load(a, prompts, out)
-    finally:
-        if stack:
-            stack.stop()
+    return _on_stack(a, lambda: cmd_load(a, prompts, out))
 
 
 def add_parser(sub) -> None:
