@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+import kernels.skinny_linear as sl
 from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
@@ -39,15 +40,7 @@ from dflash.serving.threads import claim
 from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
 from drafter_svc.forward import append_context, draft_blocks
 from drafter_svc.prefixes import PrefixStore
-from kernels.skinny_linear import (
-    AUTO,
-    DEFAULT_MAX_ROWS,
-    set_invariant,
-    switch_linear,
-    tune_max_rows,
-    tune_products,
-    tuning_summary,
-)
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, switch_linear, tune_max_rows, tune_products
 
 if TYPE_CHECKING:
     from dflash.learn.capture import Capture
@@ -109,13 +102,10 @@ class DrafterEngine:
             Raises ValueError for other values.
         capture: records what each call carries for the online learner
             (``dflash.learn.capture.Capture``; it only reads requests and drafts); None = off.
-        batch_invariant: every linear layer, the LM head and the attention take the
-            batch-invariant kernels (:mod:`kernels.invariant`; the product choices above are
-            then unused): a session's drafts do not depend on the other sessions of a batched
-            call, nor on how its context arrived (a cached prefix's or an upload's).
+        batch_invariant: layers, LM head and attention take :mod:`kernels.invariant` (drafts
+            independent of the batch and of how the context arrived).
         prefix_mb: MiB of finished sessions' context K/V kept as prefixes later sessions start
-            from (:meth:`keep_prefix`, ``drafter_svc.prefixes``); 0 = none kept. Raises
-            ValueError below 0.
+            from (``drafter_svc.prefixes``); 0 = none. Raises ValueError below 0.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
@@ -146,10 +136,9 @@ class DrafterEngine:
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            set_invariant(drafter, True, also=[head])
-            for m in drafter.modules():
-                if isinstance(m, DFlashAttention):
-                    m.batch_invariant = True
+            sl.set_invariant(drafter, True, also=[head])
+            for m in (m for m in drafter.modules() if isinstance(m, DFlashAttention)):
+                m.batch_invariant = True
         self._compute_ident: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=self._compute_thread, initargs=(threads,))
@@ -276,7 +265,7 @@ class DrafterEngine:
                                    anchor_token=0, block_size=block, sampling=Sampling())
 
         self.propose([req(self.cfg.block_size)])
-        if self.batch_invariant:         # every product is the invariant one: nothing to choose
+        if self.batch_invariant:         # nothing to choose
             return
         if self.skinny_max_rows == AUTO and self.device.type == "cpu":   # CPU-only product
             rows = tuple(n for n in (2, 4, 8, 16) if n <= self.cfg.block_size) or (2,)
@@ -286,7 +275,7 @@ class DrafterEngine:
                                      rows=rows, also=[self.head])
 
             self.skinny_max_rows, timings = self._compute.submit(tune).result()
-            log.info("%s", tuning_summary(self.skinny_max_rows, timings))
+            log.info("%s", sl.tuning_summary(self.skinny_max_rows, timings))
         blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
 
         def probe(n: int) -> object:    # block 1 = a context update: the products' one-row case

@@ -92,9 +92,10 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     assert r["costs"]["settings"] == {
         "threads": 2, "tree_budgets": [2, 5], "tree_budget": 6,
         "target": {"dtype": "float32", "skinny_max_rows": 4, "packed_linear": "on",
-                   "panel_linear": ["off", "on"][panel_t]},
+                   "panel_linear": ["off", "on"][panel_t], "batch_invariant": False},
         "drafter": {"dtype": str(bf16).replace("torch.", ""), "skinny_max_rows": 4,
-                    "packed_linear": "on", "panel_linear": ["off", "on"][panel_d]}}
+                    "packed_linear": "on", "panel_linear": ["off", "on"][panel_d],
+                    "batch_invariant": False}}
     assert r["threads"] == 2 and rc in (0, 3)       # (pays or not: test_exit_status)
     dom = r["probe"]["domains"]["all"]           # acceptance priced with the served drafter
     assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)

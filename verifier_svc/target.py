@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.core.checkpoint import target_fingerprint
-from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype, to_device
+from dflash.core.device import DeviceError, checkpoint_dtype, resolve_device, resolve_dtype, to_device
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.taps import hidden_state_indices
 from kernels.invariant import register_attention
@@ -83,11 +83,8 @@ class TargetModel:
             the other paths by :meth:`tune_skinny`; "off" (default) never.
         panel_linear: the same choices for the float32 panel product on AVX-512 CPUs
             (``kernels.panel_linear``), tuned after the other two.
-        batch_invariant: every linear layer and attention takes the batch-invariant kernels
-            (:mod:`kernels.invariant`; the three product choices above are then unused): a
-            verify of k rows gives the bits of k one-token decodes at the same positions, for
-            chains, trees and batched steps alike, so greedy speculation is plain decoding bit
-            for bit in every dtype. Not with ``cuda_graphs``.
+        batch_invariant: linear layers and attention take :mod:`kernels.invariant` (a verify
+            of k rows is k decodes bit for bit; docs/batch-invariance.md). Not with graphs.
 
     On CPU it calls :func:`grouped_kv_attention` before loading.
 
@@ -112,14 +109,9 @@ class TargetModel:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(self.path), self.device)
         if cuda_graphs and self.device.type != "cuda":
-            from dflash.core.device import DeviceError
-
             raise DeviceError("--cuda-graphs", f"needs a CUDA device, the target runs on {self.device}")
         if cuda_graphs and batch_invariant:
-            from dflash.core.device import DeviceError
-
-            raise DeviceError("--cuda-graphs", "not with --batch-invariant (its reference path "
-                              "reads each query's visible keys on the host)")
+            raise DeviceError("--cuda-graphs", "not with --batch-invariant")
         if self.device.type == "cpu":
             grouped_kv_attention()
         self.model = self._load()
@@ -274,10 +266,8 @@ class TargetModel:
         Call on the thread that runs the forwards. Returns the row limit in use (unchanged
         when it was set explicitly, or off the CPU: the transposed product is CPU-only)."""
         tune_rows = self.skinny_max_rows == AUTO and self.device.type == "cpu"
-        if self.batch_invariant:        # every product is the invariant one: nothing to choose
-            return self.skinny_max_rows
-        if not tune_rows and "auto" not in (self.packed_linear, self.panel_linear):
-            return self.skinny_max_rows
+        if self.batch_invariant or (not tune_rows and "auto" not in (self.packed_linear, self.panel_linear)):
+            return self.skinny_max_rows     # invariant: every product is the invariant one
         cache = self.new_cache()
         ids = [i % self.vocab_size for i in range(1, context + 1)]
         self.forward(ids, cache, None, logits_to_keep=1)
