@@ -447,11 +447,9 @@ def require_gateway(addr: str, timeout_s: float = 10.0) -> None:
         channel.close()
 
 
-def _workload(a, prompts, out: Path) -> int:
-    """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
-    stack or not."""
-    from dflash_app.bench_prefix import cmd_workload
-
+def _on_stack(a, run) -> int:
+    """``run()`` against ``a.gateway``, or against a stack started for it with ``--start``
+    (stopped after)."""
     stack = None
     if a.start:
         from dflash_app.launcher import LocalStack
@@ -460,10 +458,18 @@ def _workload(a, prompts, out: Path) -> int:
         a.gateway = stack.gateway_addr
     try:
         require_gateway(a.gateway)
-        return cmd_workload(a, prompts, out)
+        return run()
     finally:
         if stack:
             stack.stop()
+
+
+def _workload(a, prompts, out: Path) -> int:
+    """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
+    stack or not."""
+    from dflash_app.bench_prefix import cmd_workload
+
+    return _on_stack(a, lambda: cmd_workload(a, prompts, out))
 
 
 def _load_sweep(a, prompts, out: Path) -> int:
@@ -472,22 +478,14 @@ def _load_sweep(a, prompts, out: Path) -> int:
     from dflash_app.bench_load import cmd_load
     from dflash_app.bench_regret import SWEEP_CONCURRENCY, SWEEP_MODES, cmd_sweep
 
-    stack = None
-    if a.start:
-        from dflash_app.launcher import LocalStack
-
-        stack = LocalStack(bench_stack_config(a)).start()
-        a.gateway = stack.gateway_addr
-    try:
-        require_gateway(a.gateway)
+    def run() -> int:
         if a.sweep:
             a.concurrency = a.concurrency or SWEEP_CONCURRENCY
             a.spec_modes = SWEEP_MODES if a.spec_modes == DEFAULT_SPEC_MODES else a.spec_modes
             return cmd_sweep(a, out)
         return cmd_load(a, prompts, out)
-    finally:
-        if stack:
-            stack.stop()
+
+    return _on_stack(a, run)
 
 
 def set_list(text: str) -> str:

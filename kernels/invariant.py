@@ -56,7 +56,7 @@ def kernels_available() -> bool:
 def _on_kernels(*tensors: torch.Tensor) -> bool:
     dt = tensors[0].dtype
     return (dt in _DTYPES and all(t.device.type == "cpu" and t.dtype == dt for t in tensors)
-            and not any(t.requires_grad for t in tensors if torch.is_grad_enabled())
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and kernels_available())
 
 
@@ -127,17 +127,16 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """:func:`attention` on any device: each query alone, over a fresh copy of exactly the keys
     it sees, through matmul and softmax in float32, so that a decode's query and the same query
     in a block meet the same shapes."""
+    if mask is not None and mask.shape[1] != 1:
+        raise ValueError("reference_attention: a per-head mask is not supported")
     b, h, q, d = query.shape
     groups = h // key.shape[1]
     length = key.shape[2]
     out = query.new_zeros(b, q, h, d)
     for r in range(b):
         for i in range(q):
-            cols = (torch.arange(length, device=key.device) if mask is None
-                    else mask[r, 0 if mask.shape[1] == 1 else slice(None), i, :length])
-            if mask is not None and mask.shape[1] != 1:
-                raise ValueError("reference_attention: a per-head mask is not supported")
-            idx = cols if mask is None else cols.nonzero()[:, 0]
+            idx = (torch.arange(length, device=key.device) if mask is None
+                   else mask[r, 0, i, :length].nonzero()[:, 0])
             if not len(idx):
                 continue
             k = key[r].index_select(1, idx).float().repeat_interleave(groups, 0)    # [h, n, d]
