@@ -85,7 +85,7 @@ def draft_blocks(drafter: DFlashDrafter, head: TargetHead, pool: KVPool, items: 
     sizes = [r.block_size - 1 for r, _ in items]
     rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
     by_row = head.logits(rows, draft_head).split(sizes)
-    selector = getattr(drafter, "candidate_selector", None)
+    selector = drafter.candidate_selector
     if selector is not None:
         hid = rows.split(sizes)
         by_row = tuple(selector_rows(selector, lg, hid[j], r.anchor_token, draft_vocab)

@@ -141,7 +141,7 @@ def structured_output(b, chat: bool) -> tuple[common_pb2.StructuredOutput | None
     """
     asked: list[tuple[str, common_pb2.StructuredOutput]] = []
     plan = None
-    rf = getattr(b, "response_format", None) if chat else None
+    rf = b.response_format if chat else None
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             asked.append(("response_format", common_pb2.StructuredOutput(

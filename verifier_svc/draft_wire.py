@@ -18,6 +18,17 @@ from dflash.serving.tracing import inject_context
 from dflash.v1 import drafter_pb2
 
 MAX_WIRE_STATS = 4096
+# More context rows for one session than a steady step sends (its committed tokens, at most a
+# block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
+UPLOAD_ROWS = 128
+
+
+def is_upload(r: ProposalRequest) -> bool:
+    """A session's context from position 0, from a cached prefix (the drafter may have to be
+    sent all of it after all), or more than ``UPLOAD_ROWS`` rows of it."""
+    return r.context_start == 0 or bool(r.prefix_key) or r.context.shape[0] > UPLOAD_ROWS
+
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,15 +7,10 @@ an error string) becomes a ``DraftError`` for that step, never an exception into
 loop; a broken stream is reopened on a later call after a short back-off.
 
 A step waits for its drafts at most the step's **deadline**: what speculating is worth this
-step (``budget_s``, from the policy's cost model: ``verifier_svc.cost_model.StepCostModel.
-draft_budget``), at least ``BreakerConfig.deadline_floor_s``, at most ``timeout_s``
-(``--draft-timeout``). A call without a budget (the cost model knows nothing yet) waits
-``timeout_s``, and so does an **upload** (a session's context from position 0 or from a cached
-prefix, or more than ``UPLOAD_ROWS`` rows of it: a prompt, a resend), which the cost model does not price, and any
-call queued on the stream behind an upload not yet answered.
-A reply later than a budget-derived deadline would have made the step slower than no
-speculation: the step goes on without it (``DraftError(LATE)``), the batch stays queued on
-the drafter (its context lands; a late error is reported to the caller), and the miss counts.
+step (``budget_s``, ``StepCostModel.draft_budget``), within ``[BreakerConfig.deadline_floor_s,
+timeout_s]`` (``--draft-timeout``); ``timeout_s`` without a budget, for an **upload**
+(``draft_wire.is_upload``: not priced by the cost model) and behind one. A later reply goes
+unused (``DraftError(LATE)``; its context still lands on the drafter) and the miss counts.
 
 A :class:`~verifier_svc.breaker.CircuitBreaker` per drafter takes one that is too slow or keeps
 failing out of the step path (verifier_svc/breaker.py); this client counts its misses and runs
@@ -42,21 +37,19 @@ from dflash.serving.tls import ClientTLS, channel as tls_channel
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_svc.breaker import FAILING, SLOW, BreakerConfig, CircuitBreaker, TripReason
 from verifier_svc.cost_model import EMA
-from verifier_svc.draft_wire import WireLog, WireStat, failed_sessions, from_result, probe_item, to_items
+from verifier_svc.draft_wire import (
+    WireLog,
+    WireStat,
+    failed_sessions,
+    from_result,
+    is_upload,
+    probe_item,
+    to_items,
+)
 from verifier_svc.drafter_sync import LATE
 
 log = logging.getLogger("dflash.verifier.drafter_client")
 PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter (released)
-# More context rows for one session than a steady step sends (its committed tokens, at most a
-# block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
-UPLOAD_ROWS = 128
-
-
-def is_upload(r: ProposalRequest) -> bool:
-    """A session's context from position 0, from a cached prefix (the drafter may have to be
-    sent all of it after all), or more than ``UPLOAD_ROWS`` rows of it."""
-    return r.context_start == 0 or bool(r.prefix_key) or r.context.shape[0] > UPLOAD_ROWS
-
 
 def describe(address: str, timeout_s: float = 5.0, tls: ClientTLS | None = None) -> DrafterCard:
     """Fetch the drafter card at ``address`` (over TLS when ``tls``). Raises grpc.RpcError when

@@ -43,6 +43,7 @@ from verifier_svc.commit import commit_row, log_step, step_feedback
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync
+from verifier_svc.engine_gauges import EngineGauges
 from verifier_svc.grammar_rows import constrain
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
@@ -66,7 +67,7 @@ __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowC
            "check_drafter_card", "MAX_BLOCK_SIZE", "InvalidParam", "Target"]
 
 
-class VerifierEngine:
+class VerifierEngine(EngineGauges):
     """Owns the target, the sessions and the decode step.
 
     Args:
@@ -144,64 +145,6 @@ class VerifierEngine:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    @property
-    def suffix_index_tokens(self) -> int:
-        """Tokens held by the sessions' suffix indexes (a metrics gauge)."""
-        return sum(len(s.suffix) for s in self._sessions.values())
-
-    @property
-    def suffix_answer_tokens(self) -> int:
-        return self.answers.tokens
-
-    @property
-    def suffix_corpus_tokens(self) -> int:
-        return self.answers.corpus_tokens
-
-    @property
-    def suffix_index_bytes(self) -> int:
-        """Approximate bytes of the sessions' suffix indexes, the tenants' answers and the
-        corpus."""
-        return sum(s.suffix.nbytes for s in self._sessions.values()) + self.answers.nbytes
-
-    @property
-    def cached_tokens(self) -> int:
-        """Target KV positions held by all sessions (a metrics gauge)."""
-        return sum(s.held for s in self._sessions.values())
-
-    @property
-    def prefix_cache_bytes(self) -> int:
-        """Bytes of the prefix cache's entries (gauges read 0 with the cache off)."""
-        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_pinned_bytes(self) -> int:
-        return self.prefix_cache.pinned_bytes if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_entries(self) -> int:
-        return self.prefix_cache.entries if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_tokens(self) -> int:
-        return self.prefix_cache.tokens if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_evictions(self) -> int:
-        return self.prefix_cache.stats.evicted if self.prefix_cache is not None else 0
-
-    # sessions started from a drafter's kept context (``DrafterSync.prefixes``)
-    @property
-    def drafter_prefix_hits(self) -> int:
-        return self.sync.prefixes.hits
-
-    @property
-    def drafter_prefix_hit_tokens(self) -> int:
-        return self.sync.prefixes.hit_tokens
-
-    @property
-    def drafter_prefix_misses(self) -> int:
-        return self.sync.prefixes.misses
-
     def close_session(self, sid: str) -> bool:
         """Drop a session on the verifier and its drafter. Returns whether it existed."""
         return self._sessions.close(sid)
@@ -228,8 +171,8 @@ class VerifierEngine:
         """The compiled-grammar cache (built on first use; PreconditionError naming
         ``structured_output`` for a target without a tokenizer in its directory)."""
         if self._grammars is None:
-            path = getattr(self.target, "path", None)
-            if path is None or not (path / "tokenizer.json").exists():
+            path = self.target.path
+            if not (path / "tokenizer.json").exists():
                 raise PreconditionError("structured_output", "this target has no tokenizer for grammars")
             tok = GrammarTokenizer.from_dir(path, self.target.vocab_size, sorted(self.target.eos_token_ids))
             self._grammars = GrammarCache(tok)
