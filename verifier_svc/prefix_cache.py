@@ -31,10 +31,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from dflash.core.prefix_blocks import BLOCK, block_hashes
 from verifier_svc.sessions import CacheHandle
 from verifier_svc.tap_buffer import TapRows
 
-BLOCK = 16            # tokens per hashed block (the lookup's granularity before the exact match)
+__all__ = ["BLOCK", "CacheStats", "Entry", "PrefixCache", "block_hashes"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,20 +64,6 @@ class Entry:
         if self.taps is None or self.tap_ids != tap_ids:
             return 0
         return min(len(self.tokens), len(self.taps))
-
-
-def _root(tenant: str) -> int:
-    return hash(("prefix-cache", tenant))
-
-
-def block_hashes(tenant: str, tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chain hashes of ``tokens``' full blocks under ``tenant``'s salt (hash i covers
-    tokens ``[0, (i + 1) * block)``)."""
-    h, out = _root(tenant), []
-    for i in range(len(tokens) // block):
-        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
-        out.append(h)
-    return out
 
 
 def _common(a: Sequence[int], b: Sequence[int], start: int) -> int:
