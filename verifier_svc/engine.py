@@ -253,8 +253,7 @@ class VerifierEngine(EngineGauges):
         # on the target's device: its noise is drawn where the logits are (a CPU generator
         # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
         st.gen = req.sampling.generator(t.device)
-        st.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
-                        if req.sampling.penalised else None)
+        st.processor = _processor(req, t.vocab_size) if req.sampling.penalised else None
         st.grammar = self.grammars.state(req.grammar) if req.grammar is not None else None
         st.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
         st.mode, st.block_limit, st.tree_budget, st.suffix_limit = speculation_limits(
@@ -378,3 +377,12 @@ def _processed(r: StepRow) -> torch.Tensor:
 def _params(st: DecodeState) -> RowParams:
     return RowParams(st.req.sampling, st.gen, st.stops, st.req.max_tokens - st.emitted,
                      position=len(st.session.tokens))
+
+
+def _processor(req: Request, vocab_size: int) -> LogitsProcessor:
+    """The request's penalty state: a resumed request's last ``resumed`` prompt ids count as
+    output already generated, so its penalties continue as on the replica it left."""
+    cut = len(req.prompt) - req.resumed
+    p = LogitsProcessor(req.sampling, req.prompt[:cut], vocab_size)
+    p.commit(req.prompt[cut:])
+    return p

@@ -34,10 +34,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from dflash.core.prefix_blocks import BLOCK, block_hashes
 from verifier_svc.sessions import CacheHandle
 from verifier_svc.tap_buffer import TapRows
 
-BLOCK = 16            # tokens per hashed block (the lookup's granularity before the exact match)
+__all__ = ["BLOCK", "CacheStats", "DrafterPrefix", "Entry", "PrefixCache", "block_hashes", "drafter_key"]
+
 # This process's salt of the drafter's keys: a restarted verifier (an empty cache) names none
 # of the prefixes a drafter kept for the one before.
 _DRAFTER_SALT = os.urandom(16)
@@ -80,20 +82,6 @@ class Entry:
         if self.taps is None or self.tap_ids != tap_ids:
             return 0
         return min(len(self.tokens), len(self.taps))
-
-
-def _root(tenant: str) -> int:
-    return hash(("prefix-cache", tenant))
-
-
-def block_hashes(tenant: str, tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chain hashes of ``tokens``' full blocks under ``tenant``'s salt (hash i covers
-    tokens ``[0, (i + 1) * block)``)."""
-    h, out = _root(tenant), []
-    for i in range(len(tokens) // block):
-        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
-        out.append(h)
-    return out
 
 
 def drafter_key(tenant: str, tokens: Sequence[int], tap_ids: Sequence[int]) -> bytes:

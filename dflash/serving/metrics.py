@@ -314,6 +314,40 @@ class AdmissionMetrics:
         yield c
 
 
+# The Model Server Protocol (Gateway API Inference Extension, proposal 003): the gauges an
+# inference-aware router scores a model server by, under vLLM's names. name -> (LoadReport field, help)
+MODEL_SERVER_GAUGES = {
+    "vllm:num_requests_waiting": ("waiting", "Requests admitted and waiting for a batch slot or "
+                                  "their prefill (as vLLM's)."),
+    "vllm:num_requests_running": ("running", "Requests in the decode batch (as vLLM's)."),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of the batch's K/V room its "
+                                 "requests may hold, 0..1 (prompt + max_tokens each over "
+                                 "max_batch x the context window; as vLLM's, 1 = full)."),
+}
+
+
+class ModelServerGauges:
+    """The Model Server Protocol's gauges (:data:`MODEL_SERVER_GAUGES`), read at scrape time
+    from ``load()`` (a ``dflash.v1.verifier_pb2.LoadReport``, or None while loading: no
+    series), so the GIE endpoint picker and llm-d's router can score this replica."""
+
+    def __init__(self, registry: CollectorRegistry, load: Callable[[], object | None]):
+        self.load = load
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        report = self.load()
+        if report is None:
+            return
+        for name, (field, text) in MODEL_SERVER_GAUGES.items():
+            g = GaugeMetricFamily(name, text)
+            g.add_metric([], float(getattr(report, field)))
+            yield g
+
+
 class BreakerGauges:
     """Each drafter's circuit breaker and deadline, read at scrape time from ``proposers()``
     (objects with ``card.label``, ``address``, ``breaker``, ``latency`` and

@@ -74,7 +74,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AcceptanceStats(_message.Message):
-    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "fallback_steps", "draft_seconds", "verify_seconds", "tree_drafts", "tree_nodes", "suffix_drafts", "suffix_nodes", "suffix_accepted_tokens", "grammar_drafts", "grammar_nodes", "grammar_accepted_tokens")
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "fallback_steps", "draft_seconds", "verify_seconds", "tree_drafts", "tree_nodes", "suffix_drafts", "suffix_nodes", "suffix_accepted_tokens", "grammar_drafts", "grammar_nodes", "grammar_accepted_tokens", "resumes")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class AcceptanceStats(_message.Message):
     GRAMMAR_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_NODES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     drafts: int
     draft_tokens: int
     accepted_tokens: int
@@ -107,7 +108,8 @@ class AcceptanceStats(_message.Message):
     grammar_drafts: int
     grammar_nodes: int
     grammar_accepted_tokens: int
-    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., tree_drafts: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., suffix_drafts: _Optional[int] = ..., suffix_nodes: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., grammar_drafts: _Optional[int] = ..., grammar_nodes: _Optional[int] = ..., grammar_accepted_tokens: _Optional[int] = ...) -> None: ...
+    resumes: int
+    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., tree_drafts: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., suffix_drafts: _Optional[int] = ..., suffix_nodes: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., grammar_drafts: _Optional[int] = ..., grammar_nodes: _Optional[int] = ..., grammar_accepted_tokens: _Optional[int] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "field")
