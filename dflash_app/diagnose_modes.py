@@ -31,6 +31,7 @@ from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODE_HYBRID,
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES, DEFAULT_RACE_ARMS, SpeculationPolicy
+from verifier_svc.race_arms import race_arms as raced
 
 if TYPE_CHECKING:
     from dflash_app.diagnose_suffix import Replayed, SuffixReplay
@@ -181,8 +182,7 @@ PINNED = lambda r: not r.mode.startswith(MODE_ADAPTIVE)   # noqa: E731
 def race_arms(ctx: Context) -> list[str]:
     """The rows of the modes adaptive races (``verifier_svc.policy.DEFAULT_RACE_ARMS`` at the
     verifier's largest tree budget)."""
-    top = max(ctx.tree_budgets, default=0)
-    return [a.replace("{N}", str(top)) for a in DEFAULT_RACE_ARMS if top or "{N}" not in a]
+    return raced(DEFAULT_RACE_ARMS, max(ctx.tree_budgets, default=0))
 
 
 def _race(ctx: Context) -> list[Priced]:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels.skinny_linear as sl
 from dflash.core.proposer import ProposalRequest
 from dflash.core.sampling import Sampling
+from kernels.skinny_linear import AUTO, tune_max_rows, tune_products, tuning_summary
 
 if TYPE_CHECKING:
     from drafter_svc.engine import DrafterEngine
@@ -37,19 +37,19 @@ def warmup(engine: DrafterEngine) -> None:
     engine.propose([req(cfg.block_size)])
     if engine.batch_invariant:
         return
-    if engine.skinny_max_rows == sl.AUTO and engine.device.type == "cpu":   # CPU-only product
+    if engine.skinny_max_rows == AUTO and engine.device.type == "cpu":   # CPU-only product
         rows = tuple(n for n in (2, 4, 8, 16) if n <= cfg.block_size) or (2,)
         # propose() called on the compute thread drafts inline
         engine.skinny_max_rows, timings = engine.on_compute_thread(
-            lambda: sl.tune_max_rows(engine.drafter, lambda n: engine.propose([req(n, 64)]),
+            lambda: tune_max_rows(engine.drafter, lambda n: engine.propose([req(n, 64)]),
                                      rows=rows, also=[engine.head]))
-        log.info("%s", sl.tuning_summary(engine.skinny_max_rows, timings))
+        log.info("%s", tuning_summary(engine.skinny_max_rows, timings))
     blocks = tuple(sorted({min(n, cfg.block_size) for n in (1, 4, 16)}))
 
     def probe(n: int) -> object:    # block 1 = a context update: the products' one-row case
         return engine.propose([req(n, 1 if n == 1 else 64)])
 
     engine.packed_linear, engine.panel_linear = engine.on_compute_thread(
-        lambda: sl.tune_products(engine.drafter, probe, engine.packed_linear, engine.panel_linear,
+        lambda: tune_products(engine.drafter, probe, engine.packed_linear, engine.panel_linear,
                                  rows=blocks, also=[engine.head]))
     engine.release([SESSION])
