@@ -32,6 +32,8 @@ from dflash_app.bench_lossless import NEAR_TIE_GAP, PROBE_TOP, compare, differen
 # transformers reports no acceptance for a generation's last verify step, and our last block is
 # shortened to fit max_tokens: over a prompt set the two tau figures agree to about this much.
 TAU_MATCH = 0.05
+#: ``--spec-modes``' default (``--sweep`` runs every mode unless it is changed).
+DEFAULT_SPEC_MODES = "off,fixed,adaptive"
 
 
 def _tpot(latency: float, ttft: float, n: int) -> float:
@@ -83,6 +85,13 @@ def bench_stack_config(a):
     cfg = _stack_config(a)
     if not getattr(a, "suffix_answers", False):
         cfg.verifier_args = [*cfg.verifier_args, "--suffix-answer-tokens", "0"]
+    if not getattr(a, "verifier_metrics", "") and "verifier" not in cfg.metrics_ports:
+        from dflash_app.bench_regret import free_port
+
+        # the verifier's /metrics, where the mode race's counters are read
+        cfg.metrics_ports = {**cfg.metrics_ports, "verifier": free_port()}
+    if "verifier" in cfg.metrics_ports:
+        a.verifier_metrics = f"{cfg.host}:{cfg.metrics_ports['verifier']}"
     return cfg
 
 
@@ -276,6 +285,15 @@ def markdown(results: dict) -> str:
             lines.append(f"\n{mode}: {100 * a['tree_share']:.0f}% of drafted steps were trees, "
                          f"{a['nodes_per_tree_step']:.1f} nodes per tree step (per-position "
                          "acceptance above = per depth of the accepted path)")
+    from dflash_app.bench_regret import race_line, regret_line
+
+    adaptive = "spec[adaptive]" if "spec[adaptive]" in agg else None
+    if adaptive:
+        tok = {m: a.get("decode_tok_s", a["tok_s"]) for m, a in agg.items() if m != "peer"}
+        lines.append("\n" + regret_line(tok, adaptive))
+        race = race_line(results.get("race"), agg[adaptive]["tokens"])
+        if race:
+            lines.append("\n" + race)
     if same:
         near = results.get("config", {}).get("near_tie_gap", NEAR_TIE_GAP)
         lines.append("\ngreedy outputs identical to speculation-off: " + summary_line(same) +
@@ -315,11 +333,13 @@ def cmd_bench(a) -> int:
     from dflash_app.bench_prompts import prompt_set
 
     try:
-        prompts = prompt_set(a.prompts, a.limit)
+        prompts = prompt_set(a.prompts, a.limit) if not a.sweep else []
     except ValueError as e:
         raise SystemExit(str(e)) from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.sweep:
+        return _load_sweep(a, [], out)
     if a.ep_sizes:  # the same MoE target at several expert-parallel sizes (dflash_app.bench_ep)
         from dflash_app.bench_ep import cmd_ep
 
@@ -367,6 +387,10 @@ def cmd_bench(a) -> int:
         # per prompt. This machine's speed drifts by tens of percent within minutes (one-token
         # decode measured 57 and 84 ms a quarter of an hour apart); mode after mode, a drift
         # would land on one mode and pass for a speedup or a slowdown.
+        from dflash_app.bench_regret import race_delta, scrape_race
+
+        metrics = getattr(a, "verifier_metrics", "")
+        race_before = scrape_race(metrics) if metrics else None
         t0 = time.monotonic()
         with tqdm(total=total, desc="bench", file=sys.stderr) as bar:
             for i, (task_id, prompt) in enumerate(prompts):
@@ -375,6 +399,8 @@ def cmd_bench(a) -> int:
                     start = time.monotonic() - t0
                     rows[mode].append({**run(task_id, prompt), "t_start_s": start})
                     bar.update(1)
+        # only adaptive jobs race: the counters between the scrapes are the adaptive rows'
+        race = race_delta(race_before, scrape_race(metrics)) if metrics else None
         # after the timed runs, while the stack is up: off's logprobs where a prompt differs
         same = compare_to_off(rows, a.gateway, dict(prompts), near_tie=a.near_tie_gap)
     finally:
@@ -387,6 +413,7 @@ def cmd_bench(a) -> int:
                           "drafters": drafters, "spec_modes": policies},
                "aggregate": {m: aggregate(r) for m, r in rows.items()}, "rows": rows}
     results["identical_to_off"] = same
+    results["race"] = race
     results["config"]["near_tie_gap"] = a.near_tie_gap
     results["lossless"] = {m: c["identical"] for m, c in results["identical_to_off"].items()}
     if "peer" in rows:
@@ -446,14 +473,32 @@ def _workload(a, prompts, out: Path) -> int:
 
 
 def _load_sweep(a, prompts, out: Path) -> int:
-    """``--concurrency``: the many-users sweep (``dflash_app.bench_load``), on a started stack or not."""
+    """``--concurrency``: the many-users sweep (``dflash_app.bench_load``); ``--sweep``: that on
+    several prompt sets (``dflash_app.bench_regret``); on a started stack or not."""
     from dflash_app.bench_load import cmd_load
+    from dflash_app.bench_regret import SWEEP_CONCURRENCY, SWEEP_MODES, cmd_sweep
 
-    return _on_stack(a, lambda: cmd_load(a, prompts, out))
+    def run() -> int:
+        if a.sweep:
+            a.concurrency = a.concurrency or SWEEP_CONCURRENCY
+            a.spec_modes = SWEEP_MODES if a.spec_modes == DEFAULT_SPEC_MODES else a.spec_modes
+            return cmd_sweep(a, out)
+        return cmd_load(a, prompts, out)
+
+    return _on_stack(a, run)
+
+
+def set_list(text: str) -> str:
+    """argparse ``type`` of ``--sweep-sets``: a non-empty comma-separated list of distinct names."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of distinct prompt sets, got {text!r}")
+    return ",".join(items)
 
 
 def add_parser(sub) -> None:
     from dflash.serving.argtypes import at_least, int_list, positive_float
+    from dflash_app.bench_regret import SWEEP_SETS
     from dflash_app.cli import _add_stack_args
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
@@ -480,7 +525,16 @@ def add_parser(sub) -> None:
     b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
-    b.add_argument("--spec-modes", type=mode_list, default="off,fixed,adaptive",
+    b.add_argument("--sweep", action="store_true",
+                   help="the --concurrency sweep (default 1,4,8,16,32) on each of --sweep-sets, "
+                        "every mode (default off,fixed,tree,hybrid,suffix,adaptive), with adaptive's "
+                        "regret against the best fixed mode and a plot (sweep.json/md/png)")
+    b.add_argument("--sweep-sets", type=set_list, default=",".join(SWEEP_SETS),
+                   help="--sweep: comma-separated prompt sets (humaneval, chat, JSONL files)")
+    b.add_argument("--verifier-metrics", default="",
+                   help="the verifier's /metrics (host:port), where the mode race's exploration "
+                        "is read (with --start: set up by the bench)")
+    b.add_argument("--spec-modes", type=mode_list, default=DEFAULT_SPEC_MODES,
                    help="speculation modes compared side by side: the --concurrency sweep runs "
                         "each; the on/off comparison runs each non-off mode against off")
     b.add_argument("--requests", type=at_least(1), default=8,

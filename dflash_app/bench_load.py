@@ -207,7 +207,8 @@ def markdown(levels: list[dict]) -> str:
         agg = {m: _mean(by[(m, c)], "agg_tok_s") for m in modes if (m, c) in by}
         if MODE_ADAPTIVE in agg and len(agg) > 1:
             other = max((m for m in agg if m != MODE_ADAPTIVE), key=agg.get)
-            line = f"c={c}: adaptive {agg[MODE_ADAPTIVE] / agg[other]:.2f}x the better of the others ({other})"
+            line = (f"c={c}: adaptive {agg[MODE_ADAPTIVE] / agg[other]:.2f}x the better of the others ({other})"
+                    + (f", {agg[MODE_ADAPTIVE] / agg[MODE_OFF]:.2f}x off" if agg.get(MODE_OFF) and other != MODE_OFF else ""))
             if len(by[(MODE_ADAPTIVE, c)]) > 1:
                 line += (f", run-to-run spread ±{100 * _spread(by[(MODE_ADAPTIVE, c)]):.0f}% / "
                          f"±{100 * _spread(by[(other, c)]):.0f}%")
@@ -217,6 +218,12 @@ def markdown(levels: list[dict]) -> str:
             best.append(line)
     if best:
         lines.append("\n" + "; ".join(best))
+    from dflash_app.bench_regret import race_line
+
+    for x in levels:
+        line = race_line(x.get("race"), x["tokens"]) if x["mode"] == MODE_ADAPTIVE else ""
+        if line:
+            lines.append(f"\nc={x['concurrency']} round {x.get('repeat', 0)}: {line}")
     diffs = {f"c={x['concurrency']} {x['mode']} round {x.get('repeat', 0)}": x["identical_to_off"]
              for x in levels if x.get("identical_to_off", {}).get("differences")}
     if diffs:
@@ -255,15 +262,33 @@ def plot(levels: list[dict], path: Path) -> None:
 
 def cmd_load(a, prompts, out: Path) -> int:
     """The ``--concurrency`` sweep (called by ``dflash_app.bench.cmd_bench``)."""
+    levels = run_levels(a, prompts, out)
+    md = markdown(levels)
+    (out / "load.md").write_text(md)
+    plot(levels, out / "load.png")
+    print(md)
+    print(f"wrote {out}/load.json, load.md, load.png")
+    return 0
+
+
+def run_levels(a, prompts, out: Path) -> list[dict]:
+    """Every (concurrency, mode) cell of ``a`` on ``prompts``, compared with off, written to
+    ``out/load.json`` as they finish (also ``load.md`` and ``load.png`` at the end); an
+    adaptive cell carries what the verifier's mode race did in it (``race``:
+    :func:`dflash_app.bench_regret.race_delta`) when ``a.verifier_metrics`` names its
+    ``/metrics``."""
+    from dflash_app.bench_regret import race_delta, scrape_race
+
     # the flags arrive checked and normalised by their argparse types (dflash_app.bench.add_parser)
     conc = [int(x) for x in a.concurrency.split(",")]
     modes = a.spec_modes.split(",")
     drafter = (a.use_drafter or [""])[0]
     repeats, min_per_client = a.repeats, a.requests_per_client
+    metrics = getattr(a, "verifier_metrics", "")
     config = {"concurrency": conc, "modes": modes, "max_tokens": a.max_tokens,
               "requests": a.requests, "requests_per_client": min_per_client,
               "repeats": repeats, "gateway": a.gateway}
-    levels = []
+    levels: list[dict] = []
     # each concurrency level runs its modes back to back, ``repeats`` rounds of them (the order
     # rotated per round), so that the modes of one level are compared under the same conditions
     # and their spread is known
@@ -275,8 +300,11 @@ def cmd_load(a, prompts, out: Path) -> int:
                     run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
                               max_tokens=8, mode=m, drafter=drafter)
                 per_client = max(-(-a.requests // c), min_per_client)
+                before = scrape_race(metrics) if metrics and m == MODE_ADAPTIVE else None
                 x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=per_client,
                               max_tokens=a.max_tokens, mode=m, drafter=drafter)
+                if metrics and m == MODE_ADAPTIVE:
+                    x["race"] = race_delta(before, scrape_race(metrics))
                 x["repeat"] = rep
                 levels.append(x)
                 _report(x, out, config, levels)
@@ -292,12 +320,9 @@ def cmd_load(a, prompts, out: Path) -> int:
         finally:
             client.close()
         (out / "load.json").write_text(json.dumps({"config": config, "levels": levels}, indent=1))
-    md = markdown(levels)
-    (out / "load.md").write_text(md)
+    (out / "load.md").write_text(markdown(levels))
     plot(levels, out / "load.png")
-    print(md)
-    print(f"wrote {out}/load.json, load.md, load.png")
-    return 0
+    return levels
 
 
 def _report(x: dict, out: Path, config: dict, levels) -> None:

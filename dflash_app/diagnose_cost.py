@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from dflash.core.speculation import MODE_OFF
-from dflash_app.diagnose_modes import Context, Priced, best_speculative, price_modes
+from dflash_app.diagnose_modes import RACE_ROW, Context, Priced, best_speculative, price_modes, should_match
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES
 
@@ -179,6 +179,11 @@ class Payoff:
                      "from suffix candidates" if src and src["suffix"] + src["drafter"] else "")
             parts.append(f"adaptive chooses {what}; expected {ad.speedup:.2f}x (tau "
                          f"{ad.tokens:.2f}{share})")
+        race, match = self.row(RACE_ROW), should_match(self.rows)
+        if race is not None and match is not None and ad is not None:
+            parts.append(f"adaptive should match {match.mode} ({match.speedup:.2f}x): its per-step "
+                         f"choice alone {ad.speedup / match.speedup:.2f}x of it, with the mode race "
+                         f"it {race.choice} ({race.speedup / match.speedup:.2f}x)")
         if best is not None:
             parts.append(f"best {best.mode} {best.speedup:.2f}x (spread +-{self.spread:.2f})")
         return "; ".join(parts)
@@ -192,6 +197,10 @@ class Payoff:
                 "adaptive_choice": ad.choice if ad else None, "adaptive_k": k,
                 "adaptive_speedup": round(ad.speedup, 3) if ad else None,
                 "expected_tokens": round(ad.tokens, 3) if ad else None,
+                "should_match": match.mode if (match := should_match(self.rows)) else None,
+                "should_match_speedup": round(match.speedup, 3) if match else None,
+                "race_choice": race.choice if (race := self.row(RACE_ROW)) else None,
+                "race_speedup": round(race.speedup, 3) if race else None,
                 "best_mode": best.mode if best else None,
                 "best_speedup": round(best.speedup, 3) if best else None,
                 "spread": round(self.spread, 3), "pays": self.pays,

@@ -8,7 +8,9 @@ speculation policy's ``AcceptanceEstimator`` (chains from per-position rates, tr
 measured tokens per tree step), seconds from its ``StepCostModel`` (``estimate``: cell or fit,
 overhead included; a tree of n nodes priced like a chain of n drafts, as the policy prices it),
 and the adaptive row is a fresh adaptive ``SpeculationPolicy`` asked what it would do
-(``choose_shapes``). "x plain decoding" is tokens per second against one token per
+(``choose_shapes``); the ``adaptive (race)`` row is adaptive as served with the mode race,
+the best priced of the modes it races (``verifier_svc/mode_race.py``), and
+:func:`should_match` the fastest mode a user could pin. "x plain decoding" is tokens per second against one token per
 speculation-off step at the same costs.
 
 Suffix candidates (modes ``suffix`` and ``hybrid:N``, and adaptive's suffix arms) depend on the
@@ -28,7 +30,8 @@ from typing import TYPE_CHECKING
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODE_HYBRID, MODE_SUFFIX
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.cost_model import StepCostModel
-from verifier_svc.policy import CANDIDATES, SpeculationPolicy
+from verifier_svc.policy import CANDIDATES, DEFAULT_RACE_ARMS, SpeculationPolicy
+from verifier_svc.race_arms import race_arms as raced
 
 if TYPE_CHECKING:
     from dflash_app.diagnose_suffix import Replayed, SuffixReplay
@@ -170,6 +173,37 @@ def _adaptive(ctx: Context) -> list[Priced]:
                    d.expected_tokens / d.cost_seconds * ctx.plain_seconds, choice)]
 
 
+#: The row of adaptive as served with the mode race (``--mode-race on``, the default).
+RACE_ROW = "adaptive (race)"
+#: What the report means by a fixed mode: every row a user could pin (adaptive's are not).
+PINNED = lambda r: not r.mode.startswith(MODE_ADAPTIVE)   # noqa: E731
+
+
+def race_arms(ctx: Context) -> list[str]:
+    """The rows of the modes adaptive races (``verifier_svc.policy.DEFAULT_RACE_ARMS`` at the
+    verifier's largest tree budget)."""
+    return raced(DEFAULT_RACE_ARMS, max(ctx.tree_budgets, default=0))
+
+
+def _race(ctx: Context) -> list[Priced]:
+    """Adaptive with the mode race: per batch bucket it plays the best of its arms
+    (``verifier_svc/mode_race.py``), here the best priced, exploration aside; its choice names
+    the arm (``adaptive``: the per-step choice itself)."""
+    rows = {r.mode: r for m in MODES if m.name != "race" for r in m.price(ctx)}
+    cands = [rows[a] for a in race_arms(ctx) if a in rows]
+    if not cands:
+        return []
+    best = max(cands, key=lambda r: r.speedup)
+    choice = f"plays {best.mode}" + (f" ({best.choice})" if best.choice else "")
+    return [Priced(RACE_ROW, best.tokens, best.seconds, best.speedup, choice,
+                   best.accepted_by_source)]
+
+
+def should_match(rows: Sequence[Priced]) -> Priced | None:
+    """The fastest mode a user could pin (``off`` included): what adaptive should match."""
+    return max((r for r in rows if PINNED(r)), key=lambda r: r.speedup, default=None)
+
+
 #: The servable modes, in report order. A new verifier mode is one entry here.
 MODES: tuple[ModeEntry, ...] = (
     ModeEntry("off", _off),
@@ -179,6 +213,7 @@ MODES: tuple[ModeEntry, ...] = (
     ModeEntry("suffix", _suffix),
     ModeEntry("hybrid", _hybrids),
     ModeEntry("adaptive", _adaptive),
+    ModeEntry("race", _race),
 )
 
 
@@ -191,6 +226,7 @@ def price_modes(ctx: Context, modes: Sequence[ModeEntry] = MODES) -> list[Priced
 
 
 def best_speculative(rows: Sequence[Priced]) -> Priced | None:
-    """The fastest row that speculates (adaptive counts when it chose to speculate)."""
-    spec = [r for r in rows if r.mode != "off" and r.choice != "off"]
+    """The fastest row that speculates (adaptive counts when it chose to speculate; the race's
+    row repeats the row it plays)."""
+    spec = [r for r in rows if r.mode not in ("off", RACE_ROW) and r.choice != "off"]
     return max(spec, key=lambda r: r.speedup, default=None)

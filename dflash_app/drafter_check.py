@@ -156,6 +156,9 @@ def check(drafter_dir: str | Path, target_dir: str | Path) -> list[Finding]:
                f"{d.sliding_window}")
     _sliding_layout(drafter_dir, d, t, out)
 
+    if d.is_dflash2:
+        _dflash2_check(d, out)
+
     # block size
     if not 1 <= d.block_size <= MAX_BLOCK_SIZE:
         err("block_size", f"{d.block_size} not in [1, {MAX_BLOCK_SIZE}]")
@@ -168,6 +171,20 @@ def check(drafter_dir: str | Path, target_dir: str | Path) -> list[Finding]:
     if not any(o.level == "error" for o in out):
         _check_weights(drafter_dir, target_dir, d, t, out)
     return sorted(out, key=lambda o: {"error": 0, "warning": 1, "ok": 2}[o.level])
+
+
+def _dflash2_check(d: DrafterConfig, out: list[Finding]) -> None:
+    """DFlash2's own fields (the config parser has refused invalid ones, naming them)."""
+    out.append(Finding("ok", "architectures",
+                       f"DFlash2DraftModel: conv {d.conv_kernel_size} taps in groups of "
+                       f"{d.conv_group_size} ({d.hidden_size // d.conv_group_size} dynamic kernels "
+                       f"a row), selector top-{d.selector_top_k} at rank {d.selector_rank}, "
+                       f"softcap {d.final_logit_softcapping or 'off'}, output multiplier "
+                       f"{d.output_multiplier:g}, input embedding scale {d.input_embedding_scale:g}"))
+    if d.selector_top_k == 1:
+        out.append(Finding("warning", "dflash_config.selector_top_k",
+                           "1: the selector has one candidate per slot and chooses nothing "
+                           "(chains are the head's argmax)"))
 
 
 def _check_weights(drafter_dir: Path, target_dir: Path, d: DrafterConfig, t: dict,

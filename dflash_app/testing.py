@@ -126,10 +126,12 @@ def make_tiny_moe_target(path: str | Path, *, num_layers: int = 4, hidden: int =
 
 def make_tiny_drafter(path: str | Path, target_dir: str | Path, *, block_size: int = 8,
                       num_layers: int = 1, target_layer_ids: list[int] | None = None, seed: int = 1,
-                      name: str = "tiny-drafter", version: str = "1") -> Path:
-    """Write a random-weight z-lab format drafter for the target at ``target_dir``."""
-    from dflash.core.checkpoint import load_target_head, target_fingerprint
-    from dflash.core.modeling import DFlashDrafter
+                      name: str = "tiny-drafter", version: str = "1", dflash2: bool = False,
+                      selector_top_k: int = 8) -> Path:
+    """Write a random-weight z-lab format drafter for the target at ``target_dir``;
+    ``dflash2``: a ``DFlash2DraftModel`` (2 conv taps in groups of 8 channels, selector rank 16
+    over ``selector_top_k`` candidates; every new tensor random too, so each one acts)."""
+    from dflash.core.checkpoint import build_drafter, load_target_head, target_fingerprint
 
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     hidden = tcfg["hidden_size"]
@@ -143,12 +145,22 @@ def make_tiny_drafter(path: str | Path, target_dir: str | Path, *, block_size: i
                         vocab_size=tcfg["vocab_size"], block_size=block_size, mask_token_id=mask_id,
                         target_layer_ids=tuple(ids), num_target_layers=tcfg["num_hidden_layers"],
                         name=name, version=version,
-                        target_fingerprint=target_fingerprint(tcfg, head.embed))
+                        target_fingerprint=target_fingerprint(tcfg, head.embed),
+                        **(dict(architecture="DFlash2DraftModel", conv_kernel_size=2,
+                                conv_group_size=8, selector_rank=16,
+                                selector_top_k=selector_top_k) if dflash2 else {}))
     torch.manual_seed(seed)
-    model = DFlashDrafter(cfg)
+    model = build_drafter(cfg)
     with torch.no_grad():
-        for p in model.parameters():
+        for n, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+            elif n.endswith("base_kernel"):    # near identity: tap 0 ~ 1, later taps small
+                p.normal_(0.0, 0.1)
+                p[:, 0] += 1.0
+        if dflash2:
+            sel = model.candidate_selector
+            sel.predecessor_codebook.normal_(0.0, 0.5)
+            sel.successor_codebook.normal_(0.0, 0.5)
     save_drafter(model, path)
     return Path(path)

@@ -107,3 +107,22 @@ def context_thread_init(threads: int, sched: str) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError) as e:
             log.warning("context thread keeps the process's scheduling policy: %s", e)
+
+
+def to_host(out: list, device: torch.device) -> list:
+    """Every proposal's tensors on the host, with one wait for the device: each copy is queued
+    into pinned memory without blocking (``non_blocking`` from CUDA allocates the host side
+    pinned), then the stream is synchronised once (a ``.tolist()`` or a pageable copy per
+    tensor would wait for the device each time)."""
+    if device.type != "cuda":
+        return out
+    for p in out:
+        if isinstance(p, Proposal):
+            p.tokens = p.tokens.to("cpu", non_blocking=True)    # a no-op for host tensors
+            if p.probs is not None:
+                p.probs = p.probs.to("cpu", non_blocking=True)
+            if p.top_ids is not None and p.top_logprobs is not None:
+                p.top_ids = p.top_ids.to("cpu", non_blocking=True)
+                p.top_logprobs = p.top_logprobs.to("cpu", non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    return out

@@ -23,15 +23,27 @@ import torch
 
 import kernels.skinny_linear as sl
 from dflash.core.checkpoint import load_drafter, load_target_head, target_fingerprint
+from dflash.core.config import DrafterConfig
 from dflash.core.device import checkpoint_dtype, resolve_device, resolve_dtype
 from dflash.core.draft_vocab import load_draft_vocab
 from dflash.core.kv_pool import KVPool, PoolSeq
 from dflash.core.modeling import DFlashAttention, DFlashDrafter, TargetHead
-from dflash.core.proposer import DrafterCard, DraftError, FallbackReason, Proposal, ProposalRequest, check_top_k
+from dflash.core.proposer import (
+    MAX_PREFIX_KEY,
+    DrafterCard,
+    DraftError,
+    FallbackReason,
+    Proposal,
+    ProposalRequest,
+    check_top_k,
+)
 from dflash.serving.threads import claim
-from drafter_svc.drafts import choose_drafts, context_thread_init, top_k_in_target_ids
+from drafter_svc.drafts import choose_drafts, context_thread_init, to_host, top_k_in_target_ids
+from drafter_svc.engine_gauges import DrafterGauges
 from drafter_svc.forward import append_context, draft_blocks
-from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, switch_linear, tune_max_rows, tune_products
+from drafter_svc.prefixes import PrefixStore
+from drafter_svc.warmup import warmup
+from kernels.skinny_linear import AUTO, DEFAULT_MAX_ROWS, switch_linear
 
 if TYPE_CHECKING:
     from dflash.learn.capture import Capture
@@ -56,7 +68,7 @@ class _SessionCtx:
         return self.seq.get_seq_length()
 
 
-class DrafterEngine:
+class DrafterEngine(DrafterGauges):
     """Holds a drafter plus the target's embedding/LM head; implements ``Proposer``.
 
     Args:
@@ -94,14 +106,19 @@ class DrafterEngine:
         capture: records what each call carries for the online learner
             (``dflash.learn.capture.Capture``; it only reads requests and drafts); None = off.
         batch_invariant: layers, LM head and attention take :mod:`kernels.invariant` (drafts
-            independent of the batch).
+            independent of the batch and of how the context arrived).
+        prefix_mb: MiB of finished sessions' context K/V kept as prefixes later sessions start
+            from (``drafter_svc.prefixes``); 0 = none. Raises ValueError below 0.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead, *, max_sessions: int = 256,
                  draft_vocab: torch.Tensor | None = None, skinny_max_rows: int = DEFAULT_MAX_ROWS,
                  packed_linear: str = "off", threads: int = 0, context_threads: int = 1,
                  context_sched: str = "idle", capture: Capture | None = None,
-                 panel_linear: str = "off", batch_invariant: bool = False):
+                 panel_linear: str = "off", batch_invariant: bool = False,
+                 prefix_mb: float = 512.0):
+        if prefix_mb < 0:
+            raise ValueError(f"prefix_mb must be >= 0, got {prefix_mb}")
         if context_threads < 0:
             raise ValueError(f"context_threads must be >= 0, got {context_threads}")
         if context_sched not in CONTEXT_SCHED:
@@ -122,9 +139,7 @@ class DrafterEngine:
         head.skinny_max_rows = DEFAULT_MAX_ROWS if skinny_max_rows == AUTO else skinny_max_rows
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            sl.set_invariant(drafter, True, also=[head])
-            for m in (m for m in drafter.modules() if isinstance(m, DFlashAttention)):
-                m.batch_invariant = True
+            _make_invariant(drafter, head)
         self._compute_ident: int | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="drafter-compute",
                                            initializer=self._compute_thread, initargs=(threads,))
@@ -142,19 +157,15 @@ class DrafterEngine:
         self.pool = KVPool(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads,
                            self.cfg.head_dim, dtype=p.dtype, device=p.device)
         self.max_sessions = max_sessions
+        per_token = 2 * self.cfg.num_hidden_layers * self.cfg.num_key_value_heads * \
+            self.cfg.head_dim * p.element_size()
+        self.prefixes = PrefixStore(self.pool, int(prefix_mb * (1 << 20)), per_token)
         self.capture = capture
         self.last_draft = 0.0        # time.monotonic() of the last call's arrival (learner's idle clock)
         self._sessions: dict[str, _SessionCtx] = {}
         self._spill_checked = 0.0
         self._lock = threading.Lock()
-        fp = self.cfg.target_fingerprint
-        self.card = DrafterCard(
-            name=self.cfg.name, version=self.cfg.version, block_size=self.cfg.block_size,
-            mask_token_id=self.cfg.mask_token_id, target_layer_ids=tuple(self.cfg.target_layer_ids),
-            hidden_size=self.cfg.hidden_size, vocab_size=self.cfg.vocab_size,
-            dtype=str(next(drafter.parameters()).dtype).replace("torch.", ""),
-            target_fingerprint=fp, num_hidden_layers=self.cfg.num_hidden_layers,
-            rope_theta=self.cfg.rope_theta)
+        self.card = _card(self.cfg, p.dtype)
 
     @classmethod
     def from_pretrained(cls, drafter_dir: str | Path, target_dir: str | Path, *,
@@ -164,7 +175,8 @@ class DrafterEngine:
                         skinny_max_rows: int = DEFAULT_MAX_ROWS, packed_linear: str = "off",
                         threads: int = 0, context_threads: int = 1,
                         context_sched: str = "idle", panel_linear: str = "off",
-                        batch_invariant: bool = False) -> "DrafterEngine":
+                        batch_invariant: bool = False, prefix_mb: float = 512.0
+                        ) -> "DrafterEngine":
         """Load a z-lab checkpoint and the target's embedding/LM head (safetensors only).
 
         ``draft_vocab_size``: -1 = the checkpoint's ``draft_vocab.safetensors`` if it has one,
@@ -191,53 +203,11 @@ class DrafterEngine:
         return cls(drafter.to(dev), head, draft_vocab=vocab, skinny_max_rows=skinny_max_rows,
                    packed_linear=packed_linear, threads=threads, context_threads=context_threads,
                    context_sched=context_sched, panel_linear=panel_linear,
-                   batch_invariant=batch_invariant)
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Context positions held for all sessions (a metrics gauge)."""
-        return sum(s.length for s in list(self._sessions.values()))
+                   batch_invariant=batch_invariant, prefix_mb=prefix_mb)
 
     def warmup(self) -> None:
-        """One tiny draft so first requests don't pay lazy initialisation; then, with
-        ``skinny_max_rows`` :data:`kernels.skinny_linear.AUTO`, the row limit is tuned on the
-        compute thread (one session, 64 context rows, blocks of 2 / 4 / 8 / 16 drafted with
-        and without the transposed product; ``kernels.skinny_linear.tune_max_rows``); with
-        ``packed_linear`` / ``panel_linear`` "auto", a one-row context update and blocks of 4 /
-        16 with and without the prepacked / panel product (``kernels.skinny_linear``)."""
-        from dflash.core.sampling import Sampling
-
-        def req(block: int, rows: int = 2) -> ProposalRequest:
-            return ProposalRequest(session_id="__warmup__", context_start=0,
-                                   context=torch.zeros(rows, self.cfg.context_size,
-                                                       device="cpu"),
-                                   anchor_token=0, block_size=block, sampling=Sampling())
-
-        self.propose([req(self.cfg.block_size)])
-        if self.batch_invariant:         # nothing to choose
-            return
-        if self.skinny_max_rows == AUTO and self.device.type == "cpu":   # CPU-only product
-            rows = tuple(n for n in (2, 4, 8, 16) if n <= self.cfg.block_size) or (2,)
-
-            def tune():
-                return tune_max_rows(self.drafter, lambda n: self._propose_on([req(n, 64)]),
-                                     rows=rows, also=[self.head])
-
-            self.skinny_max_rows, timings = self._compute.submit(tune).result()
-            log.info("%s", sl.tuning_summary(self.skinny_max_rows, timings))
-        blocks = tuple(sorted({min(n, self.cfg.block_size) for n in (1, 4, 16)}))
-
-        def probe(n: int) -> object:    # block 1 = a context update: the products' one-row case
-            return self._propose_on([req(n, 1 if n == 1 else 64)])
-
-        self.packed_linear, self.panel_linear = self._compute.submit(
-            lambda: tune_products(self.drafter, probe, self.packed_linear, self.panel_linear,
-                                  rows=blocks, also=[self.head])).result()
-        self.release(["__warmup__"])
+        """One tiny draft, then the products' tuning (:func:`drafter_svc.warmup.warmup`)."""
+        warmup(self)
 
     # ------------------------------------------------------------------ Proposer
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal | DraftError]:
@@ -284,7 +254,7 @@ class DrafterEngine:
                     out[i] = p
                     if r.top_k:
                         p.top_ids, p.top_logprobs = self._top_k(lg, r.top_k)
-        done = _to_host(out, self.device)
+        done = to_host(out, self.device)
         if self.capture is not None:
             self.capture.observe(requests, done)
         return done
@@ -311,6 +281,7 @@ class DrafterEngine:
             self._context.shutdown(wait=True)
         with self._lock:
             self._sessions.clear()
+            self.prefixes.clear()
             self.pool.collect()
         if self.capture is not None:
             self.capture.close()
@@ -322,6 +293,18 @@ class DrafterEngine:
             self.pool.collect()
         if self.capture is not None:
             self.capture.end(session_ids)
+
+    def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
+        """The session ends (as :meth:`release`); its context K/V becomes the prefix ``key``
+        (at most ``MAX_PREFIX_KEY`` bytes) when it holds exactly ``length`` positions (else,
+        or past the bound, nothing is kept: a later item naming ``key`` is a miss)."""
+        with self._lock:
+            sess = self._sessions.pop(session_id, None)
+            if sess is not None and len(key) <= MAX_PREFIX_KEY:
+                self.prefixes.keep(key, sess.seq, length)
+            self.pool.collect()
+        if self.capture is not None:
+            self.capture.end([session_id])
 
     # ------------------------------------------------------------------ internals
     def _session_for(self, r: ProposalRequest) -> _SessionCtx:
@@ -336,6 +319,8 @@ class DrafterEngine:
             raise DraftError(FallbackReason.BAD_REQUEST, f"anchor_token: {r.anchor_token} outside vocabulary")
         if r.block_size > cfg.max_position_embeddings:
             raise DraftError(FallbackReason.BAD_REQUEST, "block_size too large")
+        if r.prefix_key and r.context_start > 0:
+            return self._session_from_prefix(r)
         sess = self._sessions.get(r.session_id)
         have = sess.length if sess else 0
         if r.context_start > have:
@@ -349,9 +334,21 @@ class DrafterEngine:
         sess.last_used = time.monotonic()
         return sess
 
+    def _session_from_prefix(self, r: ProposalRequest) -> _SessionCtx:
+        """A new context for ``r``'s session: the first ``context_start`` positions of its
+        cached prefix. Raises DraftError(PREFIX_MISS) when the drafter does not hold them."""
+        sess = _SessionCtx(seq=self.pool.new_seq())
+        if not self.prefixes.start(r.prefix_key, sess.seq, r.context_start):
+            raise DraftError(FallbackReason.PREFIX_MISS,
+                             f"prefix_key: no cached prefix of {r.context_start} positions")
+        self._sessions[r.session_id] = sess
+        self._evict()
+        return sess
+
     def _draft_blocks(self, items: list[tuple[ProposalRequest, _SessionCtx]]) -> list[torch.Tensor]:
         """Logits [block_size - 1, N] per item, all blocks in one forward (``forward.draft_blocks``)."""
-        return draft_blocks(self.drafter, self.head, self.pool, items, self._draft_head)
+        return draft_blocks(self.drafter, self.head, self.pool, items, self._draft_head,
+                            self.draft_vocab)
 
     def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``drafts.top_k_logprobs`` of one block's logits, ids in the target vocabulary."""
@@ -378,20 +375,18 @@ class DrafterEngine:
                 self.capture.end([oldest])
 
 
-def _to_host(out: list, device: torch.device) -> list:
-    """Every proposal's tensors on the host, with one wait for the device: each copy is queued
-    into pinned memory without blocking (``non_blocking`` from CUDA allocates the host side
-    pinned), then the stream is synchronised once (a ``.tolist()`` or a pageable copy per
-    tensor would wait for the device each time)."""
-    if device.type != "cuda":
-        return out
-    for p in out:
-        if isinstance(p, Proposal):
-            p.tokens = p.tokens.to("cpu", non_blocking=True)    # a no-op for host tensors
-            if p.probs is not None:
-                p.probs = p.probs.to("cpu", non_blocking=True)
-            if p.top_ids is not None and p.top_logprobs is not None:
-                p.top_ids = p.top_ids.to("cpu", non_blocking=True)
-                p.top_logprobs = p.top_logprobs.to("cpu", non_blocking=True)
-    torch.cuda.current_stream(device).synchronize()
-    return out
+def _make_invariant(drafter: DFlashDrafter, head: TargetHead) -> None:
+    """Every linear layer, the LM head and the attention on :mod:`kernels.invariant`."""
+    sl.set_invariant(drafter, True, also=[head])
+    for m in (m for m in drafter.modules() if isinstance(m, DFlashAttention)):
+        m.batch_invariant = True
+
+
+def _card(cfg: DrafterConfig, dtype: torch.dtype) -> DrafterCard:
+    """What this engine serves, for ``Describe`` and the verifier's card check."""
+    return DrafterCard(
+        name=cfg.name, version=cfg.version, block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id, target_layer_ids=tuple(cfg.target_layer_ids),
+        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+        dtype=str(dtype).replace("torch.", ""), target_fingerprint=cfg.target_fingerprint,
+        num_hidden_layers=cfg.num_hidden_layers, rope_theta=cfg.rope_theta)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash.core.device import to_device
+from dflash.core.dflash2 import selector_rows
 from dflash.core.kv_pool import KVPool
 from dflash.core.modeling import DFlashDrafter, TargetHead
 
@@ -39,9 +40,12 @@ def append_context(drafter: DFlashDrafter, pool: KVPool, sessions: list, dtype: 
         start += n
 
 def draft_blocks(drafter: DFlashDrafter, head: TargetHead, pool: KVPool, items: list,
-             draft_head: torch.Tensor | None) -> list[torch.Tensor]:
-    """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one),
-    all blocks in one drafter forward.
+                 draft_head: torch.Tensor | None,
+                 draft_vocab: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Logits [block_size - 1, V] per item (V = draft vocabulary size when there is one,
+    ``draft_vocab`` int64 [V] its target ids), all blocks in one drafter forward. A DFlash2
+    drafter's rows are its selector's scores along the best path, ``-inf`` off the candidates
+    (``dflash.core.dflash2.selector_rows``).
 
     The items' sessions go onto pool rows ``0..b-1`` (``KVPool.arrange``: only sessions
     not there yet move) and the drafter reads ``K[:b, :, :n_max]`` in place;
@@ -81,6 +85,11 @@ def draft_blocks(drafter: DFlashDrafter, head: TargetHead, pool: KVPool, items: 
     sizes = [r.block_size - 1 for r, _ in items]
     rows = torch.cat([hidden[i, 1:1 + n] for i, n in enumerate(sizes)])
     by_row = head.logits(rows, draft_head).split(sizes)
+    selector = drafter.candidate_selector
+    if selector is not None:
+        hid = rows.split(sizes)
+        by_row = tuple(selector_rows(selector, lg, hid[j], r.anchor_token, draft_vocab)
+                       for j, (lg, (r, _)) in enumerate(zip(by_row, items)))
     out: list[torch.Tensor] = [by_row[0]] * b
     for row, i in enumerate(order):
         out[i] = by_row[row]

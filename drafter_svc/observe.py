@@ -18,6 +18,20 @@ from dflash.serving.telemetry import Telemetry
 from dflash.serving.tracing import extract_context, set_error
 from drafter_svc.servicer import DrafterServicer
 
+# The context cache's gauges (``drafter_svc.prefixes``; engine attribute, help).
+PREFIX_GAUGES = (
+    ("prefix_context_entries", "prefix_entries", "Finished sessions' contexts kept as prefixes."),
+    ("prefix_context_tokens", "prefix_tokens", "Context positions held by kept prefixes."),
+    ("prefix_context_bytes", "prefix_bytes", "Bytes of kept prefixes' context K/V "
+     "(--prefix-context-mb bounds them)."),
+    ("prefix_context_hits_total", "prefix_hits", "Sessions started from a kept prefix."),
+    ("prefix_context_hit_tokens_total", "prefix_hit_tokens", "Context positions those sessions "
+     "took from it instead of an upload."),
+    ("prefix_context_misses_total", "prefix_misses", "Items naming a prefix not held (the "
+     "verifier then uploads the whole context)."),
+    ("prefix_context_evictions_total", "prefix_evictions", "Kept prefixes evicted for room."),
+)
+
 
 def _card_label(engine) -> str:
     return engine.card.label
@@ -32,7 +46,8 @@ class ObservedDrafterServicer(DrafterServicer):
         self.metrics = DrafterMetrics(telemetry.registry)
         self.tracer = telemetry.tracer
         self.tracing = telemetry.tracing
-        SessionGauges(telemetry.registry, "dflash_drafter", lambda: self.engine, label=_card_label)
+        SessionGauges(telemetry.registry, "dflash_drafter", lambda: self.engine, label=_card_label,
+                      extra=PREFIX_GAUGES)
 
     def Draft(self, request_iterator, context):
         arrived: list = [None, 0]   # the batch being answered, its arrival time (ns)

@@ -68,6 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Linux scheduling policy of the thread running context-only calls: idle "
                         "(SCHED_IDLE: only on a core nothing else wants, i.e. in the verifier's "
                         "gaps) or normal [DFLASH_CONTEXT_SCHED]")
+    p.add_argument("--prefix-context-mb", type=at_least(0),
+                   default=env("DFLASH_PREFIX_CONTEXT_MB", "512"),
+                   help="MiB of finished sessions' context K/V kept as prefixes that later "
+                        "requests starting the same way reuse (the verifier's prefix cache "
+                        "names them); least recently used go first; 0 = none kept "
+                        "[DFLASH_PREFIX_CONTEXT_MB]")
     add_learn_args(p)
     add_common_args(p)
     return p.parse_args(argv)
@@ -92,6 +98,7 @@ def load_engine(a, device, threads: int):
                                            panel_linear=a.panel_linear,
                                            context_threads=a.context_threads,
                                            context_sched=a.context_sched,
+                                           prefix_mb=a.prefix_context_mb,
                                            batch_invariant=resolve_invariant(
                                                a.batch_invariant, dev, resolve_dtype(
                                                    a.dtype, checkpoint_dtype(a.drafter), dev,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -10,7 +11,7 @@ import grpc
 from dflash.core import wire
 from dflash.core.convert import card_to_proto, draft_error_to_proto, sampling_from_proto
 from dflash.core.errors import PreconditionError
-from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
+from dflash.core.proposer import MAX_PREFIX_KEY, DraftError, FallbackReason, PrefixKeeper, Proposal, ProposalRequest
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
 from dflash.serving.owners import SessionOwners
@@ -25,7 +26,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     Over mTLS a session belongs to the verifier identity whose Draft stream first sent it
     (:class:`dflash.serving.owners.SessionOwners`): another identity's items for it get a
     ``bad_request`` DraftError naming ``session_id`` and its releases of it are ignored, so
-    neither reads, overwrites nor frees that context."""
+    neither reads, overwrites nor frees that context. Kept prefixes are the caller's too: their
+    keys are scoped by its identity (:func:`scoped_key`), so no other verifier names them."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -45,6 +47,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         seen: set[str] = set()
         try:
             for batch in request_iterator:
+                if batch.keep_prefixes:
+                    self._keep(batch.keep_prefixes, caller)
+                    seen.difference_update(k.session_id for k in batch.keep_prefixes)
                 if batch.release_sessions:
                     mine = self.owners.release(batch.release_sessions, caller)
                     self.engine.release(mine)
@@ -54,7 +59,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 results: list = [None] * len(batch.items)   # a DraftResult for each item below
                 for i, item in enumerate(batch.items):
                     try:
-                        r = _request(item)
+                        r = _request(item, caller)
                         self.owners.claim(item.session_id, caller)
                         reqs.append((i, r))
                         seen.add(item.session_id)
@@ -73,9 +78,33 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.engine.release(self.owners.release(sorted(seen), caller))
 
 
-def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
+    def _keep(self, keeps, caller: str | None) -> None:
+        """Each session ends; its context becomes a prefix under its scoped key (an engine
+        that keeps no prefixes, or a malformed keep, only releases it)."""
+        mine = set(self.owners.release([k.session_id for k in keeps], caller))
+        for k in keeps:
+            if k.session_id not in mine:
+                continue
+            if isinstance(self.engine, PrefixKeeper) and 0 < len(k.key) <= MAX_PREFIX_KEY:
+                self.engine.keep_prefix(k.session_id, scoped_key(k.key, caller), k.length)
+            else:
+                self.engine.release([k.session_id])
+
+
+def scoped_key(key: bytes, caller: str | None) -> bytes:
+    """A prefix key as the engine holds it: the caller's own (a digest with its identity) over
+    mTLS, the verifier's key as it is without."""
+    if caller is None:
+        return key
+    return hashlib.blake2b(key, digest_size=32, person=b"dflash-prefix", salt=b"",
+                           key=hashlib.blake2b(caller.encode(), digest_size=32).digest()).digest()
+
+
+def _request(item: drafter_pb2.DraftItem, caller: str | None = None) -> ProposalRequest:
     if not item.session_id:
         raise InvalidParam("session_id", "must not be empty")
+    if len(item.prefix_key) > MAX_PREFIX_KEY:
+        raise InvalidParam("prefix_key", f"{len(item.prefix_key)} bytes, more than {MAX_PREFIX_KEY}")
     context = wire.from_proto(item.context, "context")
     rows = context.shape[0] if context.dim() else 0
     if item.context_ids and len(item.context_ids) != rows:
@@ -84,7 +113,8 @@ def _request(item: drafter_pb2.DraftItem) -> ProposalRequest:
                            context=context,
                            anchor_token=item.anchor_token, block_size=item.block_size,
                            sampling=sampling_from_proto(item.sampling), top_k=item.top_k,
-                           no_learn=item.no_learn, context_ids=tuple(item.context_ids))
+                           no_learn=item.no_learn, context_ids=tuple(item.context_ids),
+                           prefix_key=scoped_key(item.prefix_key, caller) if item.prefix_key else b"")
 
 
 def _result(session_id: str, out: Proposal | DraftError) -> drafter_pb2.DraftResult:

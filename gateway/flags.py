@@ -23,7 +23,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _add_input_bound_args(p)
     add_common_args(p)
     add_upstream_tls_args(p, "verifier")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.verifier:       # an append flag's default would be extended, not replaced
+        a.verifier = [] if a.verifiers_file else [
+            s for s in os.environ.get("DFLASH_VERIFIER_ADDR", "127.0.0.1:50051").split(",") if s]
+    return a
 
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +35,15 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     p.add_argument("--target", default=env("DFLASH_TARGET"), required=env("DFLASH_TARGET") is None,
                    help="target model directory (its tokenizer and chat template) [DFLASH_TARGET]")
-    p.add_argument("--verifier", default=env("DFLASH_VERIFIER_ADDR", "127.0.0.1:50051"),
-                   help="verifier host:port [DFLASH_VERIFIER_ADDR]")
+    p.add_argument("--verifier", action="append", default=None,
+                   help="verifier replica: host:port, or dns:///name:port for every address the "
+                        "name resolves to (a headless Service; re-resolved each second); repeat "
+                        "for several (gateway.replicas) [DFLASH_VERIFIER_ADDR, comma separated; "
+                        "default 127.0.0.1:50051]")
+    p.add_argument("--verifiers-file", default=env("DFLASH_VERIFIERS_FILE") or None,
+                   help="file of verifier replicas, one 'host:port [drain]' a line, re-read each "
+                        "second ('drain': no new requests, its streams finish) "
+                        "[DFLASH_VERIFIERS_FILE]")
     p.add_argument("--drafter", action="append",
                    default=[s for s in env("DFLASH_DRAFTERS", "").split(",") if s],
                    help="[name@version=]host:port of a drafter; repeat for several; the first is "

@@ -253,7 +253,8 @@ class OpenAIFront:
         headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
         r = prepared.request
         asm = Assembler(chat=chat, model=self.model_name, n=max(1, r.n), token_text=self.token_text,
-                        logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs)
+                        logprobs=prepared.logprobs, top_logprobs=r.sampling.top_logprobs,
+                        tools=prepared.tools)
         run = Run(asyncio.get_running_loop(), self.pool, lambda: self.servicer.observed_stream(
             prepared.request, owner, cancel, trace_headers=headers, response_id=asm.id,
             stream=prepared.stream, chat_template_kwargs=prepared.chat_template_kwargs,

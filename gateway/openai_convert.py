@@ -27,13 +27,16 @@ from gateway.openai_models import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    DeltaToolCall,
     Metrics,
     PromptTokensDetails,
     SpeculativeDecoding,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from gateway.structured import ToolCallStream, ToolPlan, structured_output, tool_calls
 from gateway.token_text import TokenText
 
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -44,6 +47,7 @@ ROLE_ALIASES = {"developer": "system"}
 # our finish reason -> OpenAI's (its names are its wire values, kept as literals)
 OPENAI_ABORT = "abort"
 FINISH_REASON = {FINISH_LENGTH: "length", FINISH_STOP: "stop", FINISH_CANCELLED: OPENAI_ABORT}
+OPENAI_TOOL_CALLS = "tool_calls"      # a tool call's output finished (its grammar's end)
 
 
 @dataclasses.dataclass
@@ -57,6 +61,7 @@ class Prepared:
     fill_context: bool                     # no max_tokens: up to the context window
     max_tokens_param: str = "max_tokens"   # the name the client used
     chat_template_kwargs: dict | None = None
+    tools: ToolPlan | None = None          # the output is a tool call (gateway.structured)
 
 
 def _int(name: str, v: int | None, lo: int = -INT32 - 1, hi: int = INT32) -> int:
@@ -122,6 +127,9 @@ def completion_request(b: CompletionRequest) -> Prepared:
         raise InvalidParam("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {b.logprobs}")
     r = gateway_pb2.GenerateRequest(prompt=prompt)
     _common(r, b, logprobs=b.logprobs is not None, top_logprobs=b.logprobs or 0)
+    so, _ = structured_output(b, chat=False)
+    if so is not None:
+        r.structured_output.CopyFrom(so)
     r.max_tokens = COMPLETION_MAX_TOKENS if b.max_tokens is None else _int("max_tokens", b.max_tokens)
     return Prepared(r, stream=b.stream, include_usage=bool(b.stream_options and b.stream_options.include_usage),
                     logprobs=b.logprobs is not None, fill_context=False)
@@ -145,27 +153,26 @@ def _content(i: int, content) -> str:
 
 def chat_request(b: ChatRequest) -> Prepared:
     """``/v1/chat/completions``. Raises InvalidParam naming the parameter."""
-    if b.response_format is not None and b.response_format.type != "text":
-        raise InvalidParam("response_format", 'only {"type": "text"} is supported')
-    if b.tools:
-        raise InvalidParam("tools", "tool calling is not supported")
-    if b.tool_choice not in (None, "none"):
-        raise InvalidParam("tool_choice", 'only "none" is supported (no tool calling)')
+    so, plan = structured_output(b, chat=True)
     if b.store:
         raise InvalidParam("store", "is not supported (only false)")
     if b.modalities not in (None, ["text"]):
         raise InvalidParam("modalities", 'only ["text"] is supported')
     r = gateway_pb2.GenerateRequest()
     r.chat.SetInParent()
+    if plan is not None:
+        r.chat.messages.add(role="system", content=plan.descriptions)
     for i, m in enumerate(b.messages):
         r.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
     _common(r, b, logprobs=bool(b.logprobs), top_logprobs=_int("top_logprobs", b.top_logprobs))
+    if so is not None:
+        r.structured_output.CopyFrom(so)
     param, max_tokens = (("max_completion_tokens", b.max_completion_tokens)
                          if b.max_completion_tokens is not None else ("max_tokens", b.max_tokens))
     r.max_tokens = _int(param, max_tokens)
     return Prepared(r, stream=b.stream, include_usage=bool(b.stream_options and b.stream_options.include_usage),
                     logprobs=bool(b.logprobs), fill_context=max_tokens is None,
-                    max_tokens_param=param, chat_template_kwargs=b.chat_template_kwargs)
+                    max_tokens_param=param, chat_template_kwargs=b.chat_template_kwargs, tools=plan)
 
 
 def http_param(field: str, p: Prepared | None, chat: bool) -> str:
@@ -180,6 +187,10 @@ def http_param(field: str, p: Prepared | None, chat: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------- responses
+def _tool_delta(calls: list[dict]) -> ChoiceDelta:
+    return ChoiceDelta(tool_calls=[DeltaToolCall.model_validate(c) for c in calls])
+
+
 def speculative_decoding(a: common_pb2.AcceptanceStats, drafter: str) -> SpeculativeDecoding | None:
     """vLLM's summary of one sample's (or a sum's) statistics; None without speculation (no
     drafter, and no suffix candidates verified)."""
@@ -195,8 +206,9 @@ def speculative_decoding(a: common_pb2.AcceptanceStats, drafter: str) -> Specula
         num_spec_steps=a.drafts, num_draft_tokens=a.draft_tokens,
         num_accepted_draft_tokens=a.accepted_tokens, num_accepted_tokens_per_pos=per,
         acceptance_histogram=hist, num_spec_tokens=len(per), drafter=drafter or None,
-        num_accepted_tokens_by_source={"drafter": a.accepted_tokens - a.suffix_accepted_tokens,
-                                       "suffix": a.suffix_accepted_tokens})
+        num_accepted_tokens_by_source={
+            "drafter": a.accepted_tokens - a.suffix_accepted_tokens - a.grammar_accepted_tokens,
+            "suffix": a.suffix_accepted_tokens, "grammar": a.grammar_accepted_tokens})
 
 
 def sum_stats(stats: list[common_pb2.AcceptanceStats]) -> common_pb2.AcceptanceStats:
@@ -209,6 +221,9 @@ def sum_stats(stats: list[common_pb2.AcceptanceStats]) -> common_pb2.AcceptanceS
         out.suffix_drafts += a.suffix_drafts
         out.suffix_nodes += a.suffix_nodes
         out.suffix_accepted_tokens += a.suffix_accepted_tokens
+        out.grammar_drafts += a.grammar_drafts
+        out.grammar_nodes += a.grammar_nodes
+        out.grammar_accepted_tokens += a.grammar_accepted_tokens
         per += [0] * (len(a.accepted_per_position) - len(per))
         for i, c in enumerate(a.accepted_per_position):
             per[i] += c
@@ -225,8 +240,10 @@ class Assembler:
     """
 
     def __init__(self, *, chat: bool, model: str, n: int, token_text: TokenText,
-                 logprobs: bool, top_logprobs: int):
+                 logprobs: bool, top_logprobs: int, tools: ToolPlan | None = None):
         self.chat, self.model, self.n = chat, model, n
+        self.tools = tools if chat else None
+        self.calls = {i: ToolCallStream(self.tools) for i in range(n)} if self.tools else {}
         self.token_text, self.want_logprobs, self.top = token_text, logprobs, top_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -266,7 +283,8 @@ class Assembler:
         return Metrics(speculative_decoding=sd) if sd is not None else None
 
     def _finish_reason(self, f: gateway_pb2.GenerateResponse) -> str:
-        return FINISH_REASON.get(FINISH_NAME.get(f.finish_reason) or "", "stop")
+        reason = FINISH_REASON.get(FINISH_NAME.get(f.finish_reason) or "", "stop")
+        return OPENAI_TOOL_CALLS if self.tools is not None and reason == "stop" else reason
 
     def usage(self) -> Usage:
         finals = [self.finals[i] for i in sorted(self.finals)]
@@ -299,13 +317,21 @@ class Assembler:
             f = self.finals[i]
             metrics = self._metrics(f.acceptance, f.drafter)
             if self.chat:
-                return [self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(), metrics=metrics,
-                                                 finish_reason=self._finish_reason(f))])]
+                out = []
+                if self.tools is not None:
+                    rest = self.calls[i].finish()
+                    if rest:
+                        out.append(self._chunk([ChunkChoice(index=i, delta=_tool_delta(rest))]))
+                return out + [self._chunk([ChunkChoice(index=i, delta=ChoiceDelta(), metrics=metrics,
+                                                       finish_reason=self._finish_reason(f))])]
             return [self._chunk([CompletionChoice(index=i, text="", metrics=metrics,
                                                   finish_reason=self._finish_reason(f))])]
         lps = list(r.logprobs) if self.want_logprobs else []
         if not r.text and not lps:
             return []
+        if self.tools is not None:
+            calls = self.calls[i].feed(r.text)
+            return [self._chunk([ChunkChoice(index=i, delta=_tool_delta(calls))])] if calls else []
         if self.chat:
             return [self._chunk([ChunkChoice(
                 index=i, delta=ChoiceDelta(content=r.text),
@@ -339,8 +365,14 @@ class Assembler:
             metrics = self._metrics(f.acceptance, f.drafter) if f is not None else None
             text = "".join(self.text[i])
             if self.chat:
+                calls = tool_calls(self.tools, text) if self.tools is not None else None
+                if self.tools is not None and calls is None and reason == OPENAI_TOOL_CALLS:
+                    reason = "stop"     # not a whole call: the text goes back as content
+                message = (ChatMessageOut(content=None, tool_calls=[ToolCall.model_validate(c) for c in calls])
+                           if calls is not None
+                           else ChatMessageOut(content=text))
                 choices.append(ChatChoice(
-                    index=i, message=ChatMessageOut(content=text), finish_reason=reason,
+                    index=i, message=message, finish_reason=reason,
                     metrics=metrics,
                     logprobs=self._chat_logprobs(self.logprobs[i]) if self.want_logprobs else None))
             else:

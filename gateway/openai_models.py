@@ -64,6 +64,8 @@ class _Sampling(_Body):
     tree_budget: StrictInt | None = None
     block_size: StrictInt | None = None
     session_id: str | None = None
+    # vLLM's: exactly one of json (a schema), regex, choice, grammar (docs/structured-outputs.md)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -80,8 +82,28 @@ class ChatMessageIn(_Body):
     content: str | list[dict] | None = None   # a string, or text parts
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Body):
-    type: str
+    type: str                                  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionIn(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolIn(_Body):
+    type: Literal["function"]
+    function: FunctionIn
 
 
 class ChatRequest(_Sampling):
@@ -90,10 +112,10 @@ class ChatRequest(_Sampling):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Any = None       # "none" | "required" | {"type": "function", "function": {"name"}}
     # accepted only at their no-op values
-    response_format: ResponseFormat | None = None   # {"type": "text"}
-    tools: list[Any] | None = None                  # [] (no tool calling)
-    tool_choice: Any = None                         # "none"
     parallel_tool_calls: StrictBool | None = None
     store: StrictBool | None = None                 # false
     modalities: list[str] | None = None             # ["text"]
@@ -181,10 +203,22 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                 # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -206,9 +240,22 @@ class ChatCompletion(BaseModel):
     metrics: Metrics | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -256,7 +303,7 @@ class ModelList(BaseModel):
 EXTENSIONS = {
     "CompletionRequest": {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "drafter",
                           "speculation", "speculation_mode", "tree_budget", "block_size",
-                          "session_id"},
+                          "session_id", "structured_outputs"},
     "Completion": {"metrics"}, "CompletionChoice": {"metrics"}, "ChatCompletion": {"metrics"},
     "ChatChoice": {"metrics"}, "ChatCompletionChunk": {"metrics"}, "ChunkChoice": {"metrics"},
     "ModelCard": {"max_model_len", "drafters"},

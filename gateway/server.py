@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -19,7 +21,6 @@ from dflash.serving.server import (
     BindError,
     ServiceRuntime,
     add_health_listener,
-    channel_options,
     create_server,
     run_until_signal,
     server_tls_from_args,
@@ -28,7 +29,7 @@ from dflash.serving.server import (
 )
 from dflash.serving.telemetry import Telemetry, serve_metrics
 from dflash.serving.tls import ClientTLS, ServerTLS, TLSConfigError, channel as tls_channel
-from dflash.serving.tracing import InjectTraceContext, server_interceptors
+from dflash.serving.tracing import server_interceptors
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from gateway.admin import GatewayAdminServicer
 from gateway.auth import AdminAuth, ClientAuth, check_admin_bind, load_api_keys
@@ -37,7 +38,8 @@ from gateway.flags import admin_token, http_bind, input_limits, parse_args, serv
 from gateway.inputs import DecodeGuard, InputLimits
 from gateway.observe import ObservedGatewayServicer
 from gateway.registry import DrafterAllowlist, DrafterRegistry, load_config
-from gateway.upstream import FAST_RECONNECT, VerifierHealthWatch, register_drafter, reregister_drafters
+from gateway.replicas import ReplicaSet, parse_sources
+from gateway.upstream import register_drafter, reregister_drafters
 
 if TYPE_CHECKING:   # imported in _http_front, so importing this module loads no HTTP stack
     from gateway.http_server import HttpServer
@@ -58,12 +60,13 @@ class GatewayRuntime(ServiceRuntime):
 
     admin: ServiceRuntime | None = None             # the GatewayAdmin plane's own server
     drafter_allow: DrafterAllowlist | None = None   # addresses drafters may register at
-    verifier_watch: VerifierHealthWatch | None = None
+    verifier_watch: ReplicaSet | None = None       # the verifier replicas, health-watched
     http: HttpServer | None = None                  # the OpenAI-compatible HTTP API, if bound
     client_streams: ClientStreams | None = None     # the per-client stream bound, both ports
 
 
-def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
+def build(tokenizer, verifier_address: str | Sequence[str] | ReplicaSet, bind: str, *,
+          max_positions: int,
           session_ttl_s: float = 600.0, telemetry: Telemetry | None = None,
           limits: InputLimits | None = None, vocab_size: int | None = None,
           max_request_mb: int = 8, tls: "ServerTLS | None" = None,
@@ -73,7 +76,9 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
           model_name: str = "dflash", max_streams: int = 512,
           max_streams_per_client: int = DEFAULT_STREAMS_PER_CLIENT) -> GatewayRuntime:
     """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
-    ``verifier_address`` (over TLS when ``upstream_tls``).
+    ``verifier_address`` (over TLS when ``upstream_tls``): one address, several (replicas,
+    routed and failed over: ``gateway.replicas``; ``dns:///name:port`` for every address a
+    name resolves to) or a ready ReplicaSet (``rt.verifier_watch``).
 
     ``http_bind`` ("host:port", port 0 = any free one; None = none): the OpenAI-compatible HTTP
     API (``rt.http``, a gateway.http_server.HttpServer, HTTPS with ``tls``), started and
@@ -86,20 +91,18 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     loopback. ``drafter_allow`` restricts the addresses drafters may be registered at;
     ``api_keys`` requires client API keys on the client port (``gateway.auth``).
 
-    ``max_streams``: response streams open at once on the gRPC port, and generations on the
-    HTTP port (each counts its own: each has its own worker threads); one more is refused at
-    once (RESOURCE_EXHAUSTED, HTTP 429). ``max_streams_per_client``: Generate streams one
-    client (its API key, else its IP address) may have open over both ports together, 0 =
-    unbounded (``gateway.client_streams.ClientStreams``, ``rt.client_streams``).
+    ``max_streams``: streams open at once per port (one more: RESOURCE_EXHAUSTED, HTTP 429);
+    ``max_streams_per_client``: a client's (API key, else IP) over both ports, 0 = unbounded
+    (``gateway.client_streams.ClientStreams``, ``rt.client_streams``).
 
     Raises ValueError naming --admin-bind for a non-loopback admin bind without a token, or
     for ``max_streams`` < 1 or ``max_streams_per_client`` < 0; RuntimeError when an address
     cannot be bound.
     """
     check_admin_bind(admin_bind, admin_token)
-    raw = tls_channel(verifier_address, upstream_tls, options=channel_options() + FAST_RECONNECT)
-    channel = grpc.intercept_channel(raw, InjectTraceContext())  # W3C traceparent to the verifier
-    verifier = verifier_pb2_grpc.VerifierStub(channel)
+    verifier = verifier_address if isinstance(verifier_address, ReplicaSet) else ReplicaSet(
+        parse_sources([verifier_address] if isinstance(verifier_address, str) else list(verifier_address)),
+        upstream_tls=upstream_tls)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
                                        session_ttl_s=session_ttl_s, telemetry=telemetry,
                                        limits=limits, vocab_size=vocab_size, model_name=model_name)
@@ -113,8 +116,9 @@ def build(tokenizer, verifier_address: str, bind: str, *, max_positions: int,
     rt.admin = _admin_plane(rt, admin, admin_bind, admin_token, tls)
     rt.servicer = servicer
     rt.drafter_allow = drafter_allow
-    rt.verifier_watch = VerifierHealthWatch(
-        rt, raw, on_serving=lambda: reregister_drafters(servicer.registry, verifier))
+    # a replica SERVING again (restarted) forgot the drafters: register them there first
+    verifier.start(rt, on_serving=lambda r: reregister_drafters(servicer.registry, r.stub))
+    rt.verifier_watch = verifier
     if http_bind is not None:
         rt.http = _http_front(rt, servicer, http_bind, model_name=model_name,
                               max_positions=max_positions, api_keys=api_keys, max_streams=max_streams,
@@ -182,20 +186,19 @@ def _http_front(rt: GatewayRuntime, servicer: ObservedGatewayServicer, bind: str
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
-    from dflash.serving.server import wait_healthy
-
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
     tls, upstream_tls, token, keys = _credentials(a)
     tok = AutoTokenizer.from_pretrained(a.target)
-    if not wait_healthy(a.verifier, 600, tls=upstream_tls):
-        raise SystemExit(f"verifier at {a.verifier} did not become healthy")
-    with tls_channel(a.verifier, upstream_tls) as ch:
-        card = verifier_pb2_grpc.VerifierStub(ch).Describe(verifier_pb2.DescribeTargetRequest(), timeout=10)
+    try:
+        replicas = ReplicaSet(parse_sources(a.verifier, a.verifiers_file), upstream_tls=upstream_tls)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"python -m gateway: error: {e}") from None
+    card = _first_card(replicas, upstream_tls)
     telemetry = Telemetry.from_env("gateway")
     try:        # a port that is taken, out of range or unparsable: one line naming the flag
-        rt = build(tok, a.verifier, a.bind, max_positions=card.max_position_embeddings,
+        rt = build(tok, replicas, a.bind, max_positions=card.max_position_embeddings,
                    session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
                    vocab_size=card.vocab_size, max_request_mb=a.max_request_mb, tls=tls,
                    upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
@@ -223,7 +226,8 @@ def main(argv=None) -> None:
 
     threading.Thread(target=sweeper, daemon=True, name="session-sweeper").start()
     rt.set_serving(True)
-    log.info("SERVING on port %d (verifier %s, drafters: %s)", rt.port, a.verifier,
+    log.info("SERVING on port %d (verifiers %s, drafters: %s)", rt.port,
+             ", ".join(replicas.replicas) or "none yet",
              ", ".join(e.label for e, _ in rt.servicer.registry.entries()) or "none")
     if rt.http is not None:
         log.info("HTTP API (OpenAI-compatible) on %s/v1, model %r", rt.http.url,
@@ -233,6 +237,25 @@ def main(argv=None) -> None:
         telemetry.shutdown()
 
     run_until_signal(rt, a.grace, on_stop=on_stop)
+
+
+def _first_card(replicas: ReplicaSet, upstream_tls: ClientTLS | None, timeout_s: float = 600.0):
+    """The target card of the first replica to become healthy (they serve one target: each
+    replica checks every drafter against its own). Exits when none does in ``timeout_s``."""
+    from dflash.serving.server import wait_healthy
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for address in list(replicas.replicas):
+            if wait_healthy(address, 1.0, tls=upstream_tls):
+                with tls_channel(address, upstream_tls) as ch:
+                    return verifier_pb2_grpc.VerifierStub(ch).Describe(
+                        verifier_pb2.DescribeTargetRequest(), timeout=10)
+        if not replicas.replicas:
+            time.sleep(1.0)
+            replicas.refresh()            # a DNS name or file with nobody in it yet
+    raise SystemExit(f"no verifier of {', '.join(replicas.replicas) or 'the --verifier sources'} "
+                     "became healthy")
 
 
 def _credentials(a: argparse.Namespace

@@ -288,6 +288,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(sampling), max_tokens=r.max_tokens,
             stop_token_ids=list(r.stop_token_ids), prefix_group=group, tenant=owner,
+            structured_output=r.structured_output if r.HasField("structured_output") else None,
             speculation=verifier_pb2.SpeculationParams(
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
                 block_size=r.block_size, tree_budget=r.tree_budget,

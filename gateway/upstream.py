@@ -11,7 +11,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dflash.v1 import verifier_pb2
+from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from gateway.registry import DrafterAllowlist, DrafterEntry, DrafterRegistry, parse_spec
 
 log = logging.getLogger("dflash.gateway")
@@ -77,28 +77,45 @@ class VerifierHealthWatch:
 
     A background thread checks the verifier's ``grpc.health.v1`` (overall status) every
     ``interval_s`` over the channel requests use, each check bounded by ``timeout_s``, and sets
-    ``rt.set_upstream``: NOT_SERVING while the verifier is unreachable, slow to answer or not
-    SERVING, SERVING again on the first good answer. No request waits for it. The thread ends
-    when the gateway's server stops (``wait_for_termination``). ``on_serving`` runs (on the
-    thread) each time the verifier is SERVING again after it was not.
+    ``rt.set_upstream`` (or calls ``on_change(ok)`` instead, when given: one replica of several,
+    ``gateway.replicas``): NOT_SERVING while the verifier is unreachable, slow to answer or not
+    SERVING, SERVING again on the first good answer; ``on_check()`` runs after every check.
+    After a good answer it reads the verifier's ``Load`` (``load``: the last ``LoadReport``, None when it has none: an older
+    verifier). No request waits for it. The thread ends when the gateway's server stops
+    (``wait_for_termination``). ``on_serving`` runs (on the thread) each time the verifier is
+    SERVING again after it was not.
     """
 
     def __init__(self, rt, channel: grpc.Channel, *, interval_s: float = 0.1,
-                 timeout_s: float = 0.5, on_serving=None):
+                 timeout_s: float = 0.5, on_serving=None, on_change=None, on_check=None,
+                 name: str = "verifier"):
         self.rt, self.interval_s, self.timeout_s = rt, interval_s, timeout_s
         self.on_serving = on_serving
+        self.on_change = on_change or rt.set_upstream
+        self.on_check = on_check      # after every check (a replica's load may change its routing)
+        self.name = name
         self._stub = health_pb2_grpc.HealthStub(channel)
+        self._verifier = verifier_pb2_grpc.VerifierStub(channel)
         self.healthy: bool | None = None      # None until the first check
+        self.load: verifier_pb2.LoadReport | None = None
         self.checks = 0
-        self._thread = threading.Thread(target=self._run, daemon=True, name="verifier-health")
+        self.stopped = threading.Event()      # set: this replica left the set, the thread ends
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-health")
         self._thread.start()
 
     def check(self) -> bool:
         try:
             r = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
+            ok = r.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
+        if ok:
+            try:
+                self.load = self._verifier.Load(verifier_pb2.LoadRequest(), timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:   # an older verifier: no load
+                    return False
+        return ok
 
     def _run(self) -> None:
         while True:
@@ -106,11 +123,12 @@ class VerifierHealthWatch:
             self.checks += 1
             if ok != self.healthy:
                 if self.healthy is not None or not ok:
-                    log.warning("verifier %s: gateway %s", "SERVING" if ok else "not SERVING",
-                                "SERVING again" if ok else "NOT_SERVING")
+                    log.warning("%s %s", self.name, "SERVING" if ok else "not SERVING")
                 if ok and self.healthy is False and self.on_serving is not None:
                     self.on_serving()    # before SERVING: a restarted verifier knows the drafters
                 self.healthy = ok
-                self.rt.set_upstream(ok)
-            if not self.rt.server.wait_for_termination(self.interval_s):   # False: it stopped
-                return
+                self.on_change(ok)
+            if self.on_check is not None:
+                self.on_check()
+            if self.stopped.is_set() or not self.rt.server.wait_for_termination(self.interval_s):
+                return   # left the set, or the gateway's server stopped

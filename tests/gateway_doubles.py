@@ -26,7 +26,9 @@ def fake_logprob(token_id: int) -> common_pb2.TokenLogprob:
 class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
     """Streams ``ids`` in chunks of ``sizes`` (cycled), with :func:`fake_logprob` per token when
     the request asks for logprobs; ``accepted`` drafts per chunk of ``drafted``. ``fail``:
-    (code, details, retry_after_ms or None) aborts every Generate instead."""
+    (code, details, retry_after_ms or None) aborts every Generate instead; ``abort_after``: n
+    aborts UNAVAILABLE after n tokens. A resumed request (``resumed_tokens``) continues ``ids``
+    after those; ``Load`` answers ``report``."""
 
     def __init__(self, ids: list[int], sizes=(1, 3, 2, 5), *, accepted: int = 0, drafted: int = 0,
                  delay_s: float = 0.0):
@@ -34,6 +36,8 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.accepted, self.drafted = accepted, drafted
         self.delay_s = delay_s          # between chunks
         self.fail = None
+        self.abort_after: int | None = None   # tokens sent before it fails UNAVAILABLE (a crash)
+        self.report = verifier_pb2.LoadReport()   # what Load answers
         self.requests: list[verifier_pb2.VerifierGenerateRequest] = []
         self.completed = 0              # streams that sent their last chunk
         self.cancelled = 0              # streams that ended before it
@@ -48,7 +52,8 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
             if retry is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(retry)),))
             context.abort(code, details)
-        ids = self.ids[:request.max_tokens]
+        # a resumed request continues the script where the replica it left stopped
+        ids = self.ids[request.resumed_tokens:request.resumed_tokens + request.max_tokens]
         done = threading.Event()
 
         def ended():
@@ -64,7 +69,11 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
                 return
             if self.delay_s and i:
                 time.sleep(self.delay_s)   # the behaviour: a verifier that streams slowly
+            if self.abort_after is not None and i >= self.abort_after:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "replica crashed")
             part = ids[i:i + self.sizes[k % len(self.sizes)]]
+            if self.abort_after is not None:
+                part = part[:max(1, self.abort_after - i)]
             i, k = i + len(part), k + 1
             chunk = verifier_pb2.VerifierGenerateChunk(token_ids=part, accepted=self.accepted,
                                                        drafted=self.drafted)
@@ -78,6 +87,10 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
             yield chunk
             with self.lock:
                 self.streamed += len(part)
+
+
+    def Load(self, request, context):
+        return self.report
 
 
 def serve_verifier(servicer) -> tuple[grpc.Server, str, health.HealthServicer]:

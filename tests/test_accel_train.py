@@ -204,7 +204,7 @@ def _run(tmp_path: Path, i: int, sha: str) -> tuple[subprocess.CompletedProcess,
            "DFLASH_ACCEL_CARRY": str(tmp_path / "carry" / f"run{i}"), "DFLASH_ACCEL_GGUF_SHA256": sha,
            "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "accel_train.sh"), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     return proc, json.loads((out / "results.json").read_text())
 

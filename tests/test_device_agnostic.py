@@ -86,7 +86,7 @@ def test_the_meta_default_does_catch_an_implicit_device():
 # --- 2. host round trips, site by site --------------------------------------------------------
 
 STEP_PATH = ["verifier_svc/engine.py", "verifier_svc/prefill.py", "verifier_svc/core.py", "verifier_svc/verification.py", "verifier_svc/tree.py",
-             "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py",
+             "verifier_svc/target.py", "verifier_svc/graphs.py", "verifier_svc/drafter_sync.py", "verifier_svc/draft_checks.py",
              "verifier_svc/tap_buffer.py", "verifier_svc/commit.py",
              "verifier_svc/proposals.py", "verifier_svc/target_layout.py", "verifier_svc/draft_wire.py",
              "drafter_svc/engine.py", "drafter_svc/forward.py",
@@ -105,7 +105,7 @@ SITES = {
     ("verifier_svc/target.py", "__init__"): "load time: the embedding's fingerprint",
     ("verifier_svc/engine.py", "decode_step"):
         "host tensors: the drafter's reply, made the block the target forwards (a list)",
-    ("drafter_svc/engine.py", "_to_host"): "the drafter's one synchronisation per call",
+    ("drafter_svc/drafts.py", "to_host"): "the drafter's one synchronisation per call",
     ("dflash/core/wire.py", "to_proto"): "the wire: bytes are host memory",
     ("dflash/core/wire.py", "from_proto"): "a dtype's numpy spelling (no tensor data)",
     ("kernels/reference.py", "unpack_features"): "offsets, once per call (docstring)",

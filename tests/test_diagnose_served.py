@@ -101,7 +101,7 @@ def test_costs_are_measured_with_the_services_settings(tap, monkeypatch):
     assert dom.get("served_dtype") == ("bfloat16" if bf16 == torch.bfloat16 else None)
     modes = [m["mode"] for m in r["speculation"]["all"]["modes"]]
     assert modes == ["off", "fixed", *(f"chain:{k}" for k in range(1, B - 1)), "tree:2", "tree:5",
-                     "tree:6", "suffix", "hybrid:2", "hybrid:5", "hybrid:6", "adaptive"]
+                     "tree:6", "suffix", "hybrid:2", "hybrid:5", "hybrid:6", "adaptive", "adaptive (race)"]
 
 
 # ---------------------------------------------------------------------- trees

@@ -186,7 +186,7 @@ def test_diagnose_lists_suffix_and_hybrid_rows():
                replay=rp)
     modes = [r.mode for r in p.rows]
     assert modes == ["off", "fixed", *(f"chain:{k}" for k in range(1, B - 1)), "tree:3", "tree:7",
-                     "suffix", "hybrid:3", "hybrid:7", "adaptive"]
+                     "suffix", "hybrid:3", "hybrid:7", "adaptive", "adaptive (race)"]
     hybrid, suffix, ad = p.row("hybrid:7"), p.row("suffix"), p.row("adaptive")
     # a drafter node is right once per step; suffix candidates add to it in the hybrid tree
     assert hybrid.accepted_by_source["drafter"] > 0 and hybrid.accepted_by_source["suffix"] > 0
@@ -194,6 +194,20 @@ def test_diagnose_lists_suffix_and_hybrid_rows():
     assert ad.accepted_by_source["suffix"] > 0 and "% of steps" in ad.choice
     assert "suffix" in p.sentence() and "hybrid 3 nodes" in p.sentence()
     assert p.as_dict()["adaptive_choice"] == ad.choice
+    # the mode race plays the best priced of the modes it races; diagnose names the fastest
+    # pinnable mode as the one adaptive should match
+    from dflash_app.diagnose_modes import race_arms, should_match
+
+    race, match = p.row("adaptive (race)"), should_match(p.rows)
+    raced = [r for r in p.rows if r.mode in ("off", "fixed", "suffix", "hybrid:7", "adaptive")]
+    from types import SimpleNamespace
+
+    assert race_arms(SimpleNamespace(tree_budgets=(3, 7))) == ["adaptive", "off", "suffix", "hybrid:7", "fixed"]
+    assert race.speedup == max(r.speedup for r in raced)
+    assert race.choice.startswith("plays " + max(raced, key=lambda r: r.speedup).mode)
+    assert match.speedup == max(r.speedup for r in p.rows if not r.mode.startswith("adaptive"))
+    assert f"adaptive should match {match.mode}" in p.sentence()
+    assert p.as_dict()["should_match"] == match.mode and p.best.mode != "adaptive (race)"
 
 
 def test_a_deployments_accepted_tokens_by_source_are_read_from_its_metrics():

@@ -10,6 +10,7 @@ from verifier_svc.drafter_sync import LATE
 
 REASONS = {
     "BAD_REQUEST": "bad_request", "CONTEXT_GAP": "context_gap", "NO_CONTEXT": "no_context",
+    "PREFIX_MISS": "prefix_miss",
     "INTERNAL": "internal", "ERROR": "error", "TIMEOUT": "timeout", "LATE": "late",
     "UNAVAILABLE": "unavailable", "CIRCUIT_OPEN": "circuit_open", "EXCEPTION": "exception",
     "MALFORMED_BLOCK": "malformed_block", "OUT_OF_VOCAB": "out_of_vocab",

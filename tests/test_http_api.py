@@ -318,7 +318,7 @@ BAD = [  # (endpoint, body fields, the parameter the 400 names)
     ("chat", {"max_completion_tokens": -5}, "max_completion_tokens"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"store": True}, "store"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"messages": []}, "messages"),

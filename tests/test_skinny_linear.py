@@ -192,7 +192,7 @@ def test_target_tunes_on_the_scheduler_thread(tiny_target, monkeypatch):
 def test_drafter_tunes_on_its_compute_thread(tiny_target, make_drafter, monkeypatch):
     from drafter_svc.engine import DrafterEngine
 
-    seen = _tuning_threads(monkeypatch, "drafter_svc.engine")
+    seen = _tuning_threads(monkeypatch, "drafter_svc.warmup")
     d = DrafterEngine.from_pretrained(make_drafter(), tiny_target, skinny_max_rows=sk.AUTO)
     d.warmup()
     assert len(seen) == 1 and seen[0].startswith("drafter-compute")

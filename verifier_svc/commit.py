@@ -18,7 +18,7 @@ from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.policy import StepFeedback
 from verifier_svc.request import StepEvent
 from verifier_svc.scheduler import StepPlan
-from verifier_svc.suffix_drafts import DRAFTER, AnswerStore, Sourced, SuffixCalibration, observe_walk
+from verifier_svc.suffix_drafts import DRAFTER, GRAMMAR, AnswerStore, Sourced, SuffixCalibration, observe_walk
 from verifier_svc.target_protocol import Target
 from verifier_svc.tree import TreeVerified
 from verifier_svc.verification import Verified
@@ -63,11 +63,17 @@ def commit_row(r: StepRow, timing: StepTiming, target: Target, totals: Acceptanc
         answers.add(st.req.tenant, s.tokens[len(st.req.prompt):])
     if st.processor:
         st.processor.commit(new)
+    if st.grammar is not None:
+        st.grammar.commit(new)
+    grammar_accepted = _grammar_accepted(r, v)
     sampling = st.req.sampling
     logprobs = (token_logprobs(r.logits, kept[:len(new)], new, sampling.top_logprobs)
                 if sampling.logprobs else None)
     st.emitted += len(new)
     _count(st, totals, v, nodes, suffix_nodes, suffix_accepted)
+    if r.grammar_nodes:
+        for c in (st.stats, totals):
+            c.record_grammar(r.grammar_nodes, grammar_accepted)
     draft_s = timing.draft_seconds if d.called else 0.0
     st.stats.verify_seconds += timing.verify_seconds
     st.stats.draft_seconds += draft_s
@@ -80,6 +86,16 @@ def commit_row(r: StepRow, timing: StepTiming, target: Target, totals: Acceptanc
                    suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted)
     st.steps += 1
     return ev
+
+
+def _grammar_accepted(r: StepRow, v: Verified) -> int:
+    """Accepted tokens of row ``r`` only its grammar proposed (forced, ``grammar_rows``)."""
+    if not r.grammar_nodes:
+        return 0
+    if isinstance(v, TreeVerified):
+        assert r.sourced is not None            # a tree row has its sources
+        return sum(1 for j in v.path if r.sourced.sources[j] == GRAMMAR)
+    return v.accepted                          # a forced chain: every draft is the grammar's
 
 
 def _count(st: DecodeState, totals: AcceptanceCounter, v: Verified, nodes: int,
@@ -104,7 +120,8 @@ def step_feedback(plan: StepPlan, joining: bool, rows: list[StepRow], events: li
     hybrid: dict[str, list[tuple[float, float]]] = {}
     for r, ev in zip(rows, events):
         proposer, src, v = r.state.req.proposer, r.sourced, r.verified
-        if not ev.drafted or proposer is None or _no_drafter_node(src):
+        if not ev.drafted or proposer is None or _no_drafter_node(src) \
+                or (r.grammar_nodes and src is None):     # a forced chain: not the drafter's
             continue
         label = proposer.card.label
         if isinstance(v, TreeVerified):

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from dflash.core.grammar import GrammarState
 from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.speculation import MODE_OFF
 from dflash.core.stats import AcceptanceCounter
@@ -33,6 +34,7 @@ class DecodeState:
     session: Session
     gen: torch.Generator | None = None       # on the target's device; None: greedy or seeded
     processor: LogitsProcessor | None = None  # the request's penalties; None: none asked
+    grammar: GrammarState | None = None      # its output constraint's matcher; None: none asked
     stops: frozenset[int] = frozenset()
     mode: str = MODE_OFF                     # speculation mode of this request
     block_limit: int = 1                     # largest block (anchor + drafts) it may verify
@@ -62,6 +64,8 @@ class StepRow:
     logits: torch.Tensor | None = None       # [len(block), V] float, the target's, raw
     taps: torch.Tensor | None = None         # [len(block), taps * H]; None: no taps asked
     verified: Verified | None = None
+    masks: torch.Tensor | None = None        # [len(block), V] bool, its grammar's; None: no grammar
+    grammar_nodes: int = 0                   # block tokens only its grammar proposed (forced)
 
     @property
     def tree(self) -> DraftTree | None:

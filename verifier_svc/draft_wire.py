@@ -18,6 +18,17 @@ from dflash.serving.tracing import inject_context
 from dflash.v1 import drafter_pb2
 
 MAX_WIRE_STATS = 4096
+# More context rows for one session than a steady step sends (its committed tokens, at most a
+# block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
+UPLOAD_ROWS = 128
+
+
+def is_upload(r: ProposalRequest) -> bool:
+    """A session's context from position 0, from a cached prefix (the drafter may have to be
+    sent all of it after all), or more than ``UPLOAD_ROWS`` rows of it."""
+    return r.context_start == 0 or bool(r.prefix_key) or r.context.shape[0] > UPLOAD_ROWS
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +87,8 @@ def to_items(requests: list[ProposalRequest], wire_dtype=None) -> tuple[list[dra
             session_id=r.session_id, context_start=r.context_start, context=t,
             anchor_token=r.anchor_token, block_size=r.block_size,
             sampling=sampling_to_proto(r.sampling), trace_context=r.trace_context or caller,
-            top_k=r.top_k, no_learn=r.no_learn, context_ids=r.context_ids))
+            top_k=r.top_k, no_learn=r.no_learn, context_ids=r.context_ids,
+            prefix_key=r.prefix_key))
     return items, nbytes
 
 

@@ -7,15 +7,10 @@ an error string) becomes a ``DraftError`` for that step, never an exception into
 loop; a broken stream is reopened on a later call after a short back-off.
 
 A step waits for its drafts at most the step's **deadline**: what speculating is worth this
-step (``budget_s``, from the policy's cost model: ``verifier_svc.cost_model.StepCostModel.
-draft_budget``), at least ``BreakerConfig.deadline_floor_s``, at most ``timeout_s``
-(``--draft-timeout``). A call without a budget (the cost model knows nothing yet) waits
-``timeout_s``, and so does an **upload** (a session's context from position 0, or more than
-``UPLOAD_ROWS`` rows of it: a prompt, a resend), which the cost model does not price, and any
-call queued on the stream behind an upload not yet answered.
-A reply later than a budget-derived deadline would have made the step slower than no
-speculation: the step goes on without it (``DraftError(LATE)``), the batch stays queued on
-the drafter (its context lands; a late error is reported to the caller), and the miss counts.
+step (``budget_s``, ``StepCostModel.draft_budget``), within ``[BreakerConfig.deadline_floor_s,
+timeout_s]`` (``--draft-timeout``); ``timeout_s`` without a budget, for an **upload**
+(``draft_wire.is_upload``: not priced by the cost model) and behind one. A later reply goes
+unused (``DraftError(LATE)``; its context still lands on the drafter) and the miss counts.
 
 A :class:`~verifier_svc.breaker.CircuitBreaker` per drafter takes one that is too slow or keeps
 failing out of the step path (verifier_svc/breaker.py); this client counts its misses and runs
@@ -42,15 +37,19 @@ from dflash.serving.tls import ClientTLS, channel as tls_channel
 from dflash.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_svc.breaker import FAILING, SLOW, BreakerConfig, CircuitBreaker, TripReason
 from verifier_svc.cost_model import EMA
-from verifier_svc.draft_wire import WireLog, WireStat, failed_sessions, from_result, probe_item, to_items
+from verifier_svc.draft_wire import (
+    WireLog,
+    WireStat,
+    failed_sessions,
+    from_result,
+    is_upload,
+    probe_item,
+    to_items,
+)
 from verifier_svc.drafter_sync import LATE
 
 log = logging.getLogger("dflash.verifier.drafter_client")
 PROBE_SESSION = "dflash-breaker-probe"     # the prober's session on the drafter (released)
-# More context rows for one session than a steady step sends (its committed tokens, at most a
-# block of 64, plus what --context-flush lets wait): an upload, not held to the step's budget.
-UPLOAD_ROWS = 128
-
 
 def describe(address: str, timeout_s: float = 5.0, tls: ClientTLS | None = None) -> DrafterCard:
     """Fetch the drafter card at ``address`` (over TLS when ``tls``). Raises grpc.RpcError when
@@ -179,7 +178,7 @@ class RemoteProposer:
                 return None
             self._pending[bid] = fut
             self._uploads = [f for f in self._uploads if not f.done()]
-            if any(r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests):
+            if any(map(is_upload, requests)):
                 self._uploads.append(fut)
         q.put(drafter_pb2.DraftBatch(batch_id=bid, items=items))
         return bid, fut
@@ -217,8 +216,7 @@ class RemoteProposer:
         if self.breaker.is_open:
             return [DraftError(FallbackReason.CIRCUIT_OPEN, f"drafter {self.address} out of the step path")] \
                 * len(requests)
-        if budget_s is not None and (self.behind_upload() or any(
-                r.context_start == 0 or r.context.shape[0] > UPLOAD_ROWS for r in requests)):
+        if budget_s is not None and (self.behind_upload() or any(map(is_upload, requests))):
             budget_s = None                      # an upload: the budget does not price it
         deadline = self.last_deadline_s = self.deadline(budget_s)
         cut = deadline < self.timeout_s          # the budget, not the cap, set this deadline
@@ -380,6 +378,18 @@ class RemoteProposer:
         self.wire_stats.drop(session_ids)
         if q is not None and session_ids:
             q.put(drafter_pb2.DraftBatch(batch_id=0, release_sessions=list(session_ids)))
+
+    def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
+        """The session ends on the drafter; its context is kept as the prefix ``key`` when the
+        drafter holds ``length`` positions (``dflash.core.proposer.PrefixKeeper``). Queued
+        behind the session's calls on the stream; a stream that is down keeps nothing (a
+        later use of ``key`` is a miss, answered with a full upload)."""
+        with self._lock:
+            q = self._queue
+        self.wire_stats.drop([session_id])
+        if q is not None:
+            q.put(drafter_pb2.DraftBatch(batch_id=0, keep_prefixes=[drafter_pb2.KeepPrefix(
+                session_id=session_id, key=key, length=length)]))
 
     def close(self) -> None:
         self._closed.set()

@@ -32,6 +32,7 @@ import torch
 
 from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest, Proposer
 from dflash.core.sampling import Sampling
+from verifier_svc.draft_checks import malformed
 from verifier_svc.tap_buffer import TapRows
 
 log = logging.getLogger("dflash.verifier")
@@ -68,11 +69,20 @@ class DrafterState:
     taps: TapRows = dataclasses.field(default_factory=TapRows)   # rows of the cached positions
     length: int = 0                    # context positions the drafter holds
     epoch: int = 0                     # bumped by reset: older async failures are moot
+    # A cached prefix the drafter may start the session from, (key, positions), when longer
+    # than ``length`` (``verifier_svc.prefix_reuse.take_cached``); the next call names it.
+    prefix: tuple[bytes, int] | None = None
 
     def reset(self) -> None:
         """The drafter holds none of this session's context now: the next call resends it all."""
         self.length = 0
+        self.prefix = None
         self.epoch += 1
+
+    @property
+    def from_prefix(self) -> bool:
+        """The next call starts the session from its cached prefix."""
+        return self.prefix is not None and self.prefix[1] > self.length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +137,15 @@ class DraftRound:
     uploaded: bool = False             # a call carried some session's whole context (a join)
 
 
+@dataclasses.dataclass
+class PrefixCounts:
+    """Sessions started from a drafter's cached prefix since start (``DrafterSync.prefixes``)."""
+
+    hits: int = 0                      # the drafter held it: only the rest was uploaded
+    hit_tokens: int = 0                # context positions not uploaded thanks to them
+    misses: int = 0                    # it did not (restarted, evicted): the whole context sent
+
+
 class DrafterSync:
     """The draft calls of one step and the per-session bookkeeping around them.
 
@@ -144,6 +163,7 @@ class DrafterSync:
         self.context_flush = context_flush
         self._lock = threading.Lock()
         self._failed: set[tuple[str, int]] = set()   # (session, epoch) of failed async updates
+        self.prefixes = PrefixCounts()
 
     # ------------------------------------------------------------------ per session
     def bind(self, session_id: str, state: DrafterState, proposer: Proposer | None) -> bool:
@@ -163,6 +183,8 @@ class DrafterSync:
         if state.tap_ids:
             state.taps.truncate(n)
         state.length = min(state.length, n)
+        if state.prefix is not None and state.prefix[1] > n:
+            state.prefix = None
 
     def release(self, session_id: str, state: DrafterState) -> None:
         """The drafter may drop the session (never raises: a drafter failure fails nothing)."""
@@ -206,27 +228,57 @@ class DrafterSync:
             proposer = items[idx[0]].proposer
             assert proposer is not None            # only items with a drafter are grouped
             uploaded = uploaded or any(not items[i].state.length for i in idx)
-            if not any(items[i].k for i in idx) and isinstance(proposer, ContextSender):
+            # a call that starts a session from a cached prefix is waited for: a miss is then
+            # known at once and the whole context resent in this step
+            if not any(items[i].k or items[i].state.from_prefix for i in idx) and \
+                    isinstance(proposer, ContextSender):
                 self._send_context(proposer, [items[i] for i in idx])
                 for i in idx:
                     out[i] = DraftOutcome(EMPTY, None, None, True)
                 continue
-            reqs = [self._request(items[i], items[i].k + 1) for i in idx]
             t_call = time.perf_counter()
-            try:
-                if isinstance(proposer, DeadlineProposer):
-                    left = None if budget_s is None else budget_s - (t_call - t0)
-                    res = proposer.propose_within(reqs, left, self._resend_on_failure(
-                        [items[i] for i in idx], "late draft"))
-                else:
-                    res = proposer.propose(reqs)
-            except Exception as e:  # the drafter must never fail the request
-                res = [DraftError(FallbackReason.EXCEPTION, repr(e))] * len(reqs)
+            left = None if budget_s is None else budget_s - (t_call - t0)
+            res = self._call(proposer, [items[i] for i in idx], left)
             if all(isinstance(r, DraftError) for r in res):
                 wasted += time.perf_counter() - t_call
             for i, r in zip(idx, res):
                 out[i] = self._outcome(items[i], r)
         return DraftRound(out, wasted, uploaded)
+
+    def _call(self, proposer: Proposer, items: list[DraftItem], budget_s: float | None
+              ) -> list[Proposal | DraftError]:
+        """One draft call for ``items``; the sessions it started from a cached prefix that
+        the drafter does not hold (or, predating prefixes, answers with a gap) are resent in
+        full by a second call, at once (never raises)."""
+        prefixed = [it.state.prefix[1] if it.state.from_prefix and it.state.prefix else 0
+                    for it in items]
+        res = self._propose(proposer, items, budget_s)
+        again = [j for j, r in enumerate(res) if prefixed[j] and isinstance(r, DraftError)
+                 and r.reason in (FallbackReason.PREFIX_MISS, FallbackReason.CONTEXT_GAP)]
+        for j, r in enumerate(res):
+            if prefixed[j] and isinstance(r, Proposal):
+                self.prefixes.hits += 1
+                self.prefixes.hit_tokens += prefixed[j]
+        if again:
+            log.info("%d session(s): the drafter holds no cached prefix for them; uploading "
+                     "their whole context", len(again))
+            self.prefixes.misses += len(again)
+            for j in again:
+                items[j].state.reset()
+            for j, r in zip(again, self._propose(proposer, [items[j] for j in again], None)):
+                res[j] = r
+        return res
+
+    def _propose(self, proposer: Proposer, items: list[DraftItem], budget_s: float | None
+                 ) -> list[Proposal | DraftError]:
+        reqs = [self._request(it, it.k + 1) for it in items]
+        try:
+            if isinstance(proposer, DeadlineProposer):
+                return proposer.propose_within(reqs, budget_s, self._resend_on_failure(
+                    items, "late draft"))
+            return proposer.propose(reqs)
+        except Exception as e:  # the drafter must never fail the request
+            return [DraftError(FallbackReason.EXCEPTION, repr(e))] * len(reqs)
 
     def _outcome(self, it: DraftItem, r: Proposal | DraftError) -> DraftOutcome:
         """One item's drafts from its call's result, and what its drafter now holds."""
@@ -237,9 +289,11 @@ class DrafterSync:
                 it.state.length = it.cached
             else:
                 it.state.reset()  # resend the whole context once the drafter is healthy
+            it.state.prefix = None
             return DraftOutcome(EMPTY, None, reason if it.k else None, True)
         assert isinstance(r, Proposal)     # malformed() found nothing wrong
         it.state.length = it.cached
+        it.state.prefix = None
         return DraftOutcome(r.tokens, r.probs, None, True, top_ids=r.top_ids,
                             top_logprobs=r.top_logprobs)
 
@@ -257,9 +311,11 @@ class DrafterSync:
 
     @staticmethod
     def _request(it: DraftItem, block_size: int) -> ProposalRequest:
-        start = it.state.length
+        start, key = it.state.length, b""
+        if it.state.from_prefix and it.state.prefix is not None:
+            key, start = it.state.prefix
         context = it.state.taps.rows(start)
-        return ProposalRequest(session_id=it.session_id, context_start=start,
+        return ProposalRequest(session_id=it.session_id, context_start=start, prefix_key=key,
                                context=context, anchor_token=it.anchor,
                                block_size=block_size, sampling=it.sampling,
                                trace_context=it.trace_context,
@@ -280,62 +336,8 @@ class DrafterSync:
             it.state.length = it.cached
 
     def malformed(self, res: Proposal | DraftError, k: int, top_k: int = 0) -> str | None:
-        """Why ``res`` is not ``k`` usable drafts with up to ``top_k`` alternatives each (None:
-        it is).
-
-        Probabilities (reason "malformed_probs"): when sent, ``[k, vocab_size]`` floating,
-        finite, non-negative and positive on each drafted token.
-
-        Top-k (reason "malformed_topk"): a result with neither ``top_ids`` nor
-        ``top_logprobs`` is a chain drafter that predates top-k and is fine whatever
-        ``top_k`` is. Otherwise both must be there, asked for (top_k > 0), int64 and float32
-        of one shape ``[k, c]`` with ``1 <= c <= min(top_k, vocab_size)`` (fewer than asked
-        only from a drafter whose vocabulary, a draft vocabulary included, is smaller), ids in
-        ``[0, vocab_size)`` and distinct per row (a tree node has one child per token),
-        log-probs finite, ``<= 0`` and non-increasing along each row.
-        """
-        if isinstance(res, DraftError):
-            return res.reason
-        toks = res.tokens
-        if toks.dim() != 1 or toks.numel() != k:
-            return FallbackReason.MALFORMED_BLOCK
-        if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
-            return FallbackReason.OUT_OF_VOCAB
-        if res.probs is not None and not self._probs_ok(res.probs, toks):
-            return FallbackReason.MALFORMED_PROBS
-        if res.top_ids is not None or res.top_logprobs is not None:
-            if not self._top_k_ok(res.top_ids, res.top_logprobs, k, top_k):
-                return FallbackReason.MALFORMED_TOPK
-        return None
-
-    def _probs_ok(self, q: torch.Tensor, toks: torch.Tensor) -> bool:
-        """q ``[k, vocab_size]`` floating, finite, non-negative, and positive on each row's own
-        draft ``toks[j]``: a drafter cannot have drawn a token it gives 0, and rejection
-        sampling would otherwise test it against ``u * 0 <= p``."""
-        if q.shape != (toks.numel(), self.vocab_size) or not q.dtype.is_floating_point:
-            return False
-        if not (torch.isfinite(q).all() and (q >= 0).all()):
-            return False
-        return bool((q.gather(1, toks.to(torch.int64)[:, None]) > 0).all())
-
-    def _top_k_ok(self, ids: torch.Tensor | None, lp: torch.Tensor | None, k: int,
-                  top_k: int) -> bool:
-        if ids is None or lp is None or top_k <= 0:
-            return False
-        if ids.dtype != torch.int64 or lp.dtype != torch.float32 or ids.dim() != 2:
-            return False
-        c = ids.shape[1]
-        if lp.shape != ids.shape or ids.shape[0] != k or not 1 <= c <= min(top_k, self.vocab_size):
-            return False
-        if not k:
-            return True
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            return False
-        by_id = ids.sort(-1).values
-        if (by_id[:, 1:] == by_id[:, :-1]).any():
-            return False
-        return bool(torch.isfinite(lp).all() and (lp <= 0).all()
-                    and (lp[:, 1:] <= lp[:, :-1]).all())
+        """Why ``res`` is not ``k`` usable drafts (:func:`verifier_svc.draft_checks.malformed`)."""
+        return malformed(res, k, self.vocab_size, top_k)
 
 
 def _context_ids(it: DraftItem, start: int, n: int) -> tuple[int, ...]:

@@ -18,11 +18,15 @@ A request's penalties and logit bias (``dflash.core.logits_processors``) are app
 logits of every verified row, each with the state its own path implies, before verification
 (and to the first token after prefill); the state advances as tokens commit. Requests without
 them skip this entirely. Log-probabilities, when asked, come from the raw logits of the rows that
-emitted the committed tokens.
+emitted the committed tokens. A request's grammar (``dflash.core.grammar``; docs/structured-outputs.md)
+prunes its drafts before the forward, adds the tokens it forces as drafts
+(``verifier_svc.grammar_rows``), and masks every verified row after the penalties, each with
+its own path's grammar state; its matcher advances as tokens commit.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator
 
@@ -30,6 +34,7 @@ import torch
 
 from dflash.core.cards import check_drafter_card
 from dflash.core.finish import FINISH_CANCELLED
+from dflash.core.grammar import GrammarCache, GrammarTokenizer
 from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.sampling import InvalidParam
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
@@ -38,6 +43,8 @@ from verifier_svc.commit import commit_row, log_step, step_feedback
 from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync
+from verifier_svc.engine_gauges import EngineGauges
+from verifier_svc.grammar_rows import constrain
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
@@ -46,7 +53,7 @@ from verifier_svc.policy import (
 )
 from verifier_svc.prefill import common_prefix, prefill_chunk, share_prefix, speculation_limits
 from verifier_svc.prefix_cache import PrefixCache
-from verifier_svc.prefix_reuse import checkout_pin, keep_finished, take_cached
+from verifier_svc.prefix_reuse import checkout_pin, keep_drafter_context, keep_finished, take_cached
 from verifier_svc.proposals import draft_item, sourced, suffix_offers
 from verifier_svc.request import MAX_BLOCK_SIZE, PreconditionError, Request, SlowConsumer, StepEvent, validate
 from verifier_svc.scheduler import Admission, Job, Scheduler, StepPlan
@@ -60,7 +67,7 @@ __all__ = ["VerifierEngine", "Request", "StepEvent", "PreconditionError", "SlowC
            "check_drafter_card", "MAX_BLOCK_SIZE", "InvalidParam", "Target"]
 
 
-class VerifierEngine:
+class VerifierEngine(EngineGauges):
     """Owns the target, the sessions and the decode step.
 
     Args:
@@ -74,6 +81,8 @@ class VerifierEngine:
             0: any batch).
         tree_budgets: budgets the adaptive policy may try as trees (``--tree-budgets``; empty:
             chains only). Trees need a target with ``supports_trees``.
+        mode_race: adaptive races whole modes per batch bucket (``--mode-race``; the services
+            default to on; ``verifier_svc.mode_race``).
         admission: bounds on waiting requests (``verifier_svc.scheduler.Admission``; default
             its defaults).
         answers: recent answers per tenant for suffix candidates (``verifier_svc.suffix_drafts.
@@ -88,6 +97,8 @@ class VerifierEngine:
             per tenant (``verifier_svc.prefix_cache``; sessions wait there between turns,
             pinned); None = none kept (``--prefix-cache off``), and always None on a target
             without ``supports_fork``.
+        grammars: the compiled-grammar cache of structured requests; None: built on the first
+            such request from the tokenizer in the target's directory (``target.path``).
         threads: torch threads of the scheduler thread, which runs every forward; it then is
             the process's only multi-threaded torch thread (``dflash.serving.threads.claim``; the
             service calls ``dflash.serving.threads.reserve`` at start). 0 = leave torch's threads alone.
@@ -97,9 +108,10 @@ class VerifierEngine:
                  spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
-                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, admission: Admission | None = None,
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, mode_race: bool = False,
+                 admission: Admission | None = None,
                  answers: AnswerStore | None = None, suffix: bool = True,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, grammars: GrammarCache | None = None):
         if not 1 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget: must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
         if any(not 1 <= n <= MAX_TREE_BUDGET for n in tree_budgets):
@@ -111,7 +123,7 @@ class VerifierEngine:
         self.tree_budget = tree_budget
         self.trees = target.supports_trees
         self.policy = SpeculationPolicy(spec_mode, tree_budgets=tree_budgets if self.trees else (),
-                                        tree_max_batch=tree_max_batch)
+                                        tree_max_batch=tree_max_batch, race=mode_race)
         self.scheduler = Scheduler(prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    max_unread=max_unread, admission=admission)
         self.core = EngineCore(self.scheduler, self)
@@ -126,56 +138,12 @@ class VerifierEngine:
         self.suffix_lookups = 0
         self.step_listeners: list[Callable[[Request, StepEvent], None]] = []
         self._last_cycle_end = 0.0           # for the policy's per-cycle overhead
+        self._grammars = grammars
 
     # ------------------------------------------------------------------ sessions
     @property
     def num_sessions(self) -> int:
         return len(self._sessions)
-
-    @property
-    def suffix_index_tokens(self) -> int:
-        """Tokens held by the sessions' suffix indexes (a metrics gauge)."""
-        return sum(len(s.suffix) for s in self._sessions.values())
-
-    @property
-    def suffix_answer_tokens(self) -> int:
-        return self.answers.tokens
-
-    @property
-    def suffix_corpus_tokens(self) -> int:
-        return self.answers.corpus_tokens
-
-    @property
-    def suffix_index_bytes(self) -> int:
-        """Approximate bytes of the sessions' suffix indexes, the tenants' answers and the
-        corpus."""
-        return sum(s.suffix.nbytes for s in self._sessions.values()) + self.answers.nbytes
-
-    @property
-    def cached_tokens(self) -> int:
-        """Target KV positions held by all sessions (a metrics gauge)."""
-        return sum(s.held for s in self._sessions.values())
-
-    @property
-    def prefix_cache_bytes(self) -> int:
-        """Bytes of the prefix cache's entries (gauges read 0 with the cache off)."""
-        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_pinned_bytes(self) -> int:
-        return self.prefix_cache.pinned_bytes if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_entries(self) -> int:
-        return self.prefix_cache.entries if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_tokens(self) -> int:
-        return self.prefix_cache.tokens if self.prefix_cache is not None else 0
-
-    @property
-    def prefix_cache_evictions(self) -> int:
-        return self.prefix_cache.stats.evicted if self.prefix_cache is not None else 0
 
     def close_session(self, sid: str) -> bool:
         """Drop a session on the verifier and its drafter. Returns whether it existed."""
@@ -192,8 +160,23 @@ class VerifierEngine:
             self.prefix_cache.unpin(pin)     # the entry stays, now evictable
 
     def validate(self, req: Request) -> None:
-        """Raise InvalidParam naming the field for a request that cannot run."""
+        """Raise InvalidParam naming the field for a request that cannot run (a grammar is
+        compiled here, on the caller's thread, so its errors come before the first event)."""
         validate(req, self.target.vocab_size, self.target.max_positions)
+        if req.grammar is not None:
+            self.grammars.compile(req.grammar)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache (built on first use; PreconditionError naming
+        ``structured_output`` for a target without a tokenizer in its directory)."""
+        if self._grammars is None:
+            path = self.target.path
+            if not (path / "tokenizer.json").exists():
+                raise PreconditionError("structured_output", "this target has no tokenizer for grammars")
+            tok = GrammarTokenizer.from_dir(path, self.target.vocab_size, sorted(self.target.eos_token_ids))
+            self._grammars = GrammarCache(tok)
+        return self._grammars
 
     # ------------------------------------------------------------------ the thread bridge
     def generate(self, req: Request, cancelled: Callable[[], bool] = lambda: False
@@ -230,11 +213,14 @@ class VerifierEngine:
             job.closed = True
             self.core.wait_gone(job)
             if finished and (req.session_id or self.prefix_cache is not None):
+                entry = None
                 with self.target.lock:
                     self.target.own(session.cache)   # kept for the next turn, out of the batch
                     if self.prefix_cache is not None:
-                        keep_finished(session, req, self.target, self.prefix_cache,
-                                      pin=bool(req.session_id))
+                        entry = keep_finished(session, req, self.target, self.prefix_cache,
+                                              pin=bool(req.session_id))
+                if entry is not None:    # its drafter keeps the context too (before the release)
+                    keep_drafter_context(session, req, entry)
                 if session.pin is not None and sid not in self._sessions:
                     self._dropped(session)           # closed while it finished: no pin left
             session.busy.release()
@@ -267,8 +253,8 @@ class VerifierEngine:
         # on the target's device: its noise is drawn where the logits are (a CPU generator
         # fails a CUDA sample at prefill, and draws [k + 1, V] noise on the host per step)
         st.gen = req.sampling.generator(t.device)
-        st.processor = (LogitsProcessor(req.sampling, req.prompt, t.vocab_size)
-                        if req.sampling.penalised else None)
+        st.processor = _processor(req, t.vocab_size) if req.sampling.penalised else None
+        st.grammar = self.grammars.state(req.grammar) if req.grammar is not None else None
         st.stops = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else t.eos_token_ids)
         st.mode, st.block_limit, st.tree_budget, st.suffix_limit = speculation_limits(
             req, self.spec_mode, trees=self.trees, suffix=self.suffix, tree_budget=self.tree_budget,
@@ -305,7 +291,8 @@ class VerifierEngine:
         draft_s = time.perf_counter() - td
         for r, d in zip(rows, drafts.outcomes):
             r.draft, r.sourced = d, sourced(r, d, len(rows), self.policy)
-            r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else d.tokens.tolist())
+            constrain(r)
+            r.block = [r.state.session.tokens[-1]] + (r.tree.tokens if r.tree else r.draft.tokens.tolist())
 
         tv = time.perf_counter()
         with t.lock:
@@ -374,17 +361,28 @@ class VerifierEngine:
 
 def _processed(r: StepRow) -> torch.Tensor:
     """The logits ``[block, V]`` row ``r`` verifies: its penalties and bias applied to each row
-    with that row's own state (``dflash.core.logits_processors``), or the raw logits when it
-    has none."""
+    with that row's own state (``dflash.core.logits_processors``), then its grammar's masks
+    (``r.masks``, each row its own path's), or the raw logits when it has neither."""
     assert r.logits is not None                      # the target's forward ran
     processor, tree = r.state.processor, r.tree
-    if processor is None:
-        return r.logits
-    if tree is not None:
-        return processor.apply(r.logits, tree.tokens, tree.parents)
-    return processor.apply(r.logits, r.block[1:])
+    x = r.logits
+    if processor is not None:
+        x = (processor.apply(x, tree.tokens, tree.parents) if tree is not None
+             else processor.apply(x, r.block[1:]))
+    if r.masks is not None:
+        x = x.float().masked_fill(~r.masks.to(x.device), -math.inf)
+    return x
 
 
 def _params(st: DecodeState) -> RowParams:
     return RowParams(st.req.sampling, st.gen, st.stops, st.req.max_tokens - st.emitted,
                      position=len(st.session.tokens))
+
+
+def _processor(req: Request, vocab_size: int) -> LogitsProcessor:
+    """The request's penalty state: a resumed request's last ``resumed`` prompt ids count as
+    output already generated, so its penalties continue as on the replica it left."""
+    cut = len(req.prompt) - req.resumed
+    p = LogitsProcessor(req.sampling, req.prompt[:cut], vocab_size)
+    p.commit(req.prompt[cut:])
+    return p

@@ -84,6 +84,11 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive steps of more sessions than this verify chains only; 0 = any "
                         "batch (on a CPU trees paid at batch 1, not at 8 or 32: docs/trees.md) "
                         "[DFLASH_TREE_MAX_BATCH]")
+    p.add_argument("--mode-race", default=env("DFLASH_MODE_RACE", "on"), type=one_of(("on", "off")),
+                   help="adaptive races whole modes (off, suffix, hybrid, fixed and its own "
+                        "per-step choice) per batch size on measured tokens/s and plays the "
+                        "best (docs/batching.md, 'The mode race'); off = the per-step choice "
+                        "alone [DFLASH_MODE_RACE]")
 
 
 def _add_suffix_args(p: argparse.ArgumentParser) -> None:

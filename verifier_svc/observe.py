@@ -80,7 +80,14 @@ class VerifierObserver:
             ("prefix_cache_entries", "prefix_cache_entries", "Cached prefixes."),
             ("prefix_cache_tokens", "prefix_cache_tokens", "Positions held by cached prefixes."),
             ("prefix_cache_evictions_total", "prefix_cache_evictions", "Cached prefixes "
-             "evicted for room.")))
+             "evicted for room."),
+            ("drafter_prefix_hits_total", "drafter_prefix_hits", "Sessions whose drafter "
+             "started them from its kept context of a cached prefix (only the rest uploaded)."),
+            ("drafter_prefix_hit_tokens_total", "drafter_prefix_hit_tokens", "Context "
+             "positions those sessions did not upload to their drafter."),
+            ("drafter_prefix_misses_total", "drafter_prefix_misses", "Sessions whose drafter "
+             "no longer held the cached prefix's context (restarted, evicted): uploaded in "
+             "full.")))
         PolicyGauges(telemetry.registry, lambda: self.engine)
 
     def bind(self, engine) -> None:

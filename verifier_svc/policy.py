@@ -1,82 +1,45 @@
-"""Speculation policy: how many drafts each session verifies this step (0 = no speculation).
+"""Speculation policy: how many drafts each session verifies this step (0 = no speculation),
+and in which shape (chain, DDTree tree, suffix candidates, both).
 
-Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mode``):
-
-* ``off``: never speculate (the drafter is not called; plain autoregressive steps).
-* ``fixed``: always the request's block size (``block_size - 1`` drafts).
-* ``adaptive``: per step, the ``k`` that maximises expected committed tokens per second of the
-  whole batch::
-
-      k* = argmax_k  sum_i (1 + accuracy * (E_i[k] - 1)) / cost(B, K)
-
-  ``E_i[k]``: expected committed tokens of request ``i`` with ``k`` drafts, bonus included, and
-  ``accuracy``, the calibration of those expectations (``verifier_svc/acceptance.py``);
-  ``cost(B, K)``: seconds of one cycle of ``B`` sessions whose largest block has ``K = max(k,
-  fixed blocks)`` drafts, the per-cycle overhead included (``verifier_svc/cost_model.py``).
-
-  The overhead outside verify and draft is paid once per step whatever k is; leaving it out
-  would favour short blocks and no speculation.
-
-  ``k = 0`` is "no speculation": the drafter still receives the new context features (a block
-  of size 1 = context update only), so its context stays current and acceptance does not
-  collapse when speculation resumes. In each batch bucket ``k = 0`` is measured first: it is
-  the baseline the others must beat, and the cheapest step to try. Until the cost model has a
-  fit, unmeasured candidates are tried in order; now and then a neighbour of the best k is
-  re-measured, so the estimates follow load and acceptance, ever less often around a best arm
-  that keeps its lead (``verifier_svc/exploration.py``).
-
-  Trees (``verifier_svc/tree.py``, DDTree): when the target and the job allow them, each node
-  budget ``N`` of ``tree_budgets`` is one more candidate, priced like a chain of ``N`` drafts
-  (the verify forward carries ``N + 1`` tokens either way) and valued by the measured tokens a
-  tree step of that budget commits (``AcceptanceEstimator.tree_expected``; until measured, the
-  chain's ``E[min(N, limit)]``, a floor: a best-first tree of ``N`` nodes holds the drafter's
-  top-1 chain as deep as its budget reaches). Each budget is tried until measured, then
-  re-measured when exploration falls on it.
-
-* ``tree``: always a tree of the request's (or the deployment's) node budget.
-* ``suffix``: a tree of the session's suffix candidates (``verifier_svc/suffix_drafts.py``),
-  ``n`` nodes for the ``n`` that maximises ``expected(n) / cost(n)``: the candidates' calibrated
-  probabilities against the verify cost of ``n`` more rows (no drafter time); ``n = 0`` (plain
-  decoding) when no candidate pays. Jobs of a speculating mode without a drafter speculate so.
-* ``hybrid``: a tree as in ``tree`` mode with the suffix candidates worth more than the
-  drafter's marginal node merged in (:meth:`SpeculationPolicy.drafter_node_value`).
-
-  Adaptive trees are hybrid, their value the tree's plus what the suffix nodes add over the
-  drafter nodes they displace; suffix-only trees of every size up to the largest budget are
-  more arms, priced without the drafter's time by the verify cells (steps that verified suffix
-  candidates alone feed no step cell: theirs has no draft time). Both need ``tree_budgets`` and
-  a batch within ``tree_max_batch``.
-
-  While prompts wait for prefill, adaptive sessions do not speculate: the scheduler runs one
-  prefill chunk per step, so a longer step holds every waiting request out of the batch for
-  longer, and a bigger batch decodes each token more cheaply than speculation on a smaller one.
+Modes, per deployment (``--spec-mode``) and per request (``SpeculationParams.mode``): ``off``,
+``fixed`` (the request's block), ``tree`` (a tree of the node budget), ``suffix`` (the session's
+suffix candidates, ``verifier_svc/suffix_drafts.py``), ``hybrid`` (a tree with the suffix
+candidates merged in) and ``adaptive``: per step, the shape that maximises the batch's expected
+committed tokens per second, ``argmax_k sum_i (1 + accuracy * (E_i[k] - 1)) / cost(B, K)``,
+from the online acceptance (``verifier_svc/acceptance.py``) and cost (``verifier_svc/cost_model.py``)
+estimates, with exploration (``verifier_svc/exploration.py``), and optionally a race of whole
+modes (``verifier_svc/mode_race.py``). ``k = 0`` still sends the drafter its context. While
+prompts wait for prefill, adaptive sessions do not speculate. The derivation, the priors and
+the measurements behind each rule: docs/batching.md and docs/trees.md.
 
 What a step teaches the policy arrives in one :class:`StepFeedback`, fed to
-:meth:`SpeculationPolicy.observe`. The inputs of every decision (``Decision``) travel on the step's ``StepEvent`` to
-metrics and spans. Thread model: only the scheduler thread calls ``choose`` / ``observe*``.
+:meth:`SpeculationPolicy.observe`. The inputs of every decision (``Decision``) travel on the
+step's ``StepEvent`` to metrics and spans. Thread model: only the scheduler thread calls
+``choose`` / ``observe*``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Collection, Sequence
 
 from dflash.core.speculation import (
     MODE_ADAPTIVE,
     MODE_FIXED,
-    MODE_HYBRID,
     MODE_SUFFIX,
-    MODE_TREE,
     MODES,
 )
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimator, session_table
-from verifier_svc.arms import Arms, Batch, Expectations, family, hybrid_shape, limits, tree_shape
+from verifier_svc.arms import Arms, Batch, Expectations, family, limits
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
 from verifier_svc.exploration import DEFAULT_EXPLORE_BACKOFF, Exploration
+from verifier_svc.mode_race import ModeRace
+from verifier_svc.race_arms import DEFAULT_RACE_ARMS, available, mode_shape, race_arms as race_arms_of, split_arm
 from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
 
-__all__ = ["MODES", "MIXED", "CANDIDATES", "SESSION_PRIOR_STEPS", "Arm", "Decision", "PolicyJob",
-           "Shape", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
+__all__ = ["MODES", "MIXED", "CANDIDATES", "DEFAULT_RACE_ARMS", "SESSION_PRIOR_STEPS", "Arm", "Decision",
+           "PolicyJob", "Shape", "split_arm", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
 #: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
@@ -106,12 +69,19 @@ class SpeculationPolicy:
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
             batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
             8 and 32 sessions, where every row is compute (docs/trees.md, "Under load").
+        race: race whole modes per batch bucket (:class:`verifier_svc.mode_race.ModeRace`,
+            the policy's ``race``): adaptive jobs play the mode with the most measured tokens
+            per second, the per-step choice being one of them. ``race_arms``: the modes raced
+            (``off``, ``fixed``, ``tree:n``, ``hybrid:n``, ``suffix``, ``adaptive``; ``{N}``:
+            the largest tree budget); ``race_kw``: the schedule's settings. Raises ValueError
+            for an arm that is no mode.
     """
 
     def __init__(self, mode: str = MODE_FIXED, *, alpha: float = 0.05, explore_every: int = 25,
                  explore_backoff: int = DEFAULT_EXPLORE_BACKOFF,
                  tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS,
-                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH):
+                 tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, race: bool = False,
+                 race_arms: Sequence[str] = DEFAULT_RACE_ARMS, race_kw: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"spec_mode: {mode!r} not one of {', '.join(MODES)}")
         if any(n < 1 for n in tree_budgets):
@@ -126,13 +96,20 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(alpha)
         self.costs = StepCostModel(alpha)
         self._steps = 0
+        self.race: ModeRace | None = None
+        if race:
+            arms = race_arms_of(race_arms, max(self.tree_budgets, default=0))
+            self.race = ModeRace(arms, **(race_kw or {}))
+        # the race's step about to run: (bucket, arm, adaptive job indices, explored)
+        self._race_step: tuple[int, str, tuple[int, ...], bool] | None = None
 
     # ------------------------------------------------------------------ inputs
     def observe(self, fb: StepFeedback) -> None:
         """Everything one step teaches: its verify seconds (always: the drafters' deadline is
         derived from them), its cost (if ``record_cost``), each drafter's acceptance, the
-        calibration outcome, the cycle overhead (if known). Through the ``observe_*`` methods,
-        so a wrapper on one of them sees the step."""
+        calibration outcome, the cycle overhead (if known), the race's reward. Through the
+        ``observe_*`` methods, so a wrapper on one of them sees the step."""
+        self.observe_race(fb)
         self.observe_verify(fb.batch, fb.k, fb.verify_seconds)
         if fb.record_cost:
             self.observe_step(fb.batch, fb.k, fb.verify_seconds, fb.draft_seconds)
@@ -145,6 +122,19 @@ class SpeculationPolicy:
         self.observe_outcome(fb.committed, fb.fell_back)
         if fb.cycle_overhead is not None:
             self.observe_overhead(fb.cycle_overhead)
+
+    def observe_race(self, fb: StepFeedback) -> None:
+        """The race's reward for the step just chosen: the tokens its adaptive jobs committed
+        over the step's seconds (verify, draft, and the cycle's overhead: its own, else the
+        EMA)."""
+        step, self._race_step = self._race_step, None
+        if step is None or self.race is None:
+            return
+        b, arm, idx, explored = step
+        over = fb.cycle_overhead if fb.cycle_overhead is not None else self.costs.overhead_seconds
+        seconds = fb.verify_seconds + fb.draft_seconds + over
+        self.race.observe(b, arm, float(sum(fb.committed[i] for i in idx if i < len(fb.committed))),
+                          seconds, len(idx), explored)
 
     def observe_acceptance(self, label: str, blocks: Sequence[tuple[int, int]]) -> None:
         """One step's verified blocks of drafter ``label``: ``(drafts, accepted drafts)`` each."""
@@ -222,6 +212,7 @@ class SpeculationPolicy:
         prefill behind this step; ``offers``: each job's suffix candidates this step (None:
         none)."""
         self.acceptance.clear_expectation()
+        self._race_step = None
         batch = Batch.of(jobs, offers)
         shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
         if not batch.adaptive:
@@ -231,6 +222,11 @@ class SpeculationPolicy:
         if waiting:
             return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
                                                waiting=waiting))
+        if self.race is not None:
+            arm, race_explored = self.race.pick(batch.bucket, available(self.race.order, batch))
+            self._race_step = (batch.bucket, arm, tuple(batch.adaptive), race_explored)
+            if arm != MODE_ADAPTIVE:
+                return self._race_choice(batch, shapes, arm, race_explored)
         ex = Expectations(self, jobs, batch.limits)
         arms = Arms(self, batch, shapes, ex)
         best, explored = self._pick(arms)
@@ -240,20 +236,30 @@ class SpeculationPolicy:
         # not yet measured is valued by the chain's prior, which would skew the ratio for good
         if (best.k > 0 or best.budget) and not (family(best) == TREE and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
-        return StepChoice(shapes, arms.decision(best, explored), ex)
+        d = arms.decision(best, explored)
+        if self._race_step is not None:
+            d = dataclasses.replace(d, arm=MODE_ADAPTIVE, explored=explored or self._race_step[3])
+        return StepChoice(shapes, d, ex)
+
+    def _race_choice(self, batch: Batch, shapes: list[Shape], arm: str, explored: bool) -> StepChoice:
+        for i in batch.adaptive:
+            shapes[i] = self.arm_shape(arm, batch, i)
+        played = [shapes[i] for i in batch.adaptive]
+        return StepChoice(shapes, Decision(
+            mode=MODE_ADAPTIVE, k=max(sh.k for sh in played), batch=len(shapes),
+            explored=explored, budget=max(sh.budget for sh in played),
+            suffix=all(sh.suffix and not sh.k for sh in played if sh.budget), arm=arm))
 
     def _pinned_shape(self, batch: Batch, i: int) -> Shape:
         """Job ``i``'s shape when its mode fixes it (an adaptive job's placeholder: no drafts)."""
-        m, lim, budget, offer = batch.modes[i], batch.limits[i], batch.budgets[i], batch.offers[i]
-        if m == MODE_FIXED:
-            return Shape(lim)
-        if m == MODE_TREE:
-            return tree_shape(lim, budget)
-        if m == MODE_HYBRID:
-            return hybrid_shape(lim, budget, offer is not None)
-        if m == MODE_SUFFIX:
-            return self.suffix_shape(offer, batch.bucket, budget, batch.suffix_limits[i])
-        return Shape(0)
+        return mode_shape(batch.modes[i], batch.budgets[i], batch, i, self.suffix_shape)
+
+    def arm_shape(self, arm: str, batch: Batch, i: int) -> Shape:
+        """Adaptive job ``i``'s shape when the step plays race arm ``arm``: the shape the
+        job would have pinned in that mode."""
+        mode, n = split_arm(arm)
+        return mode_shape(mode, n or batch.budgets[i] if mode == MODE_SUFFIX else n, batch, i,
+                          self.suffix_shape)
 
     def _pick(self, arms: Arms) -> tuple[Arm, bool]:
         """The arm this step runs and whether it was chosen to measure it: every chain length

@@ -4,6 +4,7 @@ through the target chunk by chunk, and its first token sampled (the engine's ``s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 
@@ -106,13 +107,17 @@ def prefill_chunk(st: DecodeState, t: Target, budget: int, *, suffix: bool) -> S
     s.tokens = list(req.prompt)
     s.prefix_group = req.prefix_group        # cache, taps and tokens agree on the prompt
     raw = logits[-1:]                                       # [1, V]
-    first = sample_first(st.processor.apply(raw) if st.processor else raw,
-                         req.sampling, st.gen, len(req.prompt))
+    x = st.processor.apply(raw) if st.processor else raw
+    if st.grammar is not None:             # the first token is masked by the grammar's start
+        x = x.float().masked_fill(~st.grammar.mask().to(x.device), -math.inf)
+    first = sample_first(x, req.sampling, st.gen, len(req.prompt))
     s.tokens.append(first)
     if suffix:
         s.suffix.sync(s.tokens)              # O(new tokens) after a turn that kept its prefix
     if st.processor:
         st.processor.commit([first])
+    if st.grammar is not None:
+        st.grammar.commit([first])
     st.emitted = 1
     finish = FINISH_STOP if first in st.stops else (FINISH_LENGTH if req.max_tokens == 1 else None)
     if req.proposer is not None and st.block_limit > 1:

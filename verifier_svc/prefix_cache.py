@@ -27,14 +27,32 @@ readers' threads.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from dflash.core.prefix_blocks import BLOCK, block_hashes
 from verifier_svc.sessions import CacheHandle
 from verifier_svc.tap_buffer import TapRows
 
-BLOCK = 16            # tokens per hashed block (the lookup's granularity before the exact match)
+__all__ = ["BLOCK", "CacheStats", "DrafterPrefix", "Entry", "PrefixCache", "block_hashes", "drafter_key"]
+
+# This process's salt of the drafter's keys: a restarted verifier (an empty cache) names none
+# of the prefixes a drafter kept for the one before.
+_DRAFTER_SALT = os.urandom(16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterPrefix:
+    """What the entry's drafter kept of it: the session's context under ``key``, ``length``
+    positions (its first ones; the drafter may hold fewer than the entry's tokens)."""
+
+    proposer: object                   # the drafter it was kept on (a hit on another: no use)
+    key: bytes
+    length: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,6 +69,7 @@ class Entry:
     refs: int = 0                      # acquired (copying, pinned by a session): never evicted
     pinned: bool = False               # a session's between its turns (outside the bound)
     shared: bool = False               # an operator's declared prefix: every tenant reads it
+    drafter: DrafterPrefix | None = None   # its drafter's kept context, when it kept one
 
     @property
     def length(self) -> int:
@@ -65,18 +84,16 @@ class Entry:
         return min(len(self.tokens), len(self.taps))
 
 
-def _root(tenant: str) -> int:
-    return hash(("prefix-cache", tenant))
-
-
-def block_hashes(tenant: str, tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chain hashes of ``tokens``' full blocks under ``tenant``'s salt (hash i covers
-    tokens ``[0, (i + 1) * block)``)."""
-    h, out = _root(tenant), []
-    for i in range(len(tokens) // block):
-        h = hash((h, tuple(tokens[i * block:(i + 1) * block])))
-        out.append(h)
-    return out
+def drafter_key(tenant: str, tokens: Sequence[int], tap_ids: Sequence[int]) -> bytes:
+    """The key a drafter keeps the context of ``tokens`` (tapped at ``tap_ids``) under for
+    ``tenant``: salted like the block hashes (the tenant, then the ids), but a 32-byte digest
+    (and this process's salt): the drafter never sees prompt ids, so it cannot check a match
+    and trusts the key alone."""
+    h = hashlib.blake2b(digest_size=32, key=_DRAFTER_SALT, person=b"dflash-prefix")
+    h.update(tenant.encode())
+    h.update(b"\0" + ",".join(map(str, tap_ids)).encode() + b"\0")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 def _common(a: Sequence[int], b: Sequence[int], start: int) -> int:

@@ -4,7 +4,10 @@ and a session's K/V waits there between its turns, pinned (:func:`checkout_pin`)
 
 A hit is a copy: ``Target.fork`` copies the entry's first ``n`` positions into the request's own
 sequence (loaded into a pool row at its first prefill chunk), and the entry's taps rows into the
-session's ``TapRows``; the prompt's rest is prefilled as usual. A session is one pin on the
+session's ``TapRows``; the prompt's rest is prefilled as usual. The drafter keeps a finished
+request's context too (:func:`keep_drafter_context`), and a hit tells it which one the session
+starts from (``DrafterState.prefix``): only the rest of the taps is uploaded, and a drafter that
+no longer holds it gets them all (``DrafterSync``). A session is one pin on the
 same cache: at the end of a turn its K/V moves (no copy) into an entry it holds, readable by
 its tenant's other requests while it is idle, and moves back at its next turn (no copy), as
 ``Target.own`` spilled it before. Why copies and not shared rows: ``docs/prefix-cache.md``.
@@ -13,16 +16,20 @@ its tenant's other requests while it is idle, and moves back at its next turn (n
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dflash.core.kv_pool import KVPool
+from dflash.core.proposer import PrefixKeeper
 from verifier_svc.decode_state import DecodeState
-from verifier_svc.prefix_cache import PrefixCache
+from verifier_svc.prefix_cache import DrafterPrefix, Entry, PrefixCache, drafter_key
 from verifier_svc.request import Request
 from verifier_svc.sessions import Session
 from verifier_svc.tap_buffer import TapRows
 from verifier_svc.target_protocol import Target
+
+log = logging.getLogger("dflash.verifier")
 
 
 def kv_bytes_per_token(pool: KVPool) -> int:
@@ -96,15 +103,23 @@ def take_cached(st: DecodeState, t: Target, cache: PrefixCache) -> None:
             s.drafter.taps.append(entry.taps.rows(st.prefilled)[:n - st.prefilled])
         st.hit = n - st.prefilled
         st.prefilled = n
+        dp = entry.drafter
+        if dp is not None and dp.proposer is req.proposer and s.drafter.tap_ids:
+            m = min(n, dp.length)
+            if m > s.drafter.length:
+                s.drafter.prefix = (dp.key, m)
     finally:
         cache.release(entry)
 
 
-def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pin: bool) -> None:
+def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pin: bool
+                  ) -> Entry | None:
     """After a finished turn (its K/V spilled by ``Target.own``; caller holds ``t.lock``): its
     cached positions join ``cache`` as the request's tenant's entry, and any declared shared
     prefix they start with is filled (a copy). ``pin``: the session keeps the entry for its next
-    turn (its cache and taps are handed over and replaced by empty ones)."""
+    turn (its cache and taps are handed over and replaced by empty ones). Returns the entry
+    kept for a one-shot request (None: pinned, or not kept), for
+    :func:`keep_drafter_context` once the lock is released."""
     n = s.cached
     tokens = s.tokens[:n]
     tap_ids = s.drafter.tap_ids
@@ -125,3 +140,22 @@ def keep_finished(s: Session, req: Request, t: Target, cache: PrefixCache, *, pi
         s.pin = entry
         s.cache = t.new_cache()
         s.drafter.taps = TapRows()
+        return None
+    return entry
+
+
+def keep_drafter_context(s: Session, req: Request, entry: Entry) -> None:
+    """A one-shot request's cached entry: its drafter keeps the session's context (the
+    positions it holds, a prefix of the entry's) under the entry's tenant-salted key instead of
+    dropping it, and the entry remembers that (never raises: a drafter's failure is a later
+    miss)."""
+    d = s.drafter
+    if not isinstance(d.proposer, PrefixKeeper) or not d.tap_ids or not 0 < d.length <= entry.length:
+        return
+    key = drafter_key(req.tenant, entry.tokens[:d.length], d.tap_ids)
+    try:
+        d.proposer.keep_prefix(s.id, key, d.length)
+    except Exception:
+        log.warning("drafter keep_prefix failed for session %s", s.id, exc_info=True)
+        return
+    entry.drafter = DrafterPrefix(d.proposer, key, d.length)

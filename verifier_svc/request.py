@@ -10,6 +10,7 @@ import dataclasses
 from typing import Protocol
 
 from dflash.core.errors import PreconditionError  # re-exported: the stages import it from here
+from dflash.core.grammar import GrammarSpec
 from dflash.core.logits_processors import TokenLogprob
 from dflash.core.proposer import MAX_BLOCK_SIZE, Proposer
 from dflash.core.sampling import InvalidParam, Sampling
@@ -55,7 +56,10 @@ class Request:
     prefix_group: str = ""              # may share prompt KV with this group's sessions ("" = none)
     tenant: str = ""                    # whose recent answers may be suffix candidates (the
     #                                     gateway's client identity; "" = the anonymous tenant)
+    resumed: int = 0                    # the prompt's last ``resumed`` ids are output another
+    #                                     replica already sent (penalties count them as output)
     no_learn: bool = False              # the tenant opted out: drafters never capture it (--no-learn-tenants)
+    grammar: GrammarSpec | None = None  # the output's constraint (dflash.core.grammar); None: free text
     trace: RequestTrace | None = None
 
     @property
@@ -99,6 +103,9 @@ def validate(req: Request, vocab_size: int, window: int) -> None:
     bad = next((t for t in req.prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidParam("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if not 0 <= req.resumed < len(req.prompt):
+        raise InvalidParam("resumed_tokens", f"must be in [0, {len(req.prompt)}) (the prompt's "
+                           f"length), got {req.resumed}")
     if len(req.prompt) >= window:
         raise InvalidParam("prompt", f"{len(req.prompt)} tokens do not fit the context window "
                            f"of {window} tokens")

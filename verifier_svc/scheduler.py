@@ -158,6 +158,14 @@ class Scheduler:
         with self.cv:
             return sum(map(_unprefilled, self._incoming + list(self._waiting)))
 
+    def load(self) -> tuple[int, int, int]:
+        """(waiting, running, positions the running requests may hold: prompt + max_tokens
+        each), read together: what a router scores this replica by."""
+        with self.cv:
+            running = list(self._running)
+            waiting = len(self._incoming) + len(self._waiting)
+        return waiting, len(running), sum(len(j.req.prompt) + j.req.max_tokens for j in running)
+
     # ------------------------------------------------------------------ admission
     def check_admission(self, prompt_tokens: int) -> None:
         """Raise :class:`Overloaded` if a request of ``prompt_tokens`` would be refused now

@@ -9,7 +9,7 @@ import time
 
 from dflash.core.cards import TargetCard
 from dflash.core.device import DeviceError
-from dflash.serving.metrics import AdmissionMetrics, BreakerGauges
+from dflash.serving.metrics import AdmissionMetrics, BreakerGauges, ModelServerGauges
 from dflash.serving.server import (
     BindError,
     add_health_listener,
@@ -24,6 +24,7 @@ from dflash.serving.tracing import server_interceptors
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.breaker import BreakerConfig
 from verifier_svc.flags import max_streams, parse_args, parse_budgets, rank_devices_of
+from verifier_svc.load import load_of
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.scheduler import Admission
 from verifier_svc.servicer import DrafterPool
@@ -33,6 +34,7 @@ SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 # The role each RPC needs on an mTLS port (dflash/serving/authz.py): every one is the gateway's
 # (CheckDrafter dials an address, CloseSession drops a session, Generate feeds drafters).
 AUTHZ = {f"/{SERVICE}/Describe": "gateway", f"/{SERVICE}/Generate": "gateway",
+         f"/{SERVICE}/Load": "gateway",
          f"/{SERVICE}/CheckDrafter": "gateway", f"/{SERVICE}/CloseSession": "gateway"}
 log = logging.getLogger("dflash.verifier")
 
@@ -61,6 +63,10 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
     rt.servicer = servicer
     servicer.admission_metrics = admission = AdmissionMetrics(telemetry.registry, lambda: servicer.engine)
     BreakerGauges(telemetry.registry, lambda: servicer.pool.proposers() if servicer.pool else [])
+    ModelServerGauges(telemetry.registry,
+                      lambda: load_of(servicer.engine) if servicer.engine is not None else None)
+    # loaded and NOT_SERVING: SIGTERM's drain (run_until_signal), finishing its own streams
+    servicer.draining = lambda: servicer.engine is not None and not rt.serving
     if engine is not None:
         engine.scheduler.queue_wait_listeners.append(admission.observe_queue_wait)
     return rt
@@ -143,7 +149,7 @@ def _engine_of(a, target, threads: int):
                           context_flush=a.context_flush, max_unread=a.max_unread_events,
                           threads=threads, tree_budget=a.tree_budget,
                           tree_budgets=parse_budgets(a.tree_budgets), tree_max_batch=a.tree_max_batch,
-                          suffix=a.suffix == "on",
+                          mode_race=a.mode_race == "on", suffix=a.suffix == "on",
                           answers=AnswerStore(a.suffix_answer_tokens, a.suffix_answer_total,
                                               corpus=corpus_of(a, target)),
                           admission=Admission(max_waiting=a.max_waiting,

@@ -9,7 +9,14 @@ import uuid
 import grpc
 
 from dflash.core.cards import check_drafter_card
-from dflash.core.convert import FINISH, card_from_proto, card_to_proto, sampling_from_proto, stats_to_proto
+from dflash.core.convert import (
+    FINISH,
+    card_from_proto,
+    card_to_proto,
+    grammar_from_proto,
+    sampling_from_proto,
+    stats_to_proto,
+)
 from dflash.core.proposer import FallbackReason
 from dflash.core.sampling import InvalidParam
 from dflash.serving.authz import caller_identity
@@ -19,6 +26,7 @@ from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.breaker import BreakerConfig
 from verifier_svc.drafter_client import RemoteProposer, describe
 from verifier_svc.engine import VerifierEngine
+from verifier_svc.load import load_of
 from verifier_svc.request import PreconditionError, Request, RequestTrace, SlowConsumer, StepEvent
 from verifier_svc.scheduler import Overloaded
 from verifier_svc.target import TargetUnavailable
@@ -89,6 +97,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._registered: set[str] = set()    # addresses whose CheckDrafter succeeded
         self._registered_lock = threading.Lock()
         self.owners = SessionOwners()
+        self.draining = lambda: False         # the server is stopping: set by server.build
 
     def registered_drafters(self) -> set[str]:
         """Drafter addresses that passed CheckDrafter (a copy)."""
@@ -104,6 +113,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if failure:  # an expert-parallel rank died: fail fast, never queue behind a dead group
             context.abort(grpc.StatusCode.UNAVAILABLE, f"target unavailable: {failure}")
         return engine
+
+    def Load(self, request, context):
+        """The Model Server Protocol's figures (:func:`verifier_svc.load.load_of`)."""
+        return load_of(self.engine, draining=self.draining())
 
     def Describe(self, request, context):
         t = self._ready(context).target
@@ -195,7 +208,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        max_tokens=m.max_tokens, stop_token_ids=stops, ignore_eos=m.ignore_eos,
                        block_size=m.speculation.block_size, spec_mode=m.speculation.mode,
                        tree_budget=m.speculation.tree_budget, prefix_group=m.prefix_group,
-                       tenant=m.tenant, no_learn=m.tenant in self.no_learn_tenants)
+                       tenant=m.tenant, resumed=m.resumed_tokens, no_learn=m.tenant in self.no_learn_tenants,
+                       grammar=grammar_from_proto(m.structured_output))
 
     def _proposer(self, m, context):
         spec = m.speculation

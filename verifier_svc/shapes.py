@@ -50,6 +50,7 @@ class Decision:
     waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
     budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
     suffix: bool = False            # the chosen tree is of suffix candidates alone
+    arm: str = ""                   # the mode race's arm (verifier_svc/mode_race.py; "": no race)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,10 @@ candidate probabilities, and the trees they become (alone, or merged into a draf
 * :class:`AnswerStore`: recent answers per tenant (bounded in tokens, least recently used
   tenants dropped first); a tenant's lookups read only its own answers.
 
-Sources of a tree's nodes (``sources[j]`` per block index): :data:`DRAFTER`, :data:`SUFFIX` or
-both; a node both proposed counts as the drafter's in the per-source statistics (``suffix``
-counts what only the suffix index added).
+Sources of a tree's nodes (``sources[j]`` per block index, bits): :data:`DRAFTER`, :data:`SUFFIX`,
+:data:`GRAMMAR` (tokens a grammar forces, ``verifier_svc/grammar_rows.py``), or several; a node
+the drafter proposed counts as the drafter's in the per-source statistics (``suffix`` and
+``grammar`` count what only that source added).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from collections.abc import Sequence
 from dflash.core.suffix import MAX_MATCH, SEPARATOR, SuffixIndex, SuffixTrie, build_trie
 from verifier_svc.tree import DraftTree
 
-__all__ = ["DRAFTER", "SUFFIX", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
+__all__ = ["DRAFTER", "SUFFIX", "GRAMMAR", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
            "suffix_tree", "hybrid_tree", "suffix_gain", "match_bucket", "Sourced"]
 
 DRAFTER = 1
 SUFFIX = 2
+GRAMMAR = 4
 #: Upper ends of the match-length buckets (tokens): 1, 2, 3-4, 5-8, 9-16.
 MATCH_BUCKETS = (1, 2, 4, 8, MAX_MATCH)
 #: Upper ends of the depth buckets: 1, 2-3, 4-7, 8+.
@@ -199,11 +201,11 @@ class Sourced:
         return sum(1 for s in self.sources[1:] if s & SUFFIX)
 
     def drafter_prefix(self, path: Sequence[int]) -> int:
-        """Accepted path nodes before the first node only the suffix index proposed: what the
-        drafter's own tree would have committed of this path."""
+        """Accepted path nodes before the first node no drafter proposed: what the drafter's
+        own tree would have committed of this path."""
         n = 0
         for j in path:
-            if self.sources[j] == SUFFIX:
+            if not self.sources[j] & DRAFTER:
                 break
             n += 1
         return n

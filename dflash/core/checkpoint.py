@@ -16,6 +16,15 @@ from safetensors.torch import load_file, save_file
 from dflash.core.config import ConfigError, DrafterConfig
 from dflash.core.modeling import DFlashDrafter, TargetHead
 
+
+def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
+    """The network ``cfg`` describes (a DFlash2 drafter for ``DFlash2DraftModel``), untrained."""
+    if cfg.is_dflash2:
+        from dflash.core.dflash2 import DFlash2Drafter
+
+        return DFlash2Drafter(cfg)
+    return DFlashDrafter(cfg)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 
@@ -29,7 +38,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load ``<path>/config.json`` + ``<path>/model.safetensors`` (z-lab names, strict).
+    """Load ``<path>/config.json`` + ``<path>/model.safetensors`` (z-lab names, strict); a
+    ``DFlash2DraftModel`` config gives a ``dflash.core.dflash2.DFlash2Drafter``.
 
     Raises FileNotFoundError, ConfigError (bad config) or ConfigError naming the tensor when a
     weight is missing, unexpected, or has the wrong shape.
@@ -40,7 +50,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None) -> DFlashDr
     if not weights.is_file():
         raise FileNotFoundError(f"drafter weights not found: {weights}")
     state = load_file(str(weights))
-    model = DFlashDrafter(cfg)
+    model = build_drafter(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -5,6 +5,12 @@ The checkpoint's ``config.json`` uses Qwen3-style layer fields plus ``block_size
 ``dflash/model.py``; SpecForge ``configs/qwen3-8b-dflash.json``). Optional ``layer_types`` /
 ``sliding_window`` describe sliding-window drafter layers (Qwen3.6-family drafters).
 
+A DFlash2 checkpoint (``architectures: ["DFlash2DraftModel"]``, Inco AI / z-lab, 2026) adds to
+``dflash_config`` the grouped dynamic convolution (``conv_kernel_size`` taps, ``conv_group_size``
+channels per dynamic kernel), the candidate selector (``selector_rank``, ``selector_top_k``) and
+the candidate scalars ``final_logit_softcapping`` (0 / absent = off), ``output_multiplier`` and
+``input_embedding_scale`` (1.0 when absent; read from ``dflash_config``, else the top level).
+
 Two optional keys are ours and are ignored by other loaders: ``dflash_serve.name`` and
 ``dflash_serve.version`` (the drafter card), and ``dflash_serve.target_fingerprint``.
 """
@@ -22,6 +28,12 @@ from dflash.core.errors import FieldError
 
 class ConfigError(FieldError):
     """A config field is missing or invalid. ``field`` names it (dotted path)."""
+
+
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                  "final_logit_softcapping", "output_multiplier", "input_embedding_scale")
+_DFLASH2_REQUIRED = DFLASH2_FIELDS[:4]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +67,19 @@ class DrafterConfig:
     name: str = "dflash-drafter"
     version: str = "0"
     target_fingerprint: str = ""
+    architecture: str = DFLASH
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    final_logit_softcapping: float = 0.0
+    output_multiplier: float = 1.0
+    input_embedding_scale: float = 1.0
+
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2 drafter (grouped dynamic convolution + candidate selector)."""
+        return self.architecture == DFLASH2
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -86,6 +111,11 @@ class DrafterConfig:
             raise ConfigError("hidden_act", f"only 'silu' (SwiGLU) is supported, got {self.hidden_act!r}")
         if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
             raise ConfigError("rope_theta", "must be a positive number")
+        if self.architecture not in (DFLASH, DFLASH2):
+            raise ConfigError("architectures", f"unknown drafter architecture {self.architecture!r}; "
+                              f"use {DFLASH} or {DFLASH2}")
+        if self.is_dflash2:
+            _check_dflash2(self)
 
     @property
     def context_size(self) -> int:
@@ -141,13 +171,14 @@ class DrafterConfig:
             name=serve.get("name", "dflash-drafter"),
             version=str(serve.get("version", "0")),
             target_fingerprint=serve.get("target_fingerprint", ""),
+            **_dflash2_fields(d, dc),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The z-lab ``config.json`` dict (plus our ``dflash_serve`` card keys)."""
         sliding = "sliding_attention" in self.layer_types
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -172,6 +203,7 @@ class DrafterConfig:
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                **({f: getattr(self, f) for f in DFLASH2_FIELDS} if self.is_dflash2 else {}),
             },
             "dflash_serve": {
                 "name": self.name,
@@ -199,3 +231,46 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
         return [num_target_layers // 2]
     lo, hi = 1, num_target_layers - 3
     return [int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps)]
+
+
+def _dflash2_fields(d: dict[str, Any], dc: dict[str, Any]) -> dict[str, Any]:
+    """The DFlash2 keyword arguments of :class:`DrafterConfig` from a ``config.json`` dict
+    (``{}`` for a DFlash drafter). Raises ConfigError naming a missing or causal field."""
+    archs = d.get("architectures") or [DFLASH]
+    if d.get("is_causal"):
+        raise ConfigError("is_causal", "causal drafter layers are not supported (DFlash drafts "
+                          "attend over the whole block)")
+    if archs[0] != DFLASH2:
+        return {"architecture": archs[0]}
+    out: dict[str, Any] = {"architecture": DFLASH2}
+    for f in _DFLASH2_REQUIRED:
+        if f not in dc:
+            raise ConfigError(f"dflash_config.{f}", "missing (required by DFlash2DraftModel)")
+        out[f] = dc[f]
+    for f, default in (("final_logit_softcapping", 0.0), ("output_multiplier", 1.0),
+                       ("input_embedding_scale", 1.0)):
+        v = dc.get(f, d.get(f))
+        out[f] = float(default if v is None else v)
+    return out
+
+
+def _check_dflash2(c: DrafterConfig) -> None:
+    for f in _DFLASH2_REQUIRED:
+        v = getattr(c, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"dflash_config.{f}", f"must be a positive integer, got {v!r}")
+    if c.hidden_size % c.conv_group_size:
+        raise ConfigError("dflash_config.conv_group_size",
+                          f"{c.conv_group_size} does not divide hidden_size {c.hidden_size}")
+    if c.conv_kernel_size > c.block_size:
+        raise ConfigError("dflash_config.conv_kernel_size",
+                          f"{c.conv_kernel_size} taps exceed block_size {c.block_size}")
+    if c.selector_top_k > c.vocab_size:
+        raise ConfigError("dflash_config.selector_top_k",
+                          f"{c.selector_top_k} exceeds vocab_size {c.vocab_size}")
+    if not math.isfinite(c.final_logit_softcapping) or c.final_logit_softcapping < 0:
+        raise ConfigError("dflash_config.final_logit_softcapping", "must be >= 0 (0 = off)")
+    for f in ("output_multiplier", "input_embedding_scale"):
+        v = getattr(c, f)
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"dflash_config.{f}", f"must be a positive number, got {v!r}")

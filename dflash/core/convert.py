@@ -5,7 +5,10 @@ Tensors go through :mod:`dflash.core.wire`; everything else that two services bo
 
 from __future__ import annotations
 
+import json
+
 from dflash.core.finish import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from dflash.core.grammar import GrammarSpec
 from dflash.core.proposer import DrafterCard, DraftError, FallbackReason
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.stats import AcceptanceCounter
@@ -24,6 +27,7 @@ DRAFT_ERROR = {
     FallbackReason.BAD_REQUEST: drafter_pb2.DRAFT_ERROR_BAD_REQUEST,
     FallbackReason.CONTEXT_GAP: drafter_pb2.DRAFT_ERROR_CONTEXT_GAP,
     FallbackReason.NO_CONTEXT: drafter_pb2.DRAFT_ERROR_NO_CONTEXT,
+    FallbackReason.PREFIX_MISS: drafter_pb2.DRAFT_ERROR_PREFIX_MISS,
 }
 DRAFT_ERROR_NAME = {v: k for k, v in DRAFT_ERROR.items()}
 
@@ -96,7 +100,9 @@ def stats_to_proto(s: AcceptanceCounter) -> common_pb2.AcceptanceStats:
         mean_acceptance_length=s.mean_acceptance_length, fallback_steps=s.fallback_steps,
         draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
         tree_drafts=s.tree_drafts, tree_nodes=s.tree_nodes, suffix_drafts=s.suffix_drafts,
-        suffix_nodes=s.suffix_nodes, suffix_accepted_tokens=s.suffix_accepted_tokens)
+        suffix_nodes=s.suffix_nodes, suffix_accepted_tokens=s.suffix_accepted_tokens,
+        grammar_drafts=s.grammar_drafts, grammar_nodes=s.grammar_nodes,
+        grammar_accepted_tokens=s.grammar_accepted_tokens)
 
 
 def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
@@ -105,4 +111,35 @@ def stats_from_proto(m: common_pb2.AcceptanceStats) -> AcceptanceCounter:
         accepted_per_position=list(m.accepted_per_position), fallback_steps=m.fallback_steps,
         draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
         tree_drafts=m.tree_drafts, tree_nodes=m.tree_nodes, suffix_drafts=m.suffix_drafts,
-        suffix_nodes=m.suffix_nodes, suffix_accepted_tokens=m.suffix_accepted_tokens)
+        suffix_nodes=m.suffix_nodes, suffix_accepted_tokens=m.suffix_accepted_tokens,
+        grammar_drafts=m.grammar_drafts, grammar_nodes=m.grammar_nodes,
+        grammar_accepted_tokens=m.grammar_accepted_tokens)
+
+
+def grammar_to_proto(g: GrammarSpec) -> common_pb2.StructuredOutput:
+    m = common_pb2.StructuredOutput(field=g.field)
+    if g.kind == "json_schema":
+        m.json_schema = g.text
+    elif g.kind == "json_object":
+        m.json_object = True
+    elif g.kind == "regex":
+        m.regex = g.text
+    elif g.kind == "choice":
+        m.choice.choices.extend(json.loads(g.text))
+    else:
+        m.grammar = g.text
+    return m
+
+
+def grammar_from_proto(m: common_pb2.StructuredOutput) -> GrammarSpec | None:
+    """The request's grammar (None: no kind set). Raises InvalidParam naming the field for a
+    text over the bounds of ``GrammarSpec``."""
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        return None
+    field = m.field or "structured_output"
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", field)
+    if kind == "choice":
+        return GrammarSpec("choice", json.dumps(list(m.choice.choices)), field)
+    return GrammarSpec("lark" if kind == "grammar" else kind, getattr(m, kind), field)

@@ -18,6 +18,8 @@ The building blocks (RMSNorm, SwiGLU MLP, rotary embedding) are transformers' Qw
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from dflash.core.config import DrafterConfig
 from kernels.invariant import attention as invariant_attention
 from kernels.skinny_linear import skinny_linear
+
+if TYPE_CHECKING:
+    from dflash.core.dflash2 import CandidateSelector
 
 # One layer's cached context keys and values: ([b, kv_heads, n, head_dim], same).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -144,6 +149,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, qcfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=qcfg)
+        # DFlash2's re-ranker of the top candidates (dflash.core.dflash2); DFlash has none
+        self.candidate_selector: CandidateSelector | None = None
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [b, n, head_dim] for absolute ``positions`` [b, n] (int64), dtype of ``like``."""

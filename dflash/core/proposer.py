@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,6 +61,9 @@ class ProposalRequest:
     no_learn: bool = False      # its tenant opted out: never captured (dflash.learn.capture)
     # committed ids of the context rows' positions, -1 where withheld (the prompt); () = not sent
     context_ids: tuple[int, ...] = ()
+    # non-empty: start over from the first context_start positions of the drafter's cached
+    # prefix with this key (PrefixKeeper.keep_prefix); DraftError(PREFIX_MISS) when not held
+    prefix_key: bytes = b""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -91,6 +94,7 @@ class FallbackReason(StrEnum):
     BAD_REQUEST = "bad_request"
     CONTEXT_GAP = "context_gap"        # the drafter holds fewer positions than the request assumes
     NO_CONTEXT = "no_context"          # the drafter holds no context for the session
+    PREFIX_MISS = "prefix_miss"        # the drafter holds no cached prefix under the item's key
     INTERNAL = "internal"              # DRAFT_ERROR_INTERNAL, or a code this version does not know
     ERROR = "error"                    # a refusal from a drafter that sends no code
     # the call failed (``verifier_svc.drafter_client``, ``verifier_svc.drafter_sync``)
@@ -134,4 +138,20 @@ class Proposer(Protocol):
 
     def release(self, session_ids: list[str]) -> None:
         """Forget these sessions' context."""
+        ...
+
+
+#: Longest key of a kept prefix (``PrefixKeeper.keep_prefix``, ``ProposalRequest.prefix_key``).
+MAX_PREFIX_KEY = 64
+
+
+@runtime_checkable
+class PrefixKeeper(Protocol):
+    """A proposer that keeps finished sessions' context as prefixes later sessions start from
+    (the drafter's side of the verifier's prefix cache, ``docs/prefix-cache.md``)."""
+
+    def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
+        """The session ends; its context becomes the prefix ``key`` when the drafter holds
+        exactly ``length`` positions for it (else nothing is kept). Never raises for a
+        drafter's failure: a later item naming ``key`` is then a ``PREFIX_MISS``."""
         ...

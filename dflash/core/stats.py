@@ -21,8 +21,10 @@ Definitions (written once; the same meaning as vLLM's spec-decoding counters):
 * sources (suffix drafts, ``verifier_svc/suffix_drafts.py``): ``suffix_drafts`` steps verified
   ``suffix_nodes`` suffix candidates in all; ``suffix_accepted_tokens`` of the accepted tokens
   were proposed by the suffix index alone; the rest (``drafter_accepted_tokens``) by a drafter,
-  a candidate both proposed included. The two sources' accepted tokens sum to
-  ``accepted_tokens``.
+  a candidate both proposed included. Grammar-forced drafts (``dflash/core/grammar.py``):
+  ``grammar_drafts`` steps verified ``grammar_nodes`` forced tokens no other source proposed,
+  of which ``grammar_accepted_tokens`` were accepted and emitted. The three sources' accepted
+  tokens sum to ``accepted_tokens``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ class AcceptanceCounter:
     suffix_drafts: int = 0
     suffix_nodes: int = 0
     suffix_accepted_tokens: int = 0
+    grammar_drafts: int = 0
+    grammar_nodes: int = 0
+    grammar_accepted_tokens: int = 0
+
+    def record_grammar(self, nodes: int, accepted: int) -> None:
+        """The step just recorded verified ``nodes`` grammar-forced tokens no other source
+        proposed, of which ``accepted`` were accepted and emitted."""
+        self.grammar_drafts += 1
+        self.grammar_nodes += nodes
+        self.grammar_accepted_tokens += accepted
 
     def record_suffix(self, nodes: int, accepted: int) -> None:
         """The step just recorded verified ``nodes`` suffix candidates of which ``accepted``,
@@ -57,8 +69,9 @@ class AcceptanceCounter:
 
     @property
     def drafter_accepted_tokens(self) -> int:
-        """Accepted tokens a drafter proposed (a suffix candidate it also proposed counts here)."""
-        return self.accepted_tokens - self.suffix_accepted_tokens
+        """Accepted tokens a drafter proposed (a suffix candidate or forced token it also
+        proposed counts here)."""
+        return self.accepted_tokens - self.suffix_accepted_tokens - self.grammar_accepted_tokens
 
     def record_tree(self, nodes: int) -> None:
         """The step just recorded verified a tree of ``nodes`` nodes."""
@@ -96,6 +109,9 @@ class AcceptanceCounter:
         self.suffix_drafts += other.suffix_drafts
         self.suffix_nodes += other.suffix_nodes
         self.suffix_accepted_tokens += other.suffix_accepted_tokens
+        self.grammar_drafts += other.grammar_drafts
+        self.grammar_nodes += other.grammar_nodes
+        self.grammar_accepted_tokens += other.grammar_accepted_tokens
 
     @property
     def mean_acceptance_length(self) -> float:

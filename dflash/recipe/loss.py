@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.recipe.blocks import BlockBatch
+from dflash.recipe.selector_loss import predecessors, row_ids, selector_loss
 
 
 def weighted_ce(hidden: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
@@ -53,11 +54,17 @@ def weighted_ce(hidden: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor
 
 
 def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head_w: torch.Tensor,
-               label_map: torch.Tensor | None, chunk: int, kl_weight: float = 0.0
-               ) -> tuple[torch.Tensor, dict]:
-    """Normalised weighted loss for one :class:`BlockBatch` and accuracy statistics."""
+               label_map: torch.Tensor | None, chunk: int, kl_weight: float = 0.0,
+               selector_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """Normalised weighted loss for one :class:`BlockBatch` and accuracy statistics.
+
+    A DFlash2 drafter adds ``selector_weight`` times its selector's loss
+    (``dflash.recipe.selector_loss``) and is scored by its selector's choices."""
+    B = drafter.cfg.block_size
+    sel_mod = getattr(drafter, "candidate_selector", None)
     ctx_kv = drafter.context_kv(batch.ctx_features.float(), batch.ctx_positions)
-    out = drafter(head.embed_tokens(batch.block_ids), batch.block_positions, ctx_kv, batch.mask)
+    kw = {"block_len": B} if sel_mod is not None else {}
+    out = drafter(head.embed_tokens(batch.block_ids), batch.block_positions, ctx_kv, batch.mask, **kw)
     sel = batch.labels >= 0                                             # [b, q]
     labels = batch.labels[sel]
     if label_map is not None:
@@ -73,9 +80,13 @@ def batch_loss(drafter: DFlashDrafter, head: TargetHead, batch: BlockBatch, head
             soft_p = torch.where(soft_ids >= 0, soft_p, 0.0)
             soft_p = soft_p / soft_p.sum(-1, keepdim=True).clamp_min(1e-9)
     loss_sum, preds = weighted_ce(out[sel], head_w, labels, w, chunk, soft_ids, soft_p, kl_weight)
+    if sel_mod is not None:
+        prev = predecessors(batch.block_ids, batch.labels, B, drafter.cfg.mask_token_id)[sel]
+        ids = row_ids(label_map, head_w.shape[0], head_w.device)
+        s_sum, preds = selector_loss(sel_mod, out[sel], head_w, ids, labels, prev, w, chunk)
+        loss_sum = loss_sum + selector_weight * s_sum
     loss = loss_sum / w.sum().clamp_min(1e-9)
     # per-position accuracy and accepted prefix length (drafts accepted per block)
-    B = drafter.cfg.block_size
     correct = torch.zeros_like(batch.labels, dtype=torch.bool)
     correct[sel] = preds == labels
     correct = correct.view(correct.shape[0], -1, B)[:, :, 1:]           # [b, N, B-1]

@@ -168,6 +168,13 @@ class PolicyGauges:
       speculative adaptive steps (the factor on every expected gain);
     * ``dflash_spec_policy_hybrid_factor{drafter_version}``: realized / predicted gain of the
       suffix candidates in recent hybrid trees (the factor on every predicted suffix gain);
+    * ``dflash_spec_policy_race_tokens_per_second{batch_bucket, arm}``: the mode race's
+      estimate of each arm (``verifier_svc/mode_race.py``), and
+      ``dflash_spec_policy_race_leader{batch_bucket, arm}`` 1 for each bucket's leader;
+    * ``dflash_spec_policy_race_steps_total{arm}``, ``..._race_explored_steps_total``,
+      ``..._race_explored_seconds_total``, ``..._race_seconds_total`` and the gauge
+      ``..._race_explore_cost_tokens``: the steps the race chose, those that explored,
+      their seconds, and the tokens exploring cost against each bucket's best estimate;
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
     """
 
@@ -177,6 +184,43 @@ class PolicyGauges:
 
     def describe(self):
         return []
+
+    @staticmethod
+    def _race(race):
+        est = GaugeMetricFamily("dflash_spec_policy_race_tokens_per_second",
+                                "Mode race: measured tokens/s of each arm per batch bucket.",
+                                labels=["batch_bucket", "arm"])
+        lead = GaugeMetricFamily("dflash_spec_policy_race_leader",
+                                 "Mode race: 1 for each batch bucket's leading arm.",
+                                 labels=["batch_bucket", "arm"])
+        for b in sorted(list(race.buckets)):
+            for arm, v in race.estimates(b).items():
+                est.add_metric([str(b), arm], v)
+            if (leader := race.leader(b)) is not None:
+                lead.add_metric([str(b), leader], 1.0)
+        yield est
+        yield lead
+        st = race.stats
+        steps = CounterMetricFamily("dflash_spec_policy_race_steps",
+                                    "Mode race: adaptive steps per arm played.", labels=["arm"])
+        for arm, n in sorted(list(st.steps.items())):
+            steps.add_metric([arm], n)
+        yield steps
+        for c, v in ((CounterMetricFamily("dflash_spec_policy_race_explored_steps",
+                                          "Mode race: steps that explored (not the leader)."),
+                      st.explored_steps),
+                     (CounterMetricFamily("dflash_spec_policy_race_explored_seconds",
+                                          "Mode race: seconds of the steps that explored."),
+                      st.explored_seconds),
+                     (CounterMetricFamily("dflash_spec_policy_race_seconds",
+                                          "Mode race: seconds of every raced step."), st.total_seconds)):
+            c.add_metric([], v)
+            yield c
+        # a gauge: exploring can pay (negative cost) when the best estimate is stale
+        cost = GaugeMetricFamily("dflash_spec_policy_race_explore_cost_tokens",
+                                 "Mode race: tokens exploring cost against the best estimate, so far.")
+        cost.add_metric([], st.explore_cost_tokens)
+        yield cost
 
     def collect(self):
         e = self.engine()
@@ -217,6 +261,8 @@ class PolicyGauges:
         for label, f in policy.acceptance.hybrid_table().items():
             hyb.add_metric([label], f)
         yield hyb
+        if getattr(policy, "race", None) is not None:
+            yield from self._race(policy.race)
         g = GaugeMetricFamily("dflash_verifier_batch_sessions", "Sessions in the decode batch now.")
         g.add_metric([], float(e.scheduler.batch_size))
         yield g
@@ -266,6 +312,40 @@ class AdmissionMetrics:
         for reason, n in sorted(scheduler.refused.items()):
             c.add_metric([reason], float(n))
         yield c
+
+
+# The Model Server Protocol (Gateway API Inference Extension, proposal 003): the gauges an
+# inference-aware router scores a model server by, under vLLM's names. name -> (LoadReport field, help)
+MODEL_SERVER_GAUGES = {
+    "vllm:num_requests_waiting": ("waiting", "Requests admitted and waiting for a batch slot or "
+                                  "their prefill (as vLLM's)."),
+    "vllm:num_requests_running": ("running", "Requests in the decode batch (as vLLM's)."),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of the batch's K/V room its "
+                                 "requests may hold, 0..1 (prompt + max_tokens each over "
+                                 "max_batch x the context window; as vLLM's, 1 = full)."),
+}
+
+
+class ModelServerGauges:
+    """The Model Server Protocol's gauges (:data:`MODEL_SERVER_GAUGES`), read at scrape time
+    from ``load()`` (a ``dflash.v1.verifier_pb2.LoadReport``, or None while loading: no
+    series), so the GIE endpoint picker and llm-d's router can score this replica."""
+
+    def __init__(self, registry: CollectorRegistry, load: Callable[[], object | None]):
+        self.load = load
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        report = self.load()
+        if report is None:
+            return
+        for name, (field, text) in MODEL_SERVER_GAUGES.items():
+            g = GaugeMetricFamily(name, text)
+            g.add_metric([], float(getattr(report, field)))
+            yield g
 
 
 class BreakerGauges:

@@ -124,14 +124,16 @@ def server_interceptors(tracer_provider: trace.TracerProvider | None) -> list[gr
     """The OpenTelemetry gRPC server interceptor for ``tracer_provider`` (none when tracing is
     off): one SERVER span per RPC (``/package.Service/Method``, ``rpc.*`` attributes, the
     aborted code as its status), parented by the caller's ``traceparent`` and current while
-    the handler runs. Left out: health and reflection (``grpc.*``), and the Drafter's Draft
-    stream, one call that lives as long as its verifier and carries every request (its items
-    carry their own context: ``DraftItem.trace_context``)."""
+    the handler runs. Left out: health and reflection (``grpc.*``), the Verifier's Load (the
+    gateway's replica watch polls it: a trace a second per replica would bury the requests'),
+    and the Drafter's Draft stream, one call that lives as long as its verifier and carries
+    every request (its items carry their own context: ``DraftItem.trace_context``)."""
     if tracer_provider is None:
         return []
     from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
     skip = filters.any_of(filters.service_prefix("grpc."),
+                          filters.full_method_name("/dflash.v1.Verifier/Load"),
                           filters.full_method_name("/dflash.v1.Drafter/Draft"))
     return [server_interceptor(tracer_provider=tracer_provider, filter_=filters.negate(skip))]
 

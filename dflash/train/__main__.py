@@ -86,6 +86,12 @@ def _train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stop-at-step", type=int, default=None,
                     help="checkpoint and stop at this step (the schedule is unchanged; --resume "
                          "continues): to compare recipes on the held-out split part-way")
+    ap.add_argument("--architecture", choices=("dflash", "dflash2"), default=d["architecture"],
+                    help="dflash2: DFlash2DraftModel (conv + candidate selector); with --init-from "
+                         "a DFlash drafter it starts equal to it")
+    ap.add_argument("--selector-top-k", type=int, default=d["selector_top_k"])
+    ap.add_argument("--selector-rank", type=int, default=d["selector_rank"])
+    ap.add_argument("--selector-weight", type=float, default=d["selector_weight"])
 
 
 def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
@@ -101,7 +107,9 @@ def _train_config(args, data_dir: str, target_dir: str, run_dir: str):
                        draft_vocab_size=args.draft_vocab_size, cache_dir=args.feature_cache,
                        init_from=args.init_from, version=args.version, kl_weight=args.kl_weight, topk=args.topk,
                        heldout_every=args.heldout_every, heldout_batch=args.heldout_batch,
-                       device=str(args.device),
+                       device=str(args.device), architecture=args.architecture,
+                       selector_top_k=args.selector_top_k, selector_rank=args.selector_rank,
+                       selector_weight=args.selector_weight,
                        sources=tuple(args.sources.split(",")) if args.sources else None)
 
 

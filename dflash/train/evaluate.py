@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from dflash.core.checkpoint import build_drafter
+from dflash.core.dflash2 import DFlash2Drafter, selector_rows
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.taps import hidden_state_indices, tap_features
 from dflash_app.humaneval import encode_messages, encode_prompt, load_problems
@@ -38,7 +40,8 @@ class GenResult:
 @torch.no_grad()
 def dflash_greedy(target, drafter: DFlashDrafter, head: TargetHead, prompt_ids: list[int],
                   max_new_tokens: int, stop_ids: set[int]) -> GenResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter.
+    """Greedy speculative decoding of one prompt with a DFlash drafter (a DFlash2 one drafts
+    its selector's best path).
 
     ``target``, ``drafter`` and ``head`` share one device (``target.device``); every tensor of
     the loop is made there, and each round reads back the accepted length and the tokens."""
@@ -59,7 +62,10 @@ def dflash_greedy(target, drafter: DFlashDrafter, head: TargetHead, prompt_ids: 
         block = torch.tensor([[bonus] + [mask_id] * (B - 1)], dtype=torch.int64, device=dev)
         pos = torch.arange(start, start + B, device=dev)[None]
         h = drafter(head.embed_tokens(block), pos, ctx_kv)
-        draft = head.logits(h[0, 1:]).argmax(-1)                         # [B-1]
+        logits = head.logits(h[0, 1:])
+        if isinstance(drafter, DFlash2Drafter):                           # the selector's path
+            logits = selector_rows(drafter.candidate_selector, logits, h[0, 1:], bonus, None)
+        draft = logits.argmax(-1)                                         # [B-1]
         block[0, 1:] = draft
         out = target(input_ids=block, past_key_values=cache, output_hidden_states=hs, use_cache=True)
         post = out.logits[0].argmax(-1)                                  # [B]
@@ -114,7 +120,7 @@ def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
     meta, weights = got[0], got[1]
     tcfg = TrainConfig(**meta["config"])
     tconf = json.loads((Path(target_dir) / "config.json").read_text())
-    d = DFlashDrafter(drafter_config(tcfg, tconf, load_target_head(target_dir)))
+    d = build_drafter(drafter_config(tcfg, tconf, load_target_head(target_dir)))
     d.load_state_dict(weights)
     return d.eval()
 

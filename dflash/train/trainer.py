@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.core.checkpoint import load_target_head, save_drafter, target_fingerprint
-from dflash.core.config import DrafterConfig, default_target_layer_ids
+from dflash.core.checkpoint import build_drafter, load_target_head, save_drafter, target_fingerprint
+from dflash.core.config import DFLASH2, DrafterConfig, default_target_layer_ids
+from dflash.core.dflash2 import DFlash2Drafter
 from dflash.core.draft_vocab import build_draft_vocab, save_draft_vocab
-from dflash.core.modeling import DFlashDrafter, TargetHead
+from dflash.core.modeling import TargetHead
 from dflash.recipe import ckpt
 from dflash.recipe.blocks import BlockBatch, build_batch, sample_anchors, valid_anchors
 from dflash.recipe.loss import batch_loss
@@ -75,6 +76,12 @@ class TrainConfig:
     draft_vocab_size: int = 16384       # ids in the saved draft_vocab.safetensors; 0 = none
     name: str = "smollm2-dflash"
     version: str = "1"
+    architecture: str = "dflash"        # "dflash2": DFlash2DraftModel (warm start from DFlash: identity)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 64
+    selector_top_k: int = 16
+    selector_weight: float = 1.0        # DFlash2: loss = CE + w * selector CE
 
     @property
     def loss_gamma(self) -> float:
@@ -93,7 +100,10 @@ def drafter_config(cfg: TrainConfig, tcfg: dict, head: TargetHead) -> DrafterCon
         vocab_size=tcfg["vocab_size"], block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
         target_layer_ids=tuple(default_target_layer_ids(tcfg["num_hidden_layers"], cfg.num_taps)),
         num_target_layers=tcfg["num_hidden_layers"], name=cfg.name, version=cfg.version,
-        target_fingerprint=target_fingerprint(tcfg, head.embed))
+        target_fingerprint=target_fingerprint(tcfg, head.embed),
+        **(dict(architecture=DFLASH2, conv_kernel_size=cfg.conv_kernel_size,
+                conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
+                selector_top_k=cfg.selector_top_k) if cfg.architecture == "dflash2" else {}))
 
 
 class Trainer:
@@ -115,7 +125,12 @@ class Trainer:
         if not self.seqs:
             raise RuntimeError(f"no usable training sequences in {cfg.data_dir}")
         torch.manual_seed(cfg.seed)
-        self.drafter = DFlashDrafter(self.dcfg)
+        self.drafter = build_drafter(self.dcfg)
+        if cfg.architecture == "dflash2":
+            self.drafter.candidate_selector.init_neutral(seed=cfg.seed)
+            for layer in self.drafter.layers:
+                layer.attention_conv.init_identity()
+                layer.mlp_conv.init_identity()
         if cfg.init_from:
             self._warm_start(cfg.init_from)
         self.drafter.to(self.device)      # built and warm-started on the host: same weights anywhere
@@ -141,8 +156,11 @@ class Trainer:
                              f"{src.cfg.block_size}, this run {list(self.dcfg.target_layer_ids)} / "
                              f"{self.dcfg.block_size}")
         try:
-            self.drafter.load_state_dict(src.state_dict())
-        except RuntimeError as e:
+            if isinstance(self.drafter, DFlash2Drafter) and not src.cfg.is_dflash2:
+                self.drafter.init_from_dflash(src)     # the new modules neutral: equals src
+            else:
+                self.drafter.load_state_dict(src.state_dict())
+        except (RuntimeError, ValueError) as e:
             raise ValueError(f"init_from: {path} does not match this run's architecture ({e})") from None
         print(f"[train] warm start from {path} (version {src.cfg.version})", flush=True)
 
@@ -360,7 +378,8 @@ class Trainer:
             batch = self.next_batch()
             head_w, label_map = self.softmax_head()
             loss, stats = batch_loss(self.drafter, self.head, batch, head_w, label_map,
-                                     self.cfg.logit_chunk, self.cfg.kl_weight)
+                                     self.cfg.logit_chunk, self.cfg.kl_weight,
+                                     self.cfg.selector_weight)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)

@@ -3,7 +3,7 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -74,7 +74,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AcceptanceStats(_message.Message):
-    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "fallback_steps", "draft_seconds", "verify_seconds", "tree_drafts", "tree_nodes", "suffix_drafts", "suffix_nodes", "suffix_accepted_tokens")
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "mean_acceptance_length", "fallback_steps", "draft_seconds", "verify_seconds", "tree_drafts", "tree_nodes", "suffix_drafts", "suffix_nodes", "suffix_accepted_tokens", "grammar_drafts", "grammar_nodes", "grammar_accepted_tokens", "resumes")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,10 @@ class AcceptanceStats(_message.Message):
     SUFFIX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_NODES_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_NODES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     drafts: int
     draft_tokens: int
     accepted_tokens: int
@@ -101,4 +105,30 @@ class AcceptanceStats(_message.Message):
     suffix_drafts: int
     suffix_nodes: int
     suffix_accepted_tokens: int
-    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., tree_drafts: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., suffix_drafts: _Optional[int] = ..., suffix_nodes: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ...) -> None: ...
+    grammar_drafts: int
+    grammar_nodes: int
+    grammar_accepted_tokens: int
+    resumes: int
+    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., tree_drafts: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., suffix_drafts: _Optional[int] = ..., suffix_nodes: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., grammar_drafts: _Optional[int] = ..., grammar_nodes: _Optional[int] = ..., grammar_accepted_tokens: _Optional[int] = ..., resumes: _Optional[int] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "field")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    field: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash.v1 import common_pb2 as dflash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/drafter.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\"\x18\n\x16\x44\x65scribeDrafterRequest\"\xf4\x01\n\x0b\x44rafterCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x03\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1a\n\x12target_fingerprint\x18\t \x01(\t\x12\x19\n\x11num_hidden_layers\x18\n \x01(\x05\x12\x12\n\nrope_theta\x18\x0b \x01(\x01\"]\n\nDraftBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.dflash.v1.DraftItem\x12\x18\n\x10release_sessions\x18\x03 \x03(\t\"\xdb\x02\n\tDraftItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\x03\x12\"\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\x14\n\x0c\x61nchor_token\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12=\n\rtrace_context\x18\x07 \x03(\x0b\x32&.dflash.v1.DraftItem.TraceContextEntry\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x10\n\x08no_learn\x18\t \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\n \x03(\x03\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xde\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\nerror_code\x18\x07 \x01(\x0e\x32\x19.dflash.v1.DraftErrorCode\x12\"\n\x07top_ids\x18\x05 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\'\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x11.dflash.v1.Tensor\"d\n\x10\x44raftBatchResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.dflash.v1.DraftResult\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01*\x9d\x01\n\x0e\x44raftErrorCode\x12\x1b\n\x17\x44RAFT_ERROR_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44RAFT_ERROR_BAD_REQUEST\x10\x01\x12\x1b\n\x17\x44RAFT_ERROR_CONTEXT_GAP\x10\x02\x12\x1a\n\x16\x44RAFT_ERROR_NO_CONTEXT\x10\x03\x12\x18\n\x14\x44RAFT_ERROR_INTERNAL\x10\x04\x32\x91\x01\n\x07\x44rafter\x12\x45\n\x08\x44\x65scribe\x12!.dflash.v1.DescribeDrafterRequest\x1a\x16.dflash.v1.DrafterCard\x12?\n\x05\x44raft\x12\x15.dflash.v1.DraftBatch\x1a\x1b.dflash.v1.DraftBatchResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/drafter.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\"\x18\n\x16\x44\x65scribeDrafterRequest\"\xf4\x01\n\x0b\x44rafterCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x03\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1a\n\x12target_fingerprint\x18\t \x01(\t\x12\x19\n\x11num_hidden_layers\x18\n \x01(\x05\x12\x12\n\nrope_theta\x18\x0b \x01(\x01\"\x8b\x01\n\nDraftBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.dflash.v1.DraftItem\x12\x18\n\x10release_sessions\x18\x03 \x03(\t\x12,\n\rkeep_prefixes\x18\x04 \x03(\x0b\x32\x15.dflash.v1.KeepPrefix\"=\n\nKeepPrefix\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x03\"\xef\x02\n\tDraftItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\x03\x12\"\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\x14\n\x0c\x61nchor_token\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12=\n\rtrace_context\x18\x07 \x03(\x0b\x32&.dflash.v1.DraftItem.TraceContextEntry\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x10\n\x08no_learn\x18\t \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18\n \x03(\x03\x12\x12\n\nprefix_key\x18\x0b \x01(\x0c\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xde\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12-\n\nerror_code\x18\x07 \x01(\x0e\x32\x19.dflash.v1.DraftErrorCode\x12\"\n\x07top_ids\x18\x05 \x01(\x0b\x32\x11.dflash.v1.Tensor\x12\'\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x11.dflash.v1.Tensor\"d\n\x10\x44raftBatchResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.dflash.v1.DraftResult\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01*\xba\x01\n\x0e\x44raftErrorCode\x12\x1b\n\x17\x44RAFT_ERROR_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44RAFT_ERROR_BAD_REQUEST\x10\x01\x12\x1b\n\x17\x44RAFT_ERROR_CONTEXT_GAP\x10\x02\x12\x1a\n\x16\x44RAFT_ERROR_NO_CONTEXT\x10\x03\x12\x18\n\x14\x44RAFT_ERROR_INTERNAL\x10\x04\x12\x1b\n\x17\x44RAFT_ERROR_PREFIX_MISS\x10\x05\x32\x91\x01\n\x07\x44rafter\x12\x45\n\x08\x44\x65scribe\x12!.dflash.v1.DescribeDrafterRequest\x1a\x16.dflash.v1.DrafterCard\x12?\n\x05\x44raft\x12\x15.dflash.v1.DraftBatch\x1a\x1b.dflash.v1.DraftBatchResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTITEM_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTERRORCODE']._serialized_start=1108
-  _globals['_DRAFTERRORCODE']._serialized_end=1265
+  _globals['_DRAFTERRORCODE']._serialized_start=1238
+  _globals['_DRAFTERRORCODE']._serialized_end=1424
   _globals['_DESCRIBEDRAFTERREQUEST']._serialized_start=62
   _globals['_DESCRIBEDRAFTERREQUEST']._serialized_end=86
   _globals['_DRAFTERCARD']._serialized_start=89
   _globals['_DRAFTERCARD']._serialized_end=333
-  _globals['_DRAFTBATCH']._serialized_start=335
-  _globals['_DRAFTBATCH']._serialized_end=428
-  _globals['_DRAFTITEM']._serialized_start=431
-  _globals['_DRAFTITEM']._serialized_end=778
-  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_start=727
-  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_end=778
-  _globals['_DRAFTRESULT']._serialized_start=781
-  _globals['_DRAFTRESULT']._serialized_end=1003
-  _globals['_DRAFTBATCHRESULT']._serialized_start=1005
-  _globals['_DRAFTBATCHRESULT']._serialized_end=1105
-  _globals['_DRAFTER']._serialized_start=1268
-  _globals['_DRAFTER']._serialized_end=1413
+  _globals['_DRAFTBATCH']._serialized_start=336
+  _globals['_DRAFTBATCH']._serialized_end=475
+  _globals['_KEEPPREFIX']._serialized_start=477
+  _globals['_KEEPPREFIX']._serialized_end=538
+  _globals['_DRAFTITEM']._serialized_start=541
+  _globals['_DRAFTITEM']._serialized_end=908
+  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_start=857
+  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_end=908
+  _globals['_DRAFTRESULT']._serialized_start=911
+  _globals['_DRAFTRESULT']._serialized_end=1133
+  _globals['_DRAFTBATCHRESULT']._serialized_start=1135
+  _globals['_DRAFTBATCHRESULT']._serialized_end=1235
+  _globals['_DRAFTER']._serialized_start=1427
+  _globals['_DRAFTER']._serialized_end=1572
 # @@protoc_insertion_point(module_scope)

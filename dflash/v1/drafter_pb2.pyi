@@ -15,11 +15,13 @@ class DraftErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_ERROR_CONTEXT_GAP: _ClassVar[DraftErrorCode]
     DRAFT_ERROR_NO_CONTEXT: _ClassVar[DraftErrorCode]
     DRAFT_ERROR_INTERNAL: _ClassVar[DraftErrorCode]
+    DRAFT_ERROR_PREFIX_MISS: _ClassVar[DraftErrorCode]
 DRAFT_ERROR_UNSPECIFIED: DraftErrorCode
 DRAFT_ERROR_BAD_REQUEST: DraftErrorCode
 DRAFT_ERROR_CONTEXT_GAP: DraftErrorCode
 DRAFT_ERROR_NO_CONTEXT: DraftErrorCode
 DRAFT_ERROR_INTERNAL: DraftErrorCode
+DRAFT_ERROR_PREFIX_MISS: DraftErrorCode
 
 class DescribeDrafterRequest(_message.Message):
     __slots__ = ()
@@ -52,17 +54,29 @@ class DrafterCard(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., rope_theta: _Optional[float] = ...) -> None: ...
 
 class DraftBatch(_message.Message):
-    __slots__ = ("batch_id", "items", "release_sessions")
+    __slots__ = ("batch_id", "items", "release_sessions", "keep_prefixes")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     items: _containers.RepeatedCompositeFieldContainer[DraftItem]
     release_sessions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., release_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_prefixes: _containers.RepeatedCompositeFieldContainer[KeepPrefix]
+    def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., release_sessions: _Optional[_Iterable[str]] = ..., keep_prefixes: _Optional[_Iterable[_Union[KeepPrefix, _Mapping]]] = ...) -> None: ...
+
+class KeepPrefix(_message.Message):
+    __slots__ = ("session_id", "key", "length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    key: bytes
+    length: int
+    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[bytes] = ..., length: _Optional[int] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context", "top_k", "no_learn", "context_ids")
+    __slots__ = ("session_id", "context_start", "context", "anchor_token", "block_size", "sampling", "trace_context", "top_k", "no_learn", "context_ids", "prefix_key")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +94,7 @@ class DraftItem(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     NO_LEARN_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_start: int
     context: _common_pb2.Tensor
@@ -90,7 +105,8 @@ class DraftItem(_message.Message):
     top_k: int
     no_learn: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ..., no_learn: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., context: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., anchor_token: _Optional[int] = ..., block_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_k: _Optional[int] = ..., no_learn: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., prefix_key: _Optional[bytes] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("session_id", "tokens", "probs", "error", "error_code", "top_ids", "top_logprobs")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash.v1 import common_pb2 as dflash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/gateway.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dflash.v1.ChatMessage\"\xd9\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dflash.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x18\n\x0bspeculation\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x18\n\x10speculation_mode\x18\x0b \x01(\t\x12\x13\n\x0btree_budget\x18\x0c \x01(\x05\x12\t\n\x01n\x18\r \x01(\x05\x42\x07\n\x05inputB\x0e\n\x0c_speculation\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x95\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dflash.v1.Usage\x12.\n\nacceptance\x18\x05 \x01(\x0b\x32\x1a.dflash.v1.AcceptanceStats\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x07 \x01(\x01\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dflash.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\"0\n\x1aGatewayCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1bGatewayCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13ListDraftersRequest\"b\n\x0c\x44rafterEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\x0e\n\x06weight\x18\x05 \x01(\x01\"n\n\x16RegisterDrafterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x14\n\x0cmake_default\x18\x05 \x01(\x08\"\x1d\n\nDrafterRef\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\"\x8d\x01\n\x18SetDrafterWeightsRequest\x12\x41\n\x07weights\x18\x01 \x03(\x0b\x32\x30.dflash.v1.SetDrafterWeightsRequest.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"A\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.dflash.v1.DrafterEntry2\x80\x02\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse0\x01\x12]\n\x0c\x43loseSession\x12%.dflash.v1.GatewayCloseSessionRequest\x1a&.dflash.v1.GatewayCloseSessionResponse\x12O\n\x0cListDrafters\x12\x1e.dflash.v1.ListDraftersRequest\x1a\x1f.dflash.v1.ListDraftersResponse2\x93\x03\n\x0cGatewayAdmin\x12M\n\x0fRegisterDrafter\x12!.dflash.v1.RegisterDrafterRequest\x1a\x17.dflash.v1.DrafterEntry\x12\x43\n\x11\x44\x65registerDrafter\x12\x15.dflash.v1.DrafterRef\x1a\x17.dflash.v1.DrafterEntry\x12\x43\n\x11SetDefaultDrafter\x12\x15.dflash.v1.DrafterRef\x1a\x17.dflash.v1.DrafterEntry\x12Y\n\x11SetDrafterWeights\x12#.dflash.v1.SetDrafterWeightsRequest\x1a\x1f.dflash.v1.ListDraftersResponse\x12O\n\x0cListDrafters\x12\x1e.dflash.v1.ListDraftersRequest\x1a\x1f.dflash.v1.ListDraftersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x66lash/v1/gateway.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dflash.v1.ChatMessage\"\x91\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dflash.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x18\n\x0bspeculation\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x18\n\x10speculation_mode\x18\x0b \x01(\t\x12\x13\n\x0btree_budget\x18\x0c \x01(\x05\x12\t\n\x01n\x18\r \x01(\x05\x12\x36\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1b.dflash.v1.StructuredOutputB\x07\n\x05inputB\x0e\n\x0c_speculation\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07resumes\x18\x04 \x01(\x05\"\x95\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.dflash.v1.Usage\x12.\n\nacceptance\x18\x05 \x01(\x0b\x32\x1a.dflash.v1.AcceptanceStats\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x07 \x01(\x01\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dflash.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\"0\n\x1aGatewayCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1bGatewayCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13ListDraftersRequest\"b\n\x0c\x44rafterEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\x0e\n\x06weight\x18\x05 \x01(\x01\"n\n\x16RegisterDrafterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x14\n\x0cmake_default\x18\x05 \x01(\x08\"\x1d\n\nDrafterRef\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\"\x8d\x01\n\x18SetDrafterWeightsRequest\x12\x41\n\x07weights\x18\x01 \x03(\x0b\x32\x30.dflash.v1.SetDrafterWeightsRequest.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"A\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.dflash.v1.DrafterEntry2\x80\x02\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.dflash.v1.GenerateRequest\x1a\x1b.dflash.v1.GenerateResponse0\x01\x12]\n\x0c\x43loseSession\x12%.dflash.v1.GatewayCloseSessionRequest\x1a&.dflash.v1.GatewayCloseSessionResponse\x12O\n\x0cListDrafters\x12\x1e.dflash.v1.ListDraftersRequest\x1a\x1f.dflash.v1.ListDraftersResponse2\x93\x03\n\x0cGatewayAdmin\x12M\n\x0fRegisterDrafter\x12!.dflash.v1.RegisterDrafterRequest\x1a\x17.dflash.v1.DrafterEntry\x12\x43\n\x11\x44\x65registerDrafter\x12\x15.dflash.v1.DrafterRef\x1a\x17.dflash.v1.DrafterEntry\x12\x43\n\x11SetDefaultDrafter\x12\x15.dflash.v1.DrafterRef\x1a\x17.dflash.v1.DrafterEntry\x12Y\n\x11SetDrafterWeights\x12#.dflash.v1.SetDrafterWeightsRequest\x1a\x1f.dflash.v1.ListDraftersResponse\x12O\n\x0cListDrafters\x12\x1e.dflash.v1.ListDraftersRequest\x1a\x1f.dflash.v1.ListDraftersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,31 +39,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=108
   _globals['_CHATMESSAGES']._serialized_end=164
   _globals['_GENERATEREQUEST']._serialized_start=167
-  _globals['_GENERATEREQUEST']._serialized_end=512
-  _globals['_USAGE']._serialized_start=514
-  _globals['_USAGE']._serialized_end=601
-  _globals['_GENERATERESPONSE']._serialized_start=604
-  _globals['_GENERATERESPONSE']._serialized_end=881
-  _globals['_GATEWAYCLOSESESSIONREQUEST']._serialized_start=883
-  _globals['_GATEWAYCLOSESESSIONREQUEST']._serialized_end=931
-  _globals['_GATEWAYCLOSESESSIONRESPONSE']._serialized_start=933
-  _globals['_GATEWAYCLOSESESSIONRESPONSE']._serialized_end=979
-  _globals['_LISTDRAFTERSREQUEST']._serialized_start=981
-  _globals['_LISTDRAFTERSREQUEST']._serialized_end=1002
-  _globals['_DRAFTERENTRY']._serialized_start=1004
-  _globals['_DRAFTERENTRY']._serialized_end=1102
-  _globals['_REGISTERDRAFTERREQUEST']._serialized_start=1104
-  _globals['_REGISTERDRAFTERREQUEST']._serialized_end=1214
-  _globals['_DRAFTERREF']._serialized_start=1216
-  _globals['_DRAFTERREF']._serialized_end=1245
-  _globals['_SETDRAFTERWEIGHTSREQUEST']._serialized_start=1248
-  _globals['_SETDRAFTERWEIGHTSREQUEST']._serialized_end=1389
-  _globals['_SETDRAFTERWEIGHTSREQUEST_WEIGHTSENTRY']._serialized_start=1343
-  _globals['_SETDRAFTERWEIGHTSREQUEST_WEIGHTSENTRY']._serialized_end=1389
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=1391
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=1456
-  _globals['_GATEWAY']._serialized_start=1459
-  _globals['_GATEWAY']._serialized_end=1715
-  _globals['_GATEWAYADMIN']._serialized_start=1718
-  _globals['_GATEWAYADMIN']._serialized_end=2121
+  _globals['_GENERATEREQUEST']._serialized_end=568
+  _globals['_USAGE']._serialized_start=570
+  _globals['_USAGE']._serialized_end=674
+  _globals['_GENERATERESPONSE']._serialized_start=677
+  _globals['_GENERATERESPONSE']._serialized_end=954
+  _globals['_GATEWAYCLOSESESSIONREQUEST']._serialized_start=956
+  _globals['_GATEWAYCLOSESESSIONREQUEST']._serialized_end=1004
+  _globals['_GATEWAYCLOSESESSIONRESPONSE']._serialized_start=1006
+  _globals['_GATEWAYCLOSESESSIONRESPONSE']._serialized_end=1052
+  _globals['_LISTDRAFTERSREQUEST']._serialized_start=1054
+  _globals['_LISTDRAFTERSREQUEST']._serialized_end=1075
+  _globals['_DRAFTERENTRY']._serialized_start=1077
+  _globals['_DRAFTERENTRY']._serialized_end=1175
+  _globals['_REGISTERDRAFTERREQUEST']._serialized_start=1177
+  _globals['_REGISTERDRAFTERREQUEST']._serialized_end=1287
+  _globals['_DRAFTERREF']._serialized_start=1289
+  _globals['_DRAFTERREF']._serialized_end=1318
+  _globals['_SETDRAFTERWEIGHTSREQUEST']._serialized_start=1321
+  _globals['_SETDRAFTERWEIGHTSREQUEST']._serialized_end=1462
+  _globals['_SETDRAFTERWEIGHTSREQUEST_WEIGHTSENTRY']._serialized_start=1416
+  _globals['_SETDRAFTERWEIGHTSREQUEST_WEIGHTSENTRY']._serialized_end=1462
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=1464
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=1529
+  _globals['_GATEWAY']._serialized_start=1532
+  _globals['_GATEWAY']._serialized_end=1788
+  _globals['_GATEWAYADMIN']._serialized_start=1791
+  _globals['_GATEWAYADMIN']._serialized_end=2194
 # @@protoc_insertion_point(module_scope)

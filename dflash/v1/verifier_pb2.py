@@ -26,31 +26,35 @@ from dflash.v1 import common_pb2 as dflash_dot_v1_dot_common__pb2
 from dflash.v1 import drafter_pb2 as dflash_dot_v1_dot_drafter__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x66lash/v1/verifier.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\x1a\x17\x64\x66lash/v1/drafter.proto\"\x17\n\x15\x44\x65scribeTargetRequest\"\xcf\x01\n\nTargetCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x19\n\x11num_hidden_layers\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x12\n\nrope_theta\x18\t \x01(\x01\"t\n\x11SpeculationParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\"\xa1\x02\n\x17VerifierGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x31\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1c.dflash.v1.SpeculationParams\x12\x14\n\x0cprefix_group\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\"\x8c\x03\n\x15VerifierGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.dflash.v1.AcceptanceStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x07 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dflash.v1.TokenLogprob\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\x12\x12\n\ntree_nodes\x18\n \x01(\x05\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0c \x01(\x01\x12\x14\n\x0csuffix_nodes\x18\r \x01(\x05\x12\x17\n\x0fsuffix_accepted\x18\x0e \x01(\x05\"[\n\x13\x43heckDrafterRequest\x12&\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x16.dflash.v1.DrafterCardH\x00\x12\x11\n\x07\x61\x64\x64ress\x18\x02 \x01(\tH\x00\x42\t\n\x07\x64rafter\"<\n\x14\x43heckDrafterResponse\x12$\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x16.dflash.v1.DrafterCard\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xc5\x02\n\x08Verifier\x12\x43\n\x08\x44\x65scribe\x12 .dflash.v1.DescribeTargetRequest\x1a\x15.dflash.v1.TargetCard\x12R\n\x08Generate\x12\".dflash.v1.VerifierGenerateRequest\x1a .dflash.v1.VerifierGenerateChunk0\x01\x12O\n\x0c\x43heckDrafter\x12\x1e.dflash.v1.CheckDrafterRequest\x1a\x1f.dflash.v1.CheckDrafterResponse\x12O\n\x0c\x43loseSession\x12\x1e.dflash.v1.CloseSessionRequest\x1a\x1f.dflash.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x66lash/v1/verifier.proto\x12\tdflash.v1\x1a\x16\x64\x66lash/v1/common.proto\x1a\x17\x64\x66lash/v1/drafter.proto\"\r\n\x0bLoadRequest\"k\n\nLoadReport\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\"\x17\n\x15\x44\x65scribeTargetRequest\"\xcf\x01\n\nTargetCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x19\n\x11num_hidden_layers\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x12\n\nrope_theta\x18\t \x01(\x01\"t\n\x11SpeculationParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\"\xf1\x02\n\x17VerifierGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dflash.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x31\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1c.dflash.v1.SpeculationParams\x12\x14\n\x0cprefix_group\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.dflash.v1.StructuredOutput\x12\x16\n\x0eresumed_tokens\x18\x0c \x01(\x05\"\x8c\x03\n\x15VerifierGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dflash.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.dflash.v1.AcceptanceStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x07 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.dflash.v1.TokenLogprob\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\x12\x12\n\ntree_nodes\x18\n \x01(\x05\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0c \x01(\x01\x12\x14\n\x0csuffix_nodes\x18\r \x01(\x05\x12\x17\n\x0fsuffix_accepted\x18\x0e \x01(\x05\"[\n\x13\x43heckDrafterRequest\x12&\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x16.dflash.v1.DrafterCardH\x00\x12\x11\n\x07\x61\x64\x64ress\x18\x02 \x01(\tH\x00\x42\t\n\x07\x64rafter\"<\n\x14\x43heckDrafterResponse\x12$\n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x16.dflash.v1.DrafterCard\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfc\x02\n\x08Verifier\x12\x43\n\x08\x44\x65scribe\x12 .dflash.v1.DescribeTargetRequest\x1a\x15.dflash.v1.TargetCard\x12R\n\x08Generate\x12\".dflash.v1.VerifierGenerateRequest\x1a .dflash.v1.VerifierGenerateChunk0\x01\x12O\n\x0c\x43heckDrafter\x12\x1e.dflash.v1.CheckDrafterRequest\x1a\x1f.dflash.v1.CheckDrafterResponse\x12O\n\x0c\x43loseSession\x12\x1e.dflash.v1.CloseSessionRequest\x1a\x1f.dflash.v1.CloseSessionResponse\x12\x35\n\x04Load\x12\x16.dflash.v1.LoadRequest\x1a\x15.dflash.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBETARGETREQUEST']._serialized_start=88
-  _globals['_DESCRIBETARGETREQUEST']._serialized_end=111
-  _globals['_TARGETCARD']._serialized_start=114
-  _globals['_TARGETCARD']._serialized_end=321
-  _globals['_SPECULATIONPARAMS']._serialized_start=323
-  _globals['_SPECULATIONPARAMS']._serialized_end=439
-  _globals['_VERIFIERGENERATEREQUEST']._serialized_start=442
-  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=731
-  _globals['_VERIFIERGENERATECHUNK']._serialized_start=734
-  _globals['_VERIFIERGENERATECHUNK']._serialized_end=1130
-  _globals['_CHECKDRAFTERREQUEST']._serialized_start=1132
-  _globals['_CHECKDRAFTERREQUEST']._serialized_end=1223
-  _globals['_CHECKDRAFTERRESPONSE']._serialized_start=1225
-  _globals['_CHECKDRAFTERRESPONSE']._serialized_end=1285
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1287
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1328
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1330
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1369
-  _globals['_VERIFIER']._serialized_start=1372
-  _globals['_VERIFIER']._serialized_end=1697
+  _globals['_LOADREQUEST']._serialized_start=88
+  _globals['_LOADREQUEST']._serialized_end=101
+  _globals['_LOADREPORT']._serialized_start=103
+  _globals['_LOADREPORT']._serialized_end=210
+  _globals['_DESCRIBETARGETREQUEST']._serialized_start=212
+  _globals['_DESCRIBETARGETREQUEST']._serialized_end=235
+  _globals['_TARGETCARD']._serialized_start=238
+  _globals['_TARGETCARD']._serialized_end=445
+  _globals['_SPECULATIONPARAMS']._serialized_start=447
+  _globals['_SPECULATIONPARAMS']._serialized_end=563
+  _globals['_VERIFIERGENERATEREQUEST']._serialized_start=566
+  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=935
+  _globals['_VERIFIERGENERATECHUNK']._serialized_start=938
+  _globals['_VERIFIERGENERATECHUNK']._serialized_end=1334
+  _globals['_CHECKDRAFTERREQUEST']._serialized_start=1336
+  _globals['_CHECKDRAFTERREQUEST']._serialized_end=1427
+  _globals['_CHECKDRAFTERRESPONSE']._serialized_start=1429
+  _globals['_CHECKDRAFTERRESPONSE']._serialized_end=1489
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1491
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1532
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1534
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1573
+  _globals['_VERIFIER']._serialized_start=1576
+  _globals['_VERIFIER']._serialized_end=1956
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("waiting", "running", "kv_cache_usage", "draining", "max_batch")
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    draining: bool
+    max_batch: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., max_batch: _Optional[int] = ...) -> None: ...
+
 class DescribeTargetRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -49,7 +67,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., drafter_address: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group", "tenant")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "speculation", "prefix_group", "tenant", "structured_output", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +78,8 @@ class VerifierGenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_GROUP_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -70,7 +90,9 @@ class VerifierGenerateRequest(_message.Message):
     speculation: SpeculationParams
     prefix_group: str
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    structured_output: _common_pb2.StructuredOutput
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., prefix_group: _Optional[str] = ..., tenant: _Optional[str] = ..., structured_output: _Optional[_Union[_common_pb2.StructuredOutput, _Mapping]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateChunk(_message.Message):
     __slots__ = ("token_ids", "accepted", "finish_reason", "stats", "prompt_tokens", "cached_prompt_tokens", "drafted", "logprobs", "fallback", "tree_nodes", "draft_seconds", "verify_seconds", "suffix_nodes", "suffix_accepted")

@@ -55,6 +55,11 @@ class VerifierStub:
                 request_serializer=dflash_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_verifier__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/dflash.v1.Verifier/Load',
+                request_serializer=dflash_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_verifier__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -87,6 +92,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """What a router scores this replica by (the Model Server Protocol's gauges, also on
+        /metrics under vLLM's names): queue, batch, KV use, and whether it is draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=dflash_dot_v1_dot_verifier__pb2.CloseSessionRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_verifier__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=dflash_dot_v1_dot_verifier__pb2.LoadRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_verifier__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Verifier:
             '/dflash.v1.Verifier/CloseSession',
             dflash_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
             dflash_dot_v1_dot_verifier__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.Verifier/Load',
+            dflash_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+            dflash_dot_v1_dot_verifier__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
