@@ -297,7 +297,8 @@ def test_services_and_addresses_reach_the_right_pods(overlay, monkeypatch):
 
     (gw,) = [c for _, c, m, _ in service_containers(docs) if m == "gateway"]
     ns, _ = parse(monkeypatch, "gateway", [], env_of(gw))
-    serves(ns.verifier, "verifier_svc")
+    for addr in ns.verifier:                  # --verifier is a list (replicas)
+        serves(addr, "verifier_svc")
     drafters = env_of(gw)["DFLASH_DRAFTERS"].split(",")
     for addr in drafters:
         serves(addr, "drafter_svc")
