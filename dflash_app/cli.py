@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash.core.flags import DTYPE_FLAGS
-from dflash.serving.argtypes import positive_float
+from dflash.serving.argtypes import at_least, positive_float
 from dflash.serving.authz import DEFAULT_TRUST_DOMAIN
 
 if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
@@ -75,7 +75,7 @@ def _stack_config(a) -> "StackConfig":
                        verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
                        verifier_args=(["--ep-size", str(ep)] if ep > 1 else [])
                        + (["--suffix-corpus", a.suffix_corpus] if getattr(a, "suffix_corpus", "") else []),
-                       tls=getattr(a, "tls", False))
+                       tls=getattr(a, "tls", False), verifiers=getattr(a, "verifiers", 1))
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -127,9 +127,10 @@ def cmd_up(a) -> int:
         raise SystemExit(f"dflash up: error: {e}") from None
     for sc in sidecars:
         print(sc.describe())
-    for i, d in enumerate(stack.cfg.drafters):
-        print(f"  drafter{i}  {stack.drafter_addr(i)}  ({d.path})")
-    print(f"  verifier  {stack.verifier_addr}  ({stack.cfg.target})")
+    for r in range(stack.cfg.verifiers):
+        for i, d in enumerate(stack.cfg.drafters):
+            print(f"  {stack.drafter_name(i, r)}  {stack.drafter_addr(i, r)}  ({d.path})")
+        print(f"  {stack.verifier_name(r)}  {stack.verifier_addrs[r]}  ({stack.cfg.target})")
     print(f"  gateway   {stack.gateway_addr}")
     if stack.http_url:
         print(f"  HTTP API  {stack.http_url}  (OpenAI-compatible; docs/http-api.md)")
@@ -147,11 +148,10 @@ def cmd_up(a) -> int:
     # SIGINT ignored, and Python then never raises KeyboardInterrupt (found under `cmd &` in CI).
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
+    reported: set[str] = set()
     try:
         while not done.wait(1.0):
-            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"{dead[0]} exited:\n{stack.log_tail(dead[0])}", file=sys.stderr)
+            if _exited(stack, reported):
                 return 1
     except KeyboardInterrupt:
         pass
@@ -159,6 +159,20 @@ def cmd_up(a) -> int:
         print("stopping ...", flush=True)
         stack.stop()
     return 0
+
+
+def _exited(stack, reported: set[str]) -> bool:
+    """Report each service of ``stack`` that exited (once, with its log's tail); True when the
+    stack cannot serve on: the gateway gone, any service of a one-verifier stack, or every
+    verifier replica. With several, the gateway routes around a lost replica (kill one to try
+    failover), so the others keep running."""
+    dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+    for name in dead:
+        if name not in reported:
+            reported.add(name)
+            print(f"{name} exited:\n{stack.log_tail(name)}", file=sys.stderr)
+    verifiers = {stack.verifier_name(r) for r in range(stack.cfg.verifiers)}
+    return bool(dead) and (stack.cfg.verifiers == 1 or "gateway" in dead or verifiers <= set(dead))
 
 
 def _add_gen_args(p: argparse.ArgumentParser) -> None:
@@ -310,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_stack_args(up)
     up.add_argument("--http-port", type=int, default=8000,
                     help="the gateway's OpenAI-compatible HTTP API port; 0 = off")
+    up.add_argument("--verifiers", type=at_least(1), default=1,
+                    help="verifier replicas behind the one gateway, each with its own drafters "
+                         "and a 1/N share of the cores (replica r on --verifier-port + r, its "
+                         "drafters after the previous replica's); the gateway routes and fails "
+                         "over among them (docs/running.md, \"Several verifiers\")")
     up.add_argument("--tls", action="store_true",
                     help="mTLS on every link, with certificates made in <run-dir>/tls")
     up.add_argument("--prometheus", action="store_true",

@@ -4,6 +4,13 @@ The same topology as docker-compose.yml, without Docker: each service is its own
 ``python -m <service>`` process with flags, logs to ``<run_dir>/<name>.log``, and is health
 checked through ``grpc.health.v1`` before the next one starts. A process that exits while
 starting fails the launch at once with the tail of its log.
+
+``StackConfig.verifiers`` > 1 (``dflash up --verifiers N``) runs N verifier replicas behind the
+one gateway (given every verifier's address: ``gateway.replicas`` routes and fails over), each
+with its own drafters, as a Kubernetes pool pod has them (deploy/k8s/overlays/pool). The gateway
+names replica 0's drafter addresses; replica r's verifier dials its own drafters for those names
+(``--drafter-alias``). The host's cores are split among the replicas: each replica's verifier and
+drafters get ``--threads cores // N`` (they take turns within a step, so they share a share).
 """
 
 from __future__ import annotations
@@ -55,6 +62,21 @@ class StackConfig:
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     # mTLS on every link with certificates made at start in <run_dir>/tls (dflash.serving.tls)
     tls: bool = False
+    # verifier replicas behind the gateway (module docstring): replica r listens on
+    # verifier_port + r and runs drafter i on drafters[i].port + r * len(drafters)
+    verifiers: int = 1
+
+
+def verifier_name(replica: int, replicas: int) -> str:
+    """The process (and log file) name of verifier ``replica`` of ``replicas``: "verifier" when
+    there is one, as before replicas, else "verifier0", "verifier1", ..."""
+    return "verifier" if replicas == 1 else f"verifier{replica}"
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count: a
+    container or ``taskset`` may allow fewer)."""
+    return len(os.sched_getaffinity(0))
 
 
 class Sidecar(Protocol):
@@ -106,10 +128,49 @@ class LocalStack:
 
     @property
     def verifier_addr(self) -> str:
-        return f"{self.cfg.host}:{self.cfg.verifier_port}"
+        """Replica 0's address (the only one unless ``cfg.verifiers`` > 1)."""
+        return self.verifier_addrs[0]
 
-    def drafter_addr(self, i: int = 0) -> str:
-        return f"{self.cfg.host}:{self.cfg.drafters[i].port}"
+    @property
+    def verifier_addrs(self) -> list[str]:
+        return [f"{self.cfg.host}:{self.cfg.verifier_port + r}" for r in range(self.cfg.verifiers)]
+
+    def verifier_name(self, replica: int = 0) -> str:
+        return verifier_name(replica, self.cfg.verifiers)
+
+    def drafter_addr(self, i: int = 0, replica: int = 0) -> str:
+        """Drafter ``i`` of verifier ``replica``."""
+        return f"{self.cfg.host}:{self.cfg.drafters[i].port + replica * len(self.cfg.drafters)}"
+
+    def drafter_name(self, i: int = 0, replica: int = 0) -> str:
+        return f"drafter{replica * len(self.cfg.drafters) + i}"
+
+    def _check_ports(self) -> None:
+        """Raises LaunchError naming the first two uses of one port (replicas' ports are
+        derived, so N replicas can run into the gateway's or each other's)."""
+        c = self.cfg
+        if c.verifiers < 1:
+            raise LaunchError(f"verifiers: must be >= 1, got {c.verifiers}")
+        used = {"gateway": c.gateway_port, "gateway admin": int(self.admin_addr.rpartition(":")[2])}
+        if c.http_port:
+            used["gateway HTTP"] = c.http_port
+        for r in range(c.verifiers):
+            used[self.verifier_name(r)] = c.verifier_port + r
+            for i in range(len(c.drafters)):
+                used[self.drafter_name(i, r)] = int(self.drafter_addr(i, r).rpartition(":")[2])
+        used.update({f"{name} /metrics": port for name, port in c.metrics_ports.items()})
+        seen: dict[int, str] = {}
+        for name, port in used.items():
+            if port in seen:
+                raise LaunchError(f"port {port}: both {seen[port]} and {name} would listen there "
+                                  "(pick other --*-port values or fewer --verifiers)")
+            seen[port] = name
+
+    def _threads(self) -> list[str]:
+        """``--threads`` of each model service: a replica's share of the cores (none with one
+        replica: each service keeps torch's default, as before replicas)."""
+        n = self.cfg.verifiers
+        return [] if n == 1 else ["--threads", str(max(1, cores() // n))]
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -160,30 +221,20 @@ class LocalStack:
             # A second start would spawn a second set on the same ports (gRPC binds them with
             # SO_REUSEPORT) and orphan the first: it would outlive stop().
             raise LaunchError("LocalStack.start: already started (``with LocalStack(...)`` starts it)")
+        self._check_ports()
         _exit_on_sigterm()
         tls = self._make_certs() if c.tls else lambda name, upstream=False: []
         try:
             for sc in self.sidecars:
                 sc.start()
                 c.extra_env.update(sc.env())
-            for i, d in enumerate(c.drafters):
-                args = ["--drafter", d.path, "--target", c.target, "--bind", f"{c.host}:{d.port}",
-                        "--dtype", c.dtype, *tls("drafter")]
-                if d.name:
-                    args += ["--name", d.name]
-                if d.version:
-                    args += ["--version", d.version]
-                # One service at a time: each times its forwards at start (skinny-product
-                # tuning), and two tuning at once on a few cores time each other's load.
-                self._spawn(f"drafter{i}", "drafter_svc", args)
-                self._wait(f"drafter{i}", self.drafter_addr(i))
-            self._spawn("verifier", "verifier_svc", ["--target", c.target, "--bind", self.verifier_addr,
-                                                      "--dtype", c.dtype, *c.verifier_args,
-                                                      *tls("verifier", upstream=True)])
-            self._wait("verifier", self.verifier_addr)
-            gw = ["--target", c.target, "--verifier", self.verifier_addr, "--bind", self.gateway_addr,
+            for r in range(c.verifiers):
+                self._start_replica(r, tls)
+            gw = ["--target", c.target, "--bind", self.gateway_addr,
                   "--admin-bind", self.admin_addr, "--http-port", str(c.http_port),
                   *c.gateway_args, *tls("gateway", upstream=True)]
+            for addr in self.verifier_addrs:
+                gw += ["--verifier", addr]
             for i in range(len(c.drafters)):
                 gw += ["--drafter", self.drafter_addr(i)]
             self._spawn("gateway", "gateway", gw)
@@ -192,6 +243,30 @@ class LocalStack:
             self.stop()
             raise
         return self
+
+    def _start_replica(self, r: int, tls) -> None:
+        """Verifier replica ``r``'s drafters, then the verifier, each once healthy."""
+        c = self.cfg
+        for i, d in enumerate(c.drafters):
+            args = ["--drafter", d.path, "--target", c.target, "--bind", self.drafter_addr(i, r),
+                    "--dtype", c.dtype, *self._threads(), *tls("drafter")]
+            if d.name:
+                args += ["--name", d.name]
+            if d.version:
+                args += ["--version", d.version]
+            # One service at a time: each times its forwards at start (skinny-product
+            # tuning), and two tuning at once on a few cores time each other's load.
+            self._spawn(self.drafter_name(i, r), "drafter_svc", args)
+            self._wait(self.drafter_name(i, r), self.drafter_addr(i, r))
+        # the gateway names replica 0's drafters: this replica dials its own for those names
+        aliases = [] if r == 0 else [
+            a for i in range(len(c.drafters))
+            for a in ("--drafter-alias", f"{self.drafter_addr(i)}={self.drafter_addr(i, r)}")]
+        name, addr = self.verifier_name(r), self.verifier_addrs[r]
+        self._spawn(name, "verifier_svc", ["--target", c.target, "--bind", addr, "--dtype", c.dtype,
+                                           *self._threads(), *aliases, *c.verifier_args,
+                                           *tls("verifier", upstream=True)])
+        self._wait(name, addr)
 
     @property
     def tls_dir(self) -> Path:

@@ -17,7 +17,7 @@ import urllib.request
 
 import yaml
 
-from dflash_app.launcher import LaunchError, LocalStack, StackConfig
+from dflash_app.launcher import LaunchError, LocalStack, StackConfig, verifier_name
 
 DEFAULT_METRICS_PORTS = {"gateway": 9450, "verifier": 9451}
 FIRST_DRAFTER_METRICS_PORT = 9461
@@ -31,9 +31,13 @@ Or use the compose stack's Prometheus: docker compose up -d prometheus grafana""
 
 
 def metrics_ports(cfg: StackConfig) -> dict[str, int]:
-    """Process name -> metrics port: ``cfg.metrics_ports`` wins, the compose layout fills in."""
-    ports = dict(DEFAULT_METRICS_PORTS)
-    ports.update({f"drafter{i}": FIRST_DRAFTER_METRICS_PORT + i for i in range(len(cfg.drafters))})
+    """Process name -> metrics port: ``cfg.metrics_ports`` wins, the compose layout fills in
+    (verifier replica r on 9451 + r, every replica's drafters from 9461 on)."""
+    ports = {"gateway": DEFAULT_METRICS_PORTS["gateway"]}
+    ports.update({verifier_name(r, cfg.verifiers): DEFAULT_METRICS_PORTS["verifier"] + r
+                  for r in range(cfg.verifiers)})
+    ports.update({f"drafter{i}": FIRST_DRAFTER_METRICS_PORT + i
+                  for i in range(len(cfg.drafters) * cfg.verifiers)})
     ports.update(cfg.metrics_ports)
     return ports
 
@@ -49,9 +53,11 @@ def prometheus_config(cfg: StackConfig, scrape_interval: str = "5s") -> dict:
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": "15s"},
         "scrape_configs": [
             {"job_name": "gateway", "static_configs": [target("gateway")]},
-            {"job_name": "verifier", "static_configs": [target("verifier")]},
+            {"job_name": "verifier", "static_configs": [target(verifier_name(r, cfg.verifiers))
+                                                        for r in range(cfg.verifiers)]},
             {"job_name": "drafter",
-             "static_configs": [target(f"drafter{i}") for i in range(len(cfg.drafters))]},
+             "static_configs": [target(f"drafter{i}")
+                                for i in range(len(cfg.drafters) * cfg.verifiers)]},
         ],
     }
 

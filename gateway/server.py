@@ -116,7 +116,7 @@ def build(tokenizer, verifier_address: str | Sequence[str] | ReplicaSet, bind: s
     rt.admin = _admin_plane(rt, admin, admin_bind, admin_token, tls)
     rt.servicer = servicer
     rt.drafter_allow = drafter_allow
-    # a replica SERVING again (restarted) forgot the drafters: register them there first
+    # a replica SERVING first or again (restarted) lacks the drafters: register them there first
     verifier.start(rt, on_serving=lambda r: reregister_drafters(servicer.registry, r.stub))
     rt.verifier_watch = verifier
     if http_bind is not None:

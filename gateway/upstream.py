@@ -83,7 +83,8 @@ class VerifierHealthWatch:
     After a good answer it reads the verifier's ``Load`` (``load``: the last ``LoadReport``, None when it has none: an older
     verifier). No request waits for it. The thread ends when the gateway's server stops
     (``wait_for_termination``). ``on_serving`` runs (on the thread) each time the verifier is
-    SERVING again after it was not.
+    SERVING after it was not, its first SERVING answer included: a replica that joins after
+    the drafters were registered (a new pod behind ``dns:///``) must learn them too.
     """
 
     def __init__(self, rt, channel: grpc.Channel, *, interval_s: float = 0.1,
@@ -124,8 +125,8 @@ class VerifierHealthWatch:
             if ok != self.healthy:
                 if self.healthy is not None or not ok:
                     log.warning("%s %s", self.name, "SERVING" if ok else "not SERVING")
-                if ok and self.healthy is False and self.on_serving is not None:
-                    self.on_serving()    # before SERVING: a restarted verifier knows the drafters
+                if ok and self.on_serving is not None:
+                    self.on_serving()    # before SERVING: a new or restarted verifier knows the drafters
                 self.healthy = ok
                 self.on_change(ok)
             if self.on_check is not None:

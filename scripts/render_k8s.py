@@ -24,7 +24,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu", "gpu-ep")
+OVERLAYS = ("cpu", "gpu", "gpu-ep", "pool")
 KNOWN_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 MERGE_KEYS = {"volumeMounts": "mountPath"}  # list field -> the key its items merge by
 

@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from dflash.v1 import common_pb2, drafter_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 def fake_logprob(token_id: int) -> common_pb2.TokenLogprob:
@@ -39,6 +39,7 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.abort_after: int | None = None   # tokens sent before it fails UNAVAILABLE (a crash)
         self.report = verifier_pb2.LoadReport()   # what Load answers
         self.requests: list[verifier_pb2.VerifierGenerateRequest] = []
+        self.checked: list[str] = []    # drafter addresses CheckDrafter was asked about
         self.completed = 0              # streams that sent their last chunk
         self.cancelled = 0              # streams that ended before it
         self.streamed = 0               # token ids sent, all streams together
@@ -91,6 +92,12 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
 
     def Load(self, request, context):
         return self.report
+
+    def CheckDrafter(self, request, context):
+        """Accepts any address (recorded in ``checked``), answering the card fake@1."""
+        with self.lock:
+            self.checked.append(request.address)
+        return verifier_pb2.CheckDrafterResponse(card=drafter_pb2.DrafterCard(name="fake", version="1"))
 
 
 def serve_verifier(servicer) -> tuple[grpc.Server, str, health.HealthServicer]:

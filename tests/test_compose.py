@@ -334,8 +334,8 @@ def test_service_environment_flags_and_ports_match_the_code(doc, profile, monkey
     from gateway.registry import parse_spec
 
     (gw,) = by_module["gateway"]
-    (vaddr,) = parsed[gw].verifier               # one replica in compose
-    vhost, vport = host_port(vaddr)
+    (verifier,) = parsed[gw].verifier           # one replica: --verifier is a list since replicas
+    vhost, vport = host_port(verifier)
     assert hosts[vhost] in by_module["verifier_svc"] and host_port(parsed[hosts[vhost]].bind)[1] == vport
     registered = set()
     for spec in parsed[gw].drafter:

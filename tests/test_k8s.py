@@ -3,12 +3,18 @@
 1. the committed renders (deploy/k8s/rendered/, scripts/render_k8s.py) are current, and the
    renderer merges as kustomize does;
 2. every rendered object validates against the Kubernetes OpenAPI schemas (kubernetes-validate,
-   strict: unknown fields refused) of the oldest and newest release we claim;
+   strict: unknown fields refused) of the oldest and newest release we claim, and the pool's
+   InferencePool and InferenceObjectives against the Gateway API Inference Extension's
+   (tests/fixtures/gie/, jsonschema);
 3. every command, flag and DFLASH_* variable in a container exists in the service it runs
    (``parse_args`` run with the container's environment, as tests/test_compose.py does for
    compose), and ports (the gateway's HTTP API's too), probes, Services, NetworkPolicies,
    Prometheus annotations, mounted secrets, GPU requests, the PodDisruptionBudget and the
-   expert-parallel ranks agree with what the code reads.
+   expert-parallel ranks agree with what the code reads;
+4. the pool (overlays/pool): its pods wire verifier, drafter and gateway on loopback, the
+   InferencePool selects those pods on the gateway's HTTP port, the endpoint picker may read the
+   verifier's Model Server Protocol gauges, and the HPA scales the pool's Deployment on the
+   waiting-requests gauge under the name the Prometheus adapter rule gives it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu", "gpu-ep")
+OVERLAYS = ("cpu", "gpu", "gpu-ep")        # the base's topology: one verifier
+ALL_OVERLAYS = (*OVERLAYS, "pool")         # and N verifier+drafter+gateway pods
+# kind -> the GIE schema it validates against (CRDs: not in kubernetes-validate's schemas)
+GIE_SCHEMAS = {"InferencePool": "inferencepool-v1.yaml",
+               "InferenceObjective": "inferenceobjective-v1alpha2.yaml"}
 # grpc probes are GA from 1.27; the pod-index label (EP ranks) from 1.28; the newest schemas in
 # the pinned kubernetes-validate wheel
 K8S_VERSIONS = ("1.28.0", "1.37.0")
@@ -194,10 +204,11 @@ def test_overlays_differ_where_they_should():
 # --- 2. schemas ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_rendered_objects_validate_against_kubernetes_schemas(overlay, version):
     for doc in rendered(overlay):
-        kubernetes_validate.validate(doc, version, strict=True)
+        if doc["kind"] not in GIE_SCHEMAS:   # those: test_pool_objects_validate_against_the_gie_schemas
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_schema_validation_refuses_a_broken_manifest():
@@ -213,7 +224,7 @@ def test_schema_validation_refuses_a_broken_manifest():
 
 # --- 3. the manifests against the code --------------------------------------------------------
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_flag_and_variable_exists_in_the_service(overlay, monkeypatch):
     missing = set()
     for w, c, module, argv in service_containers(rendered(overlay)):
@@ -254,7 +265,7 @@ def test_ports_probes_and_scrape_annotations_match_the_service(overlay, monkeypa
             from gateway.server import http_bind
 
             assert http_bind(ns) is not None, f"{name}: the HTTP API is off"
-            http_host, http_port = host_port(http_bind(ns))
+            http_host, http_port = host_port(http_bind_of(ns))
             assert http_host == "0.0.0.0" and ports["http"] == http_port, name
         else:
             assert "http" not in ports, name
@@ -297,8 +308,8 @@ def test_services_and_addresses_reach_the_right_pods(overlay, monkeypatch):
 
     (gw,) = [c for _, c, m, _ in service_containers(docs) if m == "gateway"]
     ns, _ = parse(monkeypatch, "gateway", [], env_of(gw))
-    (vaddr,) = ns.verifier                         # one replica in these overlays
-    serves(vaddr, "verifier_svc")
+    for addr in ns.verifier:                  # --verifier is a list (replicas)
+        serves(addr, "verifier_svc")
     drafters = env_of(gw)["DFLASH_DRAFTERS"].split(",")
     for addr in drafters:
         serves(addr, "drafter_svc")
@@ -337,7 +348,7 @@ def test_gateway_service_and_network_policy_admit_grpc_and_http(overlay, monkeyp
     assert open_ports == {grpc_port, http_port, host_port(env_of(gw)["DFLASH_HEALTH_BIND"])[1]}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_secrets_are_mounted_files_and_admin_stays_off_the_network(overlay, monkeypatch):
     docs = rendered(overlay)
     for w in workloads(docs).values():
@@ -394,7 +405,7 @@ def test_gpu_requests_and_disruption_budget(overlay):
     assert pdb["spec"]["minAvailable"] < selected[0]["spec"]["replicas"], "the budget would block every drain"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_gpu_overlays_run_the_models_on_the_pods_gpu_in_bf16(overlay, monkeypatch):
     """Every model container of a GPU overlay parses to ``--device cuda`` (the pod's one GPU)
     and bfloat16, an expert-parallel worker rank included; the CPU overlay's stay on the CPU
@@ -409,7 +420,7 @@ def test_gpu_overlays_run_the_models_on_the_pods_gpu_in_bf16(overlay, monkeypatc
             assert (ns.device, ns.dtype) == ("cuda", "bfloat16"), w["metadata"]["name"]
         else:
             assert ns.device in ("auto", "cpu") and ns.dtype == "float32", w["metadata"]["name"]
-    assert seen >= 3
+    assert seen >= 2      # a verifier and a drafter at least
 
 
 def test_expert_parallel_ranks_agree(monkeypatch):
@@ -442,3 +453,165 @@ def test_expert_parallel_ranks_agree(monkeypatch):
     # the verifier Service reaches rank 0 only (the workers serve no gRPC)
     sel = by_kind(docs, "Service")["verifier"]["spec"]["selector"]
     assert [w["metadata"]["name"] for w, _ in _pods_selected(docs, sel)] == ["verifier-ep-leader"]
+
+
+# --- 4. the pool ------------------------------------------------------------------------------
+
+GIE = ROOT / "tests" / "fixtures" / "gie"
+
+
+def gie_validator(kind: str):
+    import jsonschema
+
+    schema = yaml.safe_load((GIE / GIE_SCHEMAS[kind]).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def pool_parts(monkeypatch):
+    """(docs, the pool Deployment, {container name: (container, parsed namespace)})."""
+    docs = rendered("pool")
+    (dep,) = [w for w in workloads(docs).values() if w["kind"] == "Deployment"]
+    parsed = {c["name"]: (c, parse(monkeypatch, m, argv, env_of(c))[0])
+              for w, c, m, argv in service_containers(docs) if w is dep}
+    return docs, dep, parsed
+
+
+def http_bind_of(ns) -> str:
+    from gateway.server import http_bind
+
+    return http_bind(ns)
+
+
+def test_pool_objects_validate_against_the_gie_schemas():
+    docs = rendered("pool")
+    kinds = [d["kind"] for d in docs if d["kind"] in GIE_SCHEMAS]
+    assert sorted(set(kinds)) == sorted(GIE_SCHEMAS) and "InferencePool" not in rendered("cpu")
+    for doc in docs:
+        if doc["kind"] in GIE_SCHEMAS:
+            gie_validator(doc["kind"]).validate(doc)
+
+
+def test_gie_schemas_refuse_a_broken_pool():
+    pool = by_kind(rendered("pool"), "InferencePool")["dflash-pool"]
+    v = gie_validator("InferencePool")
+
+    def broken(change) -> list[str]:
+        doc = copy.deepcopy(pool)
+        change(doc["spec"])
+        return [e.message for e in v.iter_errors(doc)]
+
+    assert broken(lambda s: s["targetPorts"].append(dict(s["targetPorts"][0])))  # CEL: unique ports
+    assert broken(lambda s: s["endpointPickerRef"].pop("port"))              # CEL: a Service needs one
+    assert not broken(lambda s: (s["endpointPickerRef"].pop("port"),
+                                 s["endpointPickerRef"].update(kind="Other")))
+    assert broken(lambda s: s.update(targetPort=8000))                       # unknown field
+    assert broken(lambda s: s.pop("endpointPickerRef"))                      # required in v1.5.0
+    assert broken(lambda s: s["endpointPickerRef"].update(failureMode="Open"))
+    assert broken(lambda s: s.update(appProtocol="https"))                   # http or h2c only
+    assert broken(lambda s: s["selector"].update(matchLabels={}))
+    objective = by_kind(rendered("pool"), "InferenceObjective")["dflash-interactive"]
+    doc = copy.deepcopy(objective)
+    doc["spec"]["priority"] = "high"
+    assert list(gie_validator("InferenceObjective").iter_errors(doc))
+
+
+def test_the_pool_selects_its_pods_on_the_gateways_http_port(monkeypatch):
+    docs, dep, parsed = pool_parts(monkeypatch)
+    pool = by_kind(docs, "InferencePool")["dflash-pool"]
+    selector = pool["spec"]["selector"]["matchLabels"]
+    # the pool's pods and no other workload's
+    assert {w["metadata"]["name"] for w, _ in _pods_selected(docs, selector)} == {dep["metadata"]["name"]}
+    gw, ns = parsed["gateway"]
+    http_host, http_port = host_port(http_bind_of(ns))
+    assert http_host == "0.0.0.0"
+    assert pool["spec"]["targetPorts"] == [{"number": http_port}]
+    assert {p["name"]: p["containerPort"] for p in gw["ports"]}["http"] == http_port
+    # the picker's Service as the GIE chart names it for a release called like the pool
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == f"{pool['metadata']['name']}-epp" and ref["port"] == {"number": 9002}
+    for o in by_kind(docs, "InferenceObjective").values():
+        assert o["spec"]["poolRef"] == {"group": "inference.networking.k8s.io",
+                                        "kind": "InferencePool", "name": pool["metadata"]["name"]}
+
+
+def test_a_pool_pod_wires_verifier_drafter_and_gateway_on_its_loopback(monkeypatch):
+    docs, dep, parsed = pool_parts(monkeypatch)
+    assert set(parsed) == {"gateway", "verifier", "drafter"}
+    (_, gw), (_, ver), (_, dft) = parsed["gateway"], parsed["verifier"], parsed["drafter"]
+    assert gw.verifier == [ver.bind] and host_port(ver.bind)[0] == "127.0.0.1"
+    assert gw.drafter == [dft.bind] and host_port(dft.bind)[0] == "127.0.0.1"
+    assert gw.drafter_allow.allows(dft.bind) and not gw.drafter_allow.allows("10.0.0.1:50061")
+    assert host_port(gw.bind)[0] == "0.0.0.0"          # only the gateway serves the pod IP
+    # one network namespace: every listener of the pod on a port of its own
+    listeners = []
+    for c, ns in parsed.values():
+        env = env_of(c)
+        listeners += [host_port(ns.bind)[1], host_port(env["DFLASH_HEALTH_BIND"])[1], ns.metrics_port]
+    listeners += [host_port(gw.admin_bind)[1], host_port(http_bind_of(gw))[1]]
+    assert len(listeners) == len(set(listeners)), sorted(listeners)
+    names = [p["name"] for c, _ in parsed.values() for p in c.get("ports", [])]
+    assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names)  # IANA_SVC_NAME
+    for name, (c, ns) in parsed.items():
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        health = host_port(env_of(c)["DFLASH_HEALTH_BIND"])
+        assert health[0] == "0.0.0.0" and health[1] in ports.values(), name    # the kubelet's
+        assert ns.metrics_port in ports.values() and env_of(c)["DFLASH_METRICS_HOST"] == "0.0.0.0"
+        assert host_port(ns.bind)[1] in ports.values() or name != "gateway"
+        service = importlib.import_module(MODULES[invocation(c)[0]]).SERVICE
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if "grpc" in c[probe]:
+                assert c[probe]["grpc"] == {"port": health[1], "service": service}, (name, probe)
+            else:
+                assert (name, probe) == ("gateway", "livenessProbe")
+    # the verifier's /metrics is the pod's scrape target: the Model Server Protocol gauges
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert int(ann["prometheus.io/port"]) == ver.metrics_port
+    assert ver.threads == 2 and dft.threads == 1       # the cores each container requests
+
+
+def test_the_hpa_scales_the_pool_on_the_waiting_requests_gauge(monkeypatch):
+    from dflash.serving.metrics import MODEL_SERVER_GAUGES
+
+    docs, dep, _ = pool_parts(monkeypatch)
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": dep["apiVersion"], "kind": dep["kind"],
+                                             "name": dep["metadata"]["name"]}
+    assert "replicas" not in dep["spec"], "the HPA owns the count: an apply would reset it"
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    # the adapter rule renames the verifier's gauge to the HPA's metric name
+    values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    series = re.match(r"'?([a-z_:]+)\{", rule["seriesQuery"]).group(1)
+    assert series == "vllm:num_requests_waiting" and series in MODEL_SERVER_GAUGES
+    renamed = re.sub(rule["name"]["matches"], re.sub(r"\$\{(\d+)\}", r"\\\1", rule["name"]["as"]), series)
+    assert renamed == metric["pods"]["metric"]["name"]
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    # drains take one pod at a time, never every one
+    (pdb,) = by_kind(docs, "PodDisruptionBudget").values()
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["maxUnavailable"] == 1 < hpa["spec"]["minReplicas"]
+
+
+def test_the_pool_network_policy_opens_the_gateway_and_the_gauges_only(monkeypatch):
+    docs, dep, parsed = pool_parts(monkeypatch)
+    (policy,) = by_kind(docs, "NetworkPolicy").values()
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    rules = policy["spec"]["ingress"]
+    open_ports = {p["port"] for r in rules if "from" not in r for p in r["ports"]}
+    (_, gw), (_, ver), (_, dft) = parsed["gateway"], parsed["verifier"], parsed["drafter"]
+    health = {host_port(env_of(c)["DFLASH_HEALTH_BIND"])[1] for c, _ in parsed.values()}
+    assert open_ports == {host_port(gw.bind)[1], host_port(http_bind_of(gw))[1]} | health
+    readers: dict[int, list[dict]] = {}
+    for r in rules:
+        for p in r["ports"]:
+            readers.setdefault(p["port"], []).extend(r.get("from", []))
+    epp = by_kind(docs, "InferencePool")["dflash-pool"]["spec"]["endpointPickerRef"]["name"]
+    picker = {"podSelector": {"matchLabels": {"inferencepool": epp}}}
+    assert picker in readers[ver.metrics_port]          # the endpoint picker scrapes the gauges
+    assert picker not in readers[gw.metrics_port] + readers[dft.metrics_port]
+    # the verifier and the drafter serve loopback only: no rule names their gRPC ports
+    assert not {host_port(ver.bind)[1], host_port(dft.bind)[1]} & set(readers)

@@ -150,6 +150,28 @@ def test_the_file_drains_and_adds_replicas(tokenizer, tmp_path):
         p.close()
 
 
+def test_a_replica_that_joins_later_learns_the_registered_drafters(tokenizer, tmp_path):
+    """A replica that appears after the drafters were registered (a new pod behind dns:///,
+    a line added to the file) is asked to CheckDrafter them before it is routed to: a verifier
+    refuses a drafter address nobody registered there."""
+    from gateway.upstream import register_drafter
+
+    path = tmp_path / "verifiers"
+    p = Pool(tokenizer, file=str(path))
+    try:
+        path.write_text(f"{p.addresses[0]}\n")
+        wait_until(lambda: len(p.replicas) == 1, 5, "replica 1 left")
+        register_drafter(p.gw.servicer.registry, p.replicas, "127.0.0.1:59999")
+        assert p.fakes[0].checked[-1] == "127.0.0.1:59999"
+        path.write_text(f"{p.addresses[0]}\n{p.addresses[1]}\n")
+        wait_until(lambda: len(p.replicas) == 2, 5, "replica 1 back")
+        # on_serving runs before the watch records its first SERVING answer
+        p.wait_state(1, lambda r: r.watch is not None and r.watch.healthy, "replica 1 checked")
+        assert "127.0.0.1:59999" in p.fakes[1].checked
+    finally:
+        p.close()
+
+
 def test_a_failure_before_the_first_token_is_retried_elsewhere(pool):
     pool.fakes[1].report = verifier_pb2.LoadReport(waiting=50)        # 0 is chosen first
     pool.wait_state(1, lambda r: r.watch.load.waiting == 50, "replica 1's load read")

@@ -8,7 +8,7 @@ import os
 
 from dflash.core.device import DeviceError, add_device_args
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODES
-from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float
+from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float, split_host_port
 from dflash.serving.server import add_common_args, add_compute_args, add_upstream_tls_args
 from verifier_svc.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS, DEFAULT_TREE_MAX_BATCH
 
@@ -136,6 +136,12 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="speculate with any drafter address a request names; by default only "
                         "addresses that passed CheckDrafter (the gateway registers its drafters "
                         "so) receive a session's hidden states [DFLASH_ALLOW_UNREGISTERED_DRAFTERS]")
+    p.add_argument("--drafter-alias", action="append", type=_alias,
+                   default=[_alias(s) for s in env("DFLASH_DRAFTER_ALIASES", "").split(",") if s],
+                   help="NAMED=DIALED, both host:port: dial DIALED whenever CheckDrafter or a "
+                        "request names the drafter NAMED (replicas on one host, each with its own "
+                        "drafter, behind a gateway that names one address: dflash up --verifiers); "
+                        "repeat for several [DFLASH_DRAFTER_ALIASES, comma separated]")
     p.add_argument("--breaker-failures", type=at_least(0),
                    default=env("DFLASH_BREAKER_FAILURES", "3"),
                    help="consecutive missed draft deadlines or failed draft calls that take a "
@@ -155,6 +161,25 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="on steps without speculation, send a session's new context features to "
                         "its drafter once this many rows are unsent (1 = every step); a draft "
                         "request always carries the rest [DFLASH_CONTEXT_FLUSH]")
+
+
+def _alias(text: str) -> tuple[str, str]:
+    """argparse ``type`` of --drafter-alias: ``NAMED=DIALED`` -> (NAMED, DIALED), refused naming
+    the flag unless both sides are host:port."""
+    named, sep, dialed = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(f"{text!r} is not NAMED=DIALED")
+        for side in (named, dialed):
+            split_host_port(side.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return named.strip(), dialed.strip()
+
+
+def drafter_aliases(a: argparse.Namespace) -> dict[str, str]:
+    """--drafter-alias as named address -> dialed address (the last given for a name wins)."""
+    return dict(a.drafter_alias)
 
 
 def _add_scheduling_args(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from dflash.serving.tls import TLSConfigError
 from dflash.serving.tracing import server_interceptors
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.breaker import BreakerConfig
-from verifier_svc.flags import max_streams, parse_args, parse_budgets, rank_devices_of
+from verifier_svc.flags import drafter_aliases, max_streams, parse_args, parse_budgets, rank_devices_of
 from verifier_svc.load import load_of
 from verifier_svc.observe import ObservedVerifierServicer, VerifierObserver
 from verifier_svc.scheduler import Admission
@@ -73,10 +73,11 @@ def build(engine, bind: str, *, draft_timeout_s: float = 2.0, wire_dtype=None,
 
 
 def attach(rt, engine, *, draft_timeout_s: float = 2.0, wire_dtype=None,
-           breaker: BreakerConfig = BreakerConfig(), upstream_tls=None) -> None:
+           breaker: BreakerConfig = BreakerConfig(), upstream_tls=None,
+           drafter_aliases: dict[str, str] | None = None) -> None:
     rt.servicer.engine = engine
     rt.servicer.pool = DrafterPool(engine, timeout_s=draft_timeout_s, wire_dtype=wire_dtype,
-                                   breaker=breaker, tls=upstream_tls)
+                                   breaker=breaker, tls=upstream_tls, aliases=drafter_aliases)
     rt.servicer.observer.bind(engine)
     engine.scheduler.queue_wait_listeners.append(rt.servicer.admission_metrics.observe_queue_wait)
 
@@ -165,7 +166,9 @@ def _attach_drafters(rt, engine, a, upstream_tls) -> None:
     breaker = BreakerConfig(a.breaker_failures, a.breaker_probe_interval, a.draft_deadline_floor)
     attach(rt, engine, draft_timeout_s=a.draft_timeout,
            wire_dtype=torch_dtype(a.wire_dtype) if a.wire_dtype else None, breaker=breaker,
-           upstream_tls=upstream_tls)
+           upstream_tls=upstream_tls, drafter_aliases=drafter_aliases(a))
+    for named, dialed in drafter_aliases(a).items():
+        log.info("drafter %s is dialed at %s (--drafter-alias)", named, dialed)
     rt.servicer.require_registered = not a.allow_unregistered_drafters
     rt.servicer.no_learn_tenants = frozenset(t for t in a.no_learn_tenants.split(",") if t)
 

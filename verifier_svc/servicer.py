@@ -37,31 +37,42 @@ log = logging.getLogger("dflash.verifier")
 class DrafterPool:
     """One checked ``RemoteProposer`` per drafter address, created on first use.
 
+    ``aliases`` (``--drafter-alias``): named address -> the address dialed for it, so replicas
+    on one host behind a gateway that names one drafter address each reach their own drafter.
     ``get`` raises PreconditionError when the drafter does not fit the target, and
     ``grpc.RpcError`` when it cannot be reached.
     """
 
     def __init__(self, engine: VerifierEngine, *, timeout_s: float = 2.0, wire_dtype=None,
-                 breaker: BreakerConfig = BreakerConfig(), tls=None):
+                 breaker: BreakerConfig = BreakerConfig(), tls=None,
+                 aliases: dict[str, str] | None = None):
         self.engine = engine
         self.tls = tls   # dflash.serving.tls.ClientTLS to drafters, None = plaintext
         self.timeout_s = timeout_s
         self.wire_dtype = wire_dtype
         self.breaker = breaker
+        self.aliases = dict(aliases or {})
         self._proposers: dict[str, RemoteProposer] = {}
         self._lock = threading.Lock()
 
+    def dial(self, address: str) -> str:
+        """The address this verifier connects to for the drafter named ``address``."""
+        return self.aliases.get(address, address)
+
     def get(self, address: str) -> RemoteProposer:
+        """The proposer for the drafter named ``address`` (keyed by that name, dialed at
+        :meth:`dial`)."""
         with self._lock:
             p = self._proposers.get(address)
         if p is not None:
             return p
-        card = describe(address, tls=self.tls)
+        dialed = self.dial(address)
+        card = describe(dialed, tls=self.tls)
         for w in check_drafter_card(card, self.engine.target):
-            log.warning("drafter %s at %s: %s", card.label, address, w)
+            log.warning("drafter %s at %s: %s", card.label, dialed, w)
         with self._lock:
             p = self._proposers.setdefault(address, RemoteProposer(
-                address, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype,
+                dialed, card, timeout_s=self.timeout_s, wire_dtype=self.wire_dtype,
                 breaker=self.breaker, tls=self.tls))
         return p
 
@@ -130,7 +141,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         engine = self._ready(context)
         try:
             if request.WhichOneof("drafter") == "address":
-                card = describe(request.address, tls=self.pool.tls if self.pool else None)
+                dialed = self.pool.dial(request.address) if self.pool else request.address
+                card = describe(dialed, tls=self.pool.tls if self.pool else None)
             elif request.WhichOneof("drafter") == "card":
                 card = card_from_proto(request.card)
             else:
