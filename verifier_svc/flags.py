@@ -31,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _add_suffix_args(p)
     _add_drafter_args(p)
     _add_scheduling_args(p)
+    _add_kv_events_args(p)
     p.add_argument("--spec-log-interval", type=float,
                    default=float(os.environ.get("DFLASH_SPEC_LOG_INTERVAL_S", "10")),
                    help="seconds between 'SpecDecoding metrics:' log lines (vLLM's format), 0 = off "
@@ -226,6 +227,57 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                         "cancelled with RESOURCE_EXHAUSTED; the decode loop never waits for "
                         "readers [DFLASH_MAX_UNREAD_EVENTS]")
     add_compute_args(p, "decode (scheduler) thread")
+
+
+def zmq_endpoints(text: str) -> str:
+    """argparse ``type`` for ``--kv-events-*`` endpoints: comma-separated ``tcp://HOST:PORT``,
+    ``ipc://PATH`` or a bare ``PORT`` (= ``tcp://127.0.0.1:PORT``: loopback); returns them
+    normalised ("" = none)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item.isdigit() and 0 < int(item) <= 65535:
+            item = f"tcp://127.0.0.1:{item}"
+        elif not item.startswith(("tcp://", "ipc://")) or len(item) <= len("tcp://"):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not tcp://HOST:PORT, ipc://PATH or a port 1-65535")
+        out.append(item)
+    return ",".join(out)
+
+
+def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
+    """KV events of the prefix cache for KV-aware routers (vLLM's format; docs/prefix-cache.md)."""
+    env = os.environ.get
+    p.add_argument("--kv-events-endpoint", type=zmq_endpoints,
+                   default=env("DFLASH_KV_EVENTS_ENDPOINT", ""),
+                   help="publish the prefix cache's KV events (BlockStored, BlockRemoved, "
+                        "AllBlocksCleared in vLLM's ZeroMQ/msgpack format, for llm-d's precise "
+                        "prefix scorer or Dynamo's KV router) on these ZeroMQ endpoints, bound: "
+                        "tcp://HOST:PORT, ipc://PATH or a bare PORT (= tcp://127.0.0.1:PORT); "
+                        "they carry tenants' token ids: an operator-side address, never a "
+                        "client port; empty = off [DFLASH_KV_EVENTS_ENDPOINT]")
+    p.add_argument("--kv-events-connect", type=zmq_endpoints,
+                   default=env("DFLASH_KV_EVENTS_CONNECT", ""),
+                   help="connect the publisher to these endpoints instead of (or as well as) "
+                        "binding: a consumer that binds, as llm-d's KV-cache indexer does "
+                        "[DFLASH_KV_EVENTS_CONNECT]")
+    p.add_argument("--kv-events-topic", default=env("DFLASH_KV_EVENTS_TOPIC", ""),
+                   help="the events' ZeroMQ topic (llm-d reads kv@<pod>@<model>) "
+                        "[DFLASH_KV_EVENTS_TOPIC]")
+    p.add_argument("--kv-events-replay-endpoint", type=zmq_endpoints,
+                   default=env("DFLASH_KV_EVENTS_REPLAY_ENDPOINT", ""),
+                   help="one endpoint (bound) answering replay requests for recent batches by "
+                        "sequence number, vLLM's protocol; empty = none "
+                        "[DFLASH_KV_EVENTS_REPLAY_ENDPOINT]")
+    p.add_argument("--kv-events-encoding", type=one_of(("array", "map")),
+                   default=env("DFLASH_KV_EVENTS_ENCODING", "array"),
+                   help="events as tagged arrays (vLLM's first encoding, which llm-d and Dynamo "
+                        "read) or tagged maps (vLLM's since it dropped array_like) "
+                        "[DFLASH_KV_EVENTS_ENCODING]")
+    p.add_argument("--kv-events-queue", type=at_least(1),
+                   default=env("DFLASH_KV_EVENTS_QUEUE", "10000"),
+                   help="event batches queued for the publisher thread; past it a batch is "
+                        "dropped and counted, and a snapshot follows; the cache never waits "
+                        "[DFLASH_KV_EVENTS_QUEUE]")
 
 
 def parse_budgets(text: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ past ``max_bytes`` the least recently used unreferenced entries go first. A refe
 bound (sessions are bounded in number, ``--max-sessions``); an entry covered by a
 longer one of the same tenant (a conversation's earlier turn) is dropped when the longer one
 arrives. Thread-safe (one lock): lookups run on the scheduler's thread, insertions on the
-readers' threads.
+readers' threads. KV events (off by default): ``CacheEvents.attach_events``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from dflash.core.prefix_blocks import BLOCK, block_hashes
+from verifier_svc.block_journal import CacheEvents, Snapshot
 from verifier_svc.sessions import CacheHandle
 from verifier_svc.tap_buffer import TapRows
 
@@ -115,7 +116,7 @@ class CacheStats:
     covered: int = 0                   # entries dropped because a longer one holds them
 
 
-class PrefixCache:
+class PrefixCache(CacheEvents):
     """Cached prefixes by tenant and token ids, bounded in bytes.
 
     Args:
@@ -148,6 +149,11 @@ class PrefixCache:
         self._index: dict[int, dict[int, Entry]] = {}            # block hash -> entries holding it
         self._shared: dict[tuple[tuple[int, ...], tuple[int, ...]], Entry] = {}   # (prefix, taps)
         self._bytes = 0
+        self._journal, self._sink = None, None          # KV events: CacheEvents.attach_events
+
+    # ------------------------------------------------------------------ KV events (CacheEvents)
+    def _snapshot(self) -> Snapshot:
+        return [(e.tenant, e.tokens, len(e.hashes)) for e in self._lru.values() if e.hashes]
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -244,6 +250,7 @@ class PrefixCache:
         with self._lock:
             entry.refs = max(0, entry.refs - 1)
             self._evict()
+            self._flush()
 
     def unpin(self, entry: Entry) -> None:
         """Its session is gone: a pinned entry becomes an ordinary one (within the bound,
@@ -253,6 +260,7 @@ class PrefixCache:
                 entry.pinned = False
                 entry.refs = max(0, entry.refs - 1)
             self._evict()
+            self._flush()
 
     # ------------------------------------------------------------------ insertion
     def put(self, tenant: str, tokens: Sequence[int], seq: CacheHandle, taps: TapRows | None,
@@ -281,11 +289,15 @@ class PrefixCache:
             if pin:
                 e.refs, e.pinned = 1, True
             self._lru[id(e)] = e
-            for h in e.hashes:
-                self._index.setdefault(h, {})[id(e)] = e
+            for depth, h in enumerate(e.hashes):
+                held = self._index.setdefault(h, {})
+                if not held and self._journal is not None:
+                    self._journal.note(h, True, e.tenant, e.tokens, depth)
+                held[id(e)] = e
             self._bytes += e.nbytes
             self.stats.inserted += 1
             self._evict()
+            self._flush()
         return e
 
     def _holders(self, e: Entry) -> list[Entry]:
@@ -328,18 +340,21 @@ class PrefixCache:
         with self._lock:
             if id(entry) in self._lru:
                 self._remove(entry)
+                self._flush()
             entry.refs, entry.pinned = 0, False
         return entry.seq, entry.taps
 
     # ------------------------------------------------------------------ eviction
     def _remove(self, e: Entry) -> None:
         del self._lru[id(e)]
-        for h in e.hashes:
+        for depth, h in enumerate(e.hashes):
             holders = self._index.get(h)
             if holders is not None:
                 holders.pop(id(e), None)
                 if not holders:
                     del self._index[h]
+                    if self._journal is not None:
+                        self._journal.note(h, False, e.tenant, e.tokens, depth)
         self._bytes -= e.nbytes
 
     def _evict(self) -> None:
@@ -362,3 +377,4 @@ class PrefixCache:
                 self._remove(e)
             self._bytes -= sum(e.nbytes for e in self._shared.values())
             self._shared.clear()
+            self._flush()

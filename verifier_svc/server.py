@@ -98,6 +98,8 @@ def main(argv=None) -> None:
     rt = _listen_while_loading(a, telemetry, tls)
     target = load_target(a, devices, on_failure=lambda reason: rt.set_serving(False))
     engine = _engine_of(a, target, threads)
+    events = start_kv_events(a, engine.prefix_cache, "GPU" if target.device.type == "cuda" else "CPU",
+                             telemetry.registry)
     _warmup(engine)
     _attach_drafters(rt, engine, a, upstream_tls)
     stop = _start_sweeper(engine, a.session_ttl)
@@ -109,6 +111,8 @@ def main(argv=None) -> None:
         stop.set()
         stop_log.set()
         close()
+        if events is not None:
+            events.close()
         telemetry.shutdown()
 
     run_until_signal(rt, a.grace, on_stop=on_stop)
@@ -156,6 +160,42 @@ def _engine_of(a, target, threads: int):
                           admission=Admission(max_waiting=a.max_waiting,
                                               max_waiting_tokens=a.max_waiting_tokens),
                           prefix_cache=cache)
+
+
+def start_kv_events(a, cache, medium: str, registry=None):
+    """The KV-events publisher of the flags ``a`` (``--kv-events-*``) attached to ``cache``, its
+    counters on ``registry``; None with the flags off (no socket opened) or without a cache.
+    ``medium``: "GPU" or "CPU", where the cached K/V lives. An endpoint on one of this
+    verifier's own ports, or one that cannot be bound or connected, exits naming the flag."""
+    if not (a.kv_events_endpoint or a.kv_events_connect):
+        return None
+    if cache is None:
+        log.warning("--kv-events-endpoint: no prefix cache (--prefix-cache off, or an "
+                    "expert-parallel target): no KV events")
+        return None
+    from verifier_svc.kv_events import KVEventPublisher, KVEventsConfig, KVEventsError, KVEventsMetrics
+
+    own = {int(p) for p in (x.rpartition(":")[2] for x in (a.bind, a.health_bind)) if p.isdigit()}
+    own.add(a.metrics_port)
+    for flag, text in (("--kv-events-endpoint", a.kv_events_endpoint),
+                       ("--kv-events-replay-endpoint", a.kv_events_replay_endpoint)):
+        for ep in filter(None, text.split(",")):
+            port = ep.rpartition(":")[2]
+            if ep.startswith("tcp://") and port.isdigit() and int(port) in own - {0}:
+                raise SystemExit(f"python -m verifier_svc: error: {flag}: {ep} is one of this "
+                                 "verifier's own ports (gRPC, health or metrics)")
+    config = KVEventsConfig(endpoint=a.kv_events_endpoint, connect=a.kv_events_connect,
+                            topic=a.kv_events_topic, replay_endpoint=a.kv_events_replay_endpoint,
+                            encoding=a.kv_events_encoding, max_queue_size=a.kv_events_queue)
+    try:
+        publisher = KVEventPublisher(config, block=cache.block, medium=medium)
+    except KVEventsError as e:
+        raise SystemExit(f"python -m verifier_svc: error: {e}") from None
+    cache.attach_events(publisher)
+    if registry is not None:
+        KVEventsMetrics(registry, publisher)
+    log.info("KV events on %s", ", ".join(publisher.endpoints))
+    return publisher
 
 
 def _attach_drafters(rt, engine, a, upstream_tls) -> None:
