@@ -43,7 +43,9 @@ def build(engine, bind: str, *, telemetry: Telemetry | None = None, tls=None):
 
 def parse_args(argv=None) -> argparse.Namespace:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m drafter_svc", description="DFlash drafter service")
+    # no abbreviations: a new flag must never capture what an older one was spelt as
+    p = argparse.ArgumentParser(prog="python -m drafter_svc", description="DFlash drafter service",
+                                allow_abbrev=False)
     p.add_argument("--drafter", default=env("DFLASH_DRAFTER"), required=env("DFLASH_DRAFTER") is None,
                    help="z-lab format drafter directory (config.json + model.safetensors) [DFLASH_DRAFTER]")
     p.add_argument("--target", default=env("DFLASH_TARGET"), required=env("DFLASH_TARGET") is None,

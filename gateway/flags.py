@@ -16,7 +16,8 @@ from gateway.registry import DrafterAllowlist
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The gateway's flags (``argv``; None: the process's). Exits 2 naming a bad flag."""
-    p = argparse.ArgumentParser(prog="python -m gateway", description="DFlash gateway service")
+    # no abbreviations: a new flag must never capture what an older one was spelt as
+    p = argparse.ArgumentParser(prog="python -m gateway", description="DFlash gateway service", allow_abbrev=False)
     _add_routing_args(p)
     _add_access_args(p)
     _add_overload_args(p)

@@ -25,7 +25,9 @@ def max_streams(max_batch: int, max_waiting: int, flag: int = 0) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The verifier's flags (``argv``; None: the process's). Exits 2 naming a bad flag."""
-    p = argparse.ArgumentParser(prog="python -m verifier_svc", description="DFlash verifier (target) service")
+    # no abbreviations: a new flag must never capture what an older one was spelt as
+    p = argparse.ArgumentParser(prog="python -m verifier_svc", description="DFlash verifier (target) service",
+                                allow_abbrev=False)
     _add_target_args(p)
     _add_speculation_args(p)
     _add_suffix_args(p)
