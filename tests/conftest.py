@@ -24,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: not any(item.iter_markers(m) for m in ("e2e", "slow")))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (``pytestmark = usefixtures(...)``): tiny
+    matmuls in training loops, no OpenMP oversubscription of cores shared with the other worker."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2_target():
     """The real SmolLM2 target directory (``dflash_app.target_setup.setup_target``), built once

@@ -22,12 +22,7 @@ FAST = LearnConfig(lr=3e-3, warmup_steps=5, max_steps=400, ckpt_every=20, eval_e
                    anchors_per_seq=8, margin=0.02)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

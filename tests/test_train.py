@@ -20,12 +20,7 @@ B = 4
 MASK_ID = 259          # "<|mask|>" of the tiny byte tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)     # tiny matmuls; avoids OpenMP oversubscription on shared cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _fingerprint(target) -> str:
