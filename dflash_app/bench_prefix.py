@@ -75,19 +75,24 @@ def system_prompt(prompts, tokens: int, tokenizer=None, text: str = "") -> str:
 
 def run_workload(addr: str, prompts, *, workload: str, max_tokens: int, speculation: bool,
                  conversations: int = 8, turns: int = 6, users: int = 16, system: str = "",
-                 progress=None) -> dict:
+                 progress=None, arms: list[str] | None = None) -> dict:
     """Run ``workload`` against the gateway at ``addr``; returns ``{"arms", "turns", "rows"}``:
     per arm a list (one per turn) of the per-conversation rows (:func:`_row` plus ``conv``).
+    ``arms``: a subset of the workload's (module docstring; None: all of them), e.g.
+    ``["cache"]`` for the cached share alone (``scripts/bench_replicas.py``).
 
     Raises:
-        ValueError: naming ``workload`` when it is not one of :data:`WORKLOADS`, or
-            ``prompts`` when there are none.
+        ValueError: naming ``workload`` when it is not one of :data:`WORKLOADS`, ``prompts``
+            when there are none, or ``arms`` when one is not the workload's.
     """
     if workload not in WORKLOADS:
         raise ValueError(f"workload: one of {', '.join(WORKLOADS)}, got {workload!r}")
     if not prompts:
         raise ValueError("prompts: the workload needs at least one prompt")
-    arms = ["off", "cache", "session"] if workload == "multiturn" else ["off", "cache"]
+    every = ["off", "cache", "session"] if workload == "multiturn" else ["off", "cache"]
+    if arms is not None and (not arms or set(arms) - set(every)):
+        raise ValueError(f"arms: a subset of {', '.join(every)}, got {arms!r}")
+    arms = [a for a in every if arms is None or a in arms]
     run_id = uuid.uuid4().hex[:8]
     if workload == "multiturn":
         n_conv, n_turns = conversations, turns
@@ -121,9 +126,9 @@ def run_workload(addr: str, prompts, *, workload: str, max_tokens: int, speculat
 def summarize(results: dict) -> dict:
     """Per arm and turn: ``ttft_median_s``, ``ttft_max_s``, ``decode_tok_s``, ``tau``,
     ``cached_share`` (cached / prompt tokens, mean), ``prompt_tokens`` (mean); per arm
-    ``identical_to_off`` (rows whose greedy ids equal the ``off`` arm's)."""
+    ``identical_to_off`` (rows whose greedy ids equal the ``off`` arm's; None without one)."""
     out: dict = {}
-    off = results["rows"]["off"]
+    off = results["rows"].get("off")
     for arm, turns in results["rows"].items():
         per_turn = []
         for rs in turns:
@@ -135,8 +140,8 @@ def summarize(results: dict) -> dict:
                 "cached_share": statistics.mean(r["cached_tokens"] / max(r["prompt_tokens"], 1)
                                                 for r in rs),
                 "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in rs)})
-        same = sum(a["token_ids"] == b["token_ids"] for ta, tb in zip(turns, off)
-                   for a, b in zip(ta, tb))
+        same = None if off is None else sum(a["token_ids"] == b["token_ids"]
+                                            for ta, tb in zip(turns, off) for a, b in zip(ta, tb))
         out[arm] = {"turns": per_turn, "identical_to_off": same,
                     "rows": sum(len(rs) for rs in turns)}
     return out
@@ -153,9 +158,11 @@ def markdown(results: dict, summary: dict) -> str:
             x = summary[a]["turns"][t]
             cells += [f"{x['ttft_median_s']:.3f} / {x['ttft_max_s']:.3f}", f"{100 * x['cached_share']:.0f}%"]
         lines.append(f"| {t + 1} | " + " | ".join(cells) + " |")
-    lines += ["", "greedy outputs identical to off: " + ", ".join(
-        f"{a} {summary[a]['identical_to_off']}/{summary[a]['rows']}" for a in results["arms"]
-        if a != "off"), ""]
+    if "off" in results["arms"]:
+        lines += ["", "greedy outputs identical to off: " + ", ".join(
+            f"{a} {summary[a]['identical_to_off']}/{summary[a]['rows']}" for a in results["arms"]
+            if a != "off")]
+    lines.append("")
     return "\n".join(lines)
 
 

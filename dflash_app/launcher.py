@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,6 +74,27 @@ def verifier_name(replica: int, replicas: int) -> str:
     return "verifier" if replicas == 1 else f"verifier{replica}"
 
 
+def free_run(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive TCP ports free on ``host`` right now (a replica's ports
+    are derived: verifier_port + r, drafter port + r). Raises LaunchError after 100 tries."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise LaunchError(f"no {n} consecutive free ports on {host}")
+
+
 def cores() -> int:
     """CPU cores this process may run on (its affinity mask, not the machine's count: a
     container or ``taskset`` may allow fewer)."""
@@ -107,6 +129,7 @@ class LocalStack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.run_dir = Path(cfg.run_dir)
         self.client_tls = None   # dflash.serving.tls.ClientTLS of the "client" certificate (cfg.tls)
+        self._tls = lambda name, upstream=False: []   # a service's TLS flags (cfg.tls: start)
 
     @property
     def gateway_addr(self) -> str:
@@ -223,26 +246,59 @@ class LocalStack:
             raise LaunchError("LocalStack.start: already started (``with LocalStack(...)`` starts it)")
         self._check_ports()
         _exit_on_sigterm()
-        tls = self._make_certs() if c.tls else lambda name, upstream=False: []
+        self._tls = tls = self._make_certs() if c.tls else self._tls
         try:
             for sc in self.sidecars:
                 sc.start()
                 c.extra_env.update(sc.env())
             for r in range(c.verifiers):
                 self._start_replica(r, tls)
-            gw = ["--target", c.target, "--bind", self.gateway_addr,
-                  "--admin-bind", self.admin_addr, "--http-port", str(c.http_port),
-                  *c.gateway_args, *tls("gateway", upstream=True)]
-            for addr in self.verifier_addrs:
-                gw += ["--verifier", addr]
-            for i in range(len(c.drafters)):
-                gw += ["--drafter", self.drafter_addr(i)]
-            self._spawn("gateway", "gateway", gw)
-            self._wait("gateway", self.gateway_addr)
+            self._start_gateway("gateway", self.gateway_addr, self.admin_addr, self.verifier_addrs,
+                                ["--http-port", str(c.http_port), *c.gateway_args])
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_gateway(self, name: str, bind: str, admin: str, verifiers: Sequence[str],
+                       args: Sequence[str]) -> None:
+        c = self.cfg
+        gw = ["--target", c.target, "--bind", bind, "--admin-bind", admin, *args,
+              *self._tls("gateway", upstream=True)]
+        for addr in verifiers:
+            gw += ["--verifier", addr]
+        for i in range(len(c.drafters)):
+            gw += ["--drafter", self.drafter_addr(i)]
+        self._spawn(name, "gateway", gw)
+        self._wait(name, bind)
+
+    def add_gateway(self, name: str, port: int, admin_port: int, *,
+                    verifiers: Sequence[str] | None = None, args: Sequence[str] = (),
+                    metrics_port: int | None = None) -> str:
+        """One more gateway process of the started stack (a bench comparing gateway flags on
+        the same verifiers): on ``port`` (its admin plane on ``admin_port``, no HTTP API),
+        calling ``verifiers`` (default every replica) with the stack's drafters, logging to
+        ``<run_dir>/<name>.log``, stopped with the stack; returns its address. Raises
+        LaunchError when the stack is not started, ``name`` is taken, or it does not become
+        healthy (it is stopped then)."""
+        if not self.procs:
+            raise LaunchError("LocalStack.add_gateway: start the stack first")
+        if name in self.procs:
+            raise LaunchError(f"LocalStack.add_gateway: {name!r} is already a process of the stack")
+        if metrics_port is not None:
+            self.cfg.metrics_ports[name] = metrics_port
+        bind = f"{self.cfg.host}:{port}"
+        try:
+            self._start_gateway(name, bind, f"127.0.0.1:{admin_port}",
+                                self.verifier_addrs if verifiers is None else verifiers,
+                                ["--http-port", "0", *args])
+        except LaunchError:
+            p = self.procs.pop(name, None)
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+            raise
+        return bind
 
     def _start_replica(self, r: int, tls) -> None:
         """Verifier replica ``r``'s drafters, then the verifier, each once healthy."""

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from dflash.serving.argtypes import at_least, in_range
+from dflash.serving.argtypes import at_least, in_range, one_of
 from dflash.serving.server import add_common_args, add_upstream_tls_args
 from gateway.auth import check_secret, read_secret
 from gateway.client_streams import DEFAULT_STREAMS_PER_CLIENT
 from gateway.inputs import OWNER_PREFIX_CHARS, InputLimits
 from gateway.registry import DrafterAllowlist
+from gateway.routing import ROUTINGS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +46,10 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="file of verifier replicas, one 'host:port [drain]' a line, re-read each "
                         "second ('drain': no new requests, its streams finish) "
                         "[DFLASH_VERIFIERS_FILE]")
+    p.add_argument("--routing", default=env("DFLASH_ROUTING", "score"), type=one_of(ROUTINGS),
+                   help="how a request picks its verifier replica: score (load, prefix affinity, "
+                        "session_id sticky; gateway.routing) or round-robin (each the next in "
+                        "turn, nothing else: a baseline) [DFLASH_ROUTING]")
     p.add_argument("--drafter", action="append",
                    default=[s for s in env("DFLASH_DRAFTERS", "").split(",") if s],
                    help="[name@version=]host:port of a drafter; repeat for several; the first is "

@@ -4,13 +4,15 @@ request goes to, and the stub every other part of the gateway calls.
 Sources (:func:`parse_sources`): ``host:port`` (``--verifier``, repeatable), ``dns:///name:port``
 (every address the name resolves to: a headless Service's pods, re-resolved every
 ``resolve_s``) and ``--verifiers-file`` (one ``host:port`` a line, ``# comments``; a line
-``host:port drain`` marks it draining; re-read every ``resolve_s``). Each replica has its own
+``host:port drain`` marks it draining; re-read every ``resolve_s``, :data:`RESOLVE_S` by
+default: a drain applies within that). Each replica has its own
 channel and health watch (:class:`gateway.upstream.VerifierHealthWatch`: gRPC health, then the
 verifier's ``Load``); the gateway is SERVING while at least one replica is eligible: healthy
 and not draining (the verifier says so while it stops, or the file does). A draining replica
 gets no new request and finishes its own streams.
 
-:meth:`ReplicaSet.pick` routes one request (:mod:`gateway.routing`); :meth:`ReplicaSet.failed`
+:meth:`ReplicaSet.pick` routes one request (:mod:`gateway.routing`: by score, or round-robin
+with ``routing="round-robin"``, ``--routing``); :meth:`ReplicaSet.failed`
 takes a replica out at once when a call to it fails (its watch brings it back). As a stub the
 set answers ``CheckDrafter`` (every healthy replica checks the drafter: each keeps its own list
 of registered drafters), ``CloseSession`` (every healthy replica: a session may have moved)
@@ -33,13 +35,14 @@ from dflash.serving.server import channel_options
 from dflash.serving.tls import ClientTLS, channel as tls_channel
 from dflash.serving.tracing import InjectTraceContext
 from dflash.v1 import verifier_pb2, verifier_pb2_grpc
-from gateway.routing import Candidate, Choice, PrefixHistory, choose
+from gateway.routing import ROUTINGS, Candidate, Choice, PrefixHistory, choose, round_robin
 from gateway.status import UpstreamError
 from gateway.upstream import FAST_RECONNECT, VerifierHealthWatch
 
 log = logging.getLogger("dflash.gateway")
 DNS = "dns:///"
 MAX_STICKY = 1 << 16          # sessions remembered with their replica (least recent dropped)
+RESOLVE_S = 1.0               # seconds between re-reads of the DNS names and --verifiers-file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +164,16 @@ class NoReplica(UpstreamError):
 class ReplicaSet:
     """The replicas of ``sources`` (module docstring). Call :meth:`start` once the gateway's
     ``rt`` exists; ``on_serving(replica)`` runs each time a replica is SERVING again after it
-    was not (re-register the drafters there). Raises ValueError for an unreadable file."""
+    was not (re-register the drafters there). ``routing``: one of
+    :data:`gateway.routing.ROUTINGS`. Raises ValueError naming ``routing`` for another, or for
+    an unreadable file."""
 
     def __init__(self, sources: Sources, *, upstream_tls: ClientTLS | None = None,
-                 interval_s: float = 0.1, timeout_s: float = 0.5, resolve_s: float = 1.0,
-                 history: PrefixHistory | None = None):
-        self.sources, self.upstream_tls = sources, upstream_tls
+                 interval_s: float = 0.1, timeout_s: float = 0.5, resolve_s: float = RESOLVE_S,
+                 history: PrefixHistory | None = None, routing: str = "score"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing: one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.sources, self.upstream_tls, self.routing = sources, upstream_tls, routing
         self.interval_s, self.timeout_s, self.resolve_s = interval_s, timeout_s, resolve_s
         self.history = history or PrefixHistory()
         self.replicas: dict[str, Replica] = {}
@@ -273,7 +280,8 @@ class ReplicaSet:
         not draining that health calls down (it may answer: a verifier without the health
         service; a dead one fails at once). Raises NoReplica naming every replica and why it is
         out."""
-        hashes = self.history.hashes(tenant, prompt)
+        rr = self.routing == "round-robin"     # no prefix, no session: nothing to look up
+        hashes = [] if rr else self.history.hashes(tenant, prompt)
         matched = self.history.matched(hashes)
         with self._lock:
             pool = [r for a, r in self.replicas.items() if a not in exclude and r.eligible]
@@ -283,20 +291,27 @@ class ReplicaSet:
             if not pool:
                 raise NoReplica({a: "failed this request" if a in exclude else r.state() or "?"
                                  for a, r in self.replicas.items()})
-            sticky = self._sticky.get(session) if session else None
+            sticky = self._sticky.get(session) if session and not rr else None
             self._turn += 1
-            c = choose([r.candidate() for r in pool], matched, len(hashes), turn=self._turn,
-                       sticky=sticky)
+            c = round_robin([r.candidate() for r in pool], self._turn) if rr else choose(
+                [r.candidate() for r in pool], matched, len(hashes), turn=self._turn, sticky=sticky)
             r = self.replicas[c.address]
             r.open_streams += 1
             self.routed[r.address] = self.routed.get(r.address, 0) + 1
-            if session:
+            if session and not rr:
                 self._sticky[session] = r.address
                 self._sticky.move_to_end(session)
                 while len(self._sticky) > MAX_STICKY:
                     self._sticky.popitem(last=False)
-        self.history.record(hashes, r.address)
+        if not rr:
+            self.history.record(hashes, r.address)
         return r, c
+
+    def routed_counts(self) -> dict[str, int]:
+        """address -> requests routed there since start (each retry and resume counts once
+        more, on the replica it went to)."""
+        with self._lock:
+            return dict(self.routed)
 
     def release(self, r: Replica) -> None:
         with self._lock:

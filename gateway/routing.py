@@ -15,6 +15,10 @@ which replicas the gateway sent each block of a prompt to, keyed by the prefix c
 block hashes (:func:`dflash.core.prefix_blocks.block_hashes`, tenant-salted 16-token blocks),
 so a conversation's next turn goes where its prefix is cached. Ties go to fewer open streams,
 then round-robin. A ``session_id`` sticks to its replica while that one is eligible.
+
+``--routing round-robin`` (:func:`round_robin`) ignores all of it, sessions included: each
+request goes to the next eligible replica in turn (the baseline the score is measured against,
+``scripts/bench_replicas.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from dflash.core.prefix_blocks import BLOCK, block_hashes
 
 WEIGHTS = {"queue": 2.0, "kv": 1.0, "prefix": 3.0}    # llm-d's defaults (queue 2, prefix 3)
+ROUTINGS = ("score", "round-robin")                     # --routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Choice:
     address: str
     score: float
     parts: dict[str, float]         # queue, kv, prefix (each 0..1, before the weights)
-    why: str                        # "session", "score"
+    why: str                        # "session", "score", "round-robin"
 
 
 class PrefixHistory:
@@ -131,4 +136,13 @@ def choose(cands: Sequence[Candidate], matched: dict[str, int], blocks: int, *, 
     return Choice(cands[best].address, scored[best][0], scored[best][1], "score")
 
 
-__all__ = ["Candidate", "Choice", "PrefixHistory", "WEIGHTS", "choose", "score"]
+def round_robin(cands: Sequence[Candidate], turn: int) -> Choice:
+    """Candidate ``turn`` mod their number, whatever their load, prefix or session. Raises
+    ValueError when ``cands`` is empty."""
+    if not cands:
+        raise ValueError("cands: no eligible replica")
+    return Choice(cands[turn % len(cands)].address, 0.0, {}, "round-robin")
+
+
+__all__ = ["Candidate", "Choice", "PrefixHistory", "ROUTINGS", "WEIGHTS", "choose", "round_robin",
+           "score"]

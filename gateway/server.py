@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
+from dflash.serving.metrics import RoutedRequests
 from dflash.serving.server import (
     BindError,
     ServiceRuntime,
@@ -192,11 +193,13 @@ def main(argv=None) -> None:
     tls, upstream_tls, token, keys = _credentials(a)
     tok = AutoTokenizer.from_pretrained(a.target)
     try:
-        replicas = ReplicaSet(parse_sources(a.verifier, a.verifiers_file), upstream_tls=upstream_tls)
+        replicas = ReplicaSet(parse_sources(a.verifier, a.verifiers_file), upstream_tls=upstream_tls,
+                              routing=a.routing)
     except (OSError, ValueError) as e:
         raise SystemExit(f"python -m gateway: error: {e}") from None
     card = _first_card(replicas, upstream_tls)
     telemetry = Telemetry.from_env("gateway")
+    RoutedRequests(telemetry.registry, replicas.routed_counts)
     try:        # a port that is taken, out of range or unparsable: one line naming the flag
         rt = build(tok, replicas, a.bind, max_positions=card.max_position_embeddings,
                    session_ttl_s=a.session_ttl, telemetry=telemetry, limits=input_limits(a),
@@ -226,8 +229,8 @@ def main(argv=None) -> None:
 
     threading.Thread(target=sweeper, daemon=True, name="session-sweeper").start()
     rt.set_serving(True)
-    log.info("SERVING on port %d (verifiers %s, drafters: %s)", rt.port,
-             ", ".join(replicas.replicas) or "none yet",
+    log.info("SERVING on port %d (verifiers %s, routing %s, drafters: %s)", rt.port,
+             ", ".join(replicas.replicas) or "none yet", a.routing,
              ", ".join(e.label for e, _ in rt.servicer.registry.entries()) or "none")
     if rt.http is not None:
         log.info("HTTP API (OpenAI-compatible) on %s/v1, model %r", rt.http.url,

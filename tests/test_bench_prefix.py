@@ -46,6 +46,22 @@ def test_multiturn_arms_reuse_what_they_should_and_match_off(cached_stack):
     assert md.count("\n| ") == 3 + 1 and "cache 6/6" in md
 
 
+def test_a_subset_of_arms_runs_alone(cached_stack):
+    res = bench_prefix.run_workload(cached_stack.gateway_addr, PROMPTS, workload="multiturn",
+                                    max_tokens=3, speculation=False, conversations=1, turns=2,
+                                    arms=["cache"])
+    assert res["arms"] == ["cache"] and list(res["rows"]) == ["cache"]
+    assert res["rows"]["cache"][1][0]["cached_tokens"] >= res["rows"]["cache"][0][0]["prompt_tokens"] - 1
+    summary = bench_prefix.summarize(res)
+    assert summary["cache"]["identical_to_off"] is None and summary["cache"]["rows"] == 2
+    assert "identical to off" not in bench_prefix.markdown(res, summary)
+    for bad in ([], ["cache", "nope"], ["session"]):
+        with pytest.raises(ValueError, match="arms: a subset of"):
+            bench_prefix.run_workload(cached_stack.gateway_addr, PROMPTS, max_tokens=1,
+                                      speculation=False, arms=bad,
+                                      workload="shared-system" if bad == ["session"] else "multiturn")
+
+
 def test_shared_system_users_reuse_the_system_prompt(cached_stack, tokenizer):
     system = bench_prefix.system_prompt(PROMPTS, 60, tokenizer)
     assert len(tokenizer.encode(system)) >= 60

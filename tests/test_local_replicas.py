@@ -1,11 +1,10 @@
 """``dflash up --verifiers N`` (dflash_app.launcher.LocalStack, StackConfig.verifiers): N
 verifier replicas, each with its own drafters and a share of the cores, behind one gateway
-given every verifier's address; the verifier's ``--drafter-alias`` that lets replica r reach
+given every verifier's address (and more gateways on the same verifiers: add_gateway); the verifier's ``--drafter-alias`` that lets replica r reach
 its own drafter under the address the gateway names (replica 0's)."""
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import grpc
@@ -14,13 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash.v1 import verifier_pb2
 from dflash_app import launcher
-from dflash_app.launcher import DrafterSpec, LaunchError, LocalStack, StackConfig
+from dflash_app.launcher import DrafterSpec, LaunchError, LocalStack, StackConfig, free_run
 
 from helpers import free_ports, generate_ids
 
 
-def _planned(monkeypatch, cfg: StackConfig) -> dict[str, list[str]]:
-    """process name -> argv after ``python -m``, of a start that spawns nothing."""
+def _planned(monkeypatch, cfg: StackConfig, stack: LocalStack | None = None) -> dict[str, list[str]]:
+    """process name -> argv after ``python -m``, of a start (of ``stack``, default a new one of
+    ``cfg``) that spawns nothing; later spawns of the stack are added as they come."""
     argv: dict[str, list[str]] = {}
 
     def spawn(self, name, module, args):
@@ -31,7 +31,7 @@ def _planned(monkeypatch, cfg: StackConfig) -> dict[str, list[str]]:
     monkeypatch.setattr(LocalStack, "_wait", lambda self, name, addr: None)
     monkeypatch.setattr(LocalStack, "stop", lambda self, grace_s=15.0: None)
     monkeypatch.setattr(launcher, "cores", lambda: 8)
-    LocalStack(cfg).start()
+    (stack or LocalStack(cfg)).start()
     return argv
 
 
@@ -70,6 +70,30 @@ def test_one_replica_keeps_the_single_verifier_layout(monkeypatch, tmp_path):
     assert list(argv) == ["drafter0", "verifier", "gateway"]
     assert flag_values(argv["gateway"], "--verifier") == ["127.0.0.1:50051"]
     assert not any("--threads" in a or "--drafter-alias" in a for a in argv.values())
+
+
+def test_another_gateway_joins_a_started_stack_on_the_verifiers_it_is_given(monkeypatch, tmp_path):
+    cfg = StackConfig(target="t", drafters=[DrafterSpec(path="d", port=50061)],
+                      run_dir=str(tmp_path), verifiers=2, gateway_args=["--verifiers-file", "f"])
+    stack = LocalStack(cfg)
+    with pytest.raises(LaunchError, match="start the stack first"):
+        stack.add_gateway("gateway-rr", 50070, 50071)
+    argv = _planned(monkeypatch, cfg, stack)
+    assert stack.add_gateway("gateway-rr", 50070, 50071, args=["--routing", "round-robin"],
+                             metrics_port=9470) == "127.0.0.1:50070"
+    stack.add_gateway("gateway-one", 50072, 50073, verifiers=stack.verifier_addrs[:1])
+    rr, one = argv["gateway-rr"], argv["gateway-one"]
+    assert flag_values(rr, "--bind") == ["127.0.0.1:50070"]
+    assert flag_values(rr, "--admin-bind") == ["127.0.0.1:50071"]
+    assert flag_values(rr, "--routing") == ["round-robin"] and flag_values(rr, "--http-port") == ["0"]
+    assert flag_values(rr, "--verifier") == ["127.0.0.1:50051", "127.0.0.1:50052"]
+    assert flag_values(one, "--verifier") == ["127.0.0.1:50051"]
+    assert flag_values(rr, "--drafter") == flag_values(one, "--drafter") == ["127.0.0.1:50061"]
+    assert "--verifiers-file" not in rr          # the stack's own gateway's flags stay its own
+    assert flag_values(argv["gateway"], "--verifiers-file") == ["f"]
+    assert cfg.metrics_ports == {"gateway-rr": 9470}
+    with pytest.raises(LaunchError, match="'gateway-rr' is already"):
+        stack.add_gateway("gateway-rr", 50074, 50075)
 
 
 def test_replica_ports_that_collide_are_refused_before_anything_starts(monkeypatch, tmp_path):
@@ -201,25 +225,6 @@ def _counter(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == name)
-
-
-def free_run(n: int) -> int:
-    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now (a replica's ports
-    are derived: verifier_port + r, drafter port + r)."""
-    for _ in range(100):
-        (base,) = free_ports(1)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError(f"no {n} consecutive free ports")
 
 
 @pytest.mark.slow

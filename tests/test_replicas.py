@@ -1,6 +1,6 @@
 """Verifier replicas behind one gateway (gateway.replicas), over real gRPC with scripted
-verifiers: routing by load and prefix, sessions sticky, a draining or unhealthy replica never
-chosen, a failure before the first token retried elsewhere, a failure mid-stream resumed from
+verifiers: routing by load and prefix, sessions sticky (or round-robin, ``--routing``, and the
+routed counts), a draining or unhealthy replica never chosen, a failure before the first token retried elsewhere, a failure mid-stream resumed from
 the tokens sent, every replica down answered UNAVAILABLE naming each."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 class Pool:
     """n scripted verifiers behind one gateway."""
 
-    def __init__(self, tokenizer, n: int = 2, file: str | None = None, **kw):
+    def __init__(self, tokenizer, n: int = 2, file: str | None = None, routing: str = "score", **kw):
         from gateway.server import build
 
         self.fakes, self.servers, self.addresses, self.health = [], [], [], []
@@ -40,7 +40,7 @@ class Pool:
             with open(file, "w") as fh:
                 fh.write("\n".join(self.addresses) + "\n")
         self.replicas = ReplicaSet(parse_sources([] if file else self.addresses, file),
-                                   resolve_s=0.1)
+                                   resolve_s=0.1, routing=routing)
         self.gw = build(tokenizer, self.replicas, "127.0.0.1:0", max_positions=1024)
         self.gw.server.start()
         self.gw.set_serving(True)
@@ -148,6 +148,45 @@ def test_the_file_drains_and_adds_replicas(tokenizer, tmp_path):
         wait_until(lambda: len(p.replicas) == 1, 5, "replica 0 left")
     finally:
         p.close()
+
+
+def test_round_robin_takes_turns_whatever_the_load_prefix_or_session(tokenizer):
+    from prometheus_client import CollectorRegistry
+
+    from dflash.serving.metrics import RoutedRequests
+
+    p = Pool(tokenizer, routing="round-robin")
+    try:
+        p.fakes[0].report = verifier_pb2.LoadReport(waiting=50, running=8, max_batch=8)
+        p.wait_state(0, lambda r: r.watch.load.waiting == 50, "replica 0's load read")
+        long = "the system prompt that every turn repeats, long enough for several blocks. " * 3
+        for i in range(6):             # one conversation, one session: the score would stick
+            assert p.generate(prompt=long + "turn " * i, session_id="conv-1")[0] == IDS[:12]
+        assert p.served() == [3, 3]
+        assert len(p.replicas.history) == 0          # nothing looked up, nothing kept
+        reg = CollectorRegistry()
+        RoutedRequests(reg, p.replicas.routed_counts)
+        for a in p.addresses:
+            assert reg.get_sample_value("dflash_gateway_routed_requests_total", {"verifier": a}) == 3
+    finally:
+        p.close()
+    with pytest.raises(ValueError, match="routing: one of score, round-robin"):
+        ReplicaSet(parse_sources(["127.0.0.1:1"]), routing="random")
+
+
+def test_the_routing_flag_and_the_routed_counts_on_the_score_path(pool, monkeypatch, capsys):
+    from gateway.flags import parse_args
+
+    assert parse_args(["--target", "t"]).routing == "score"
+    assert parse_args(["--target", "t", "--routing", "round-robin"]).routing == "round-robin"
+    monkeypatch.setenv("DFLASH_ROUTING", "random")
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t"])
+    assert "--routing" in capsys.readouterr().err
+    for _ in range(3):
+        pool.generate()
+    counts = pool.replicas.routed_counts()
+    assert counts == dict(zip(pool.addresses, pool.served())) and sum(counts.values()) == 3
 
 
 def test_a_replica_that_joins_later_learns_the_registered_drafters(tokenizer, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import WEIGHTS, Candidate, PrefixHistory, choose, score
+from gateway.routing import WEIGHTS, Candidate, PrefixHistory, choose, round_robin, score
 
 
 def test_the_least_loaded_replica_wins_without_a_prefix():
@@ -56,6 +56,15 @@ def test_ties_rotate():
 def test_no_candidate_is_an_error():
     with pytest.raises(ValueError, match="cands"):
         choose([], {}, 0)
+    with pytest.raises(ValueError, match="cands"):
+        round_robin([], 0)
+
+
+def test_round_robin_ignores_load_and_takes_turns():
+    cands = [Candidate("a", waiting=40, kv_cache_usage=1.0), Candidate("b"), Candidate("c")]
+    picks = [round_robin(cands, t) for t in range(6)]
+    assert [c.address for c in picks] == ["a", "b", "c", "a", "b", "c"]
+    assert {c.why for c in picks} == {"round-robin"}
 
 
 def test_history_uses_the_prefix_caches_own_block_hashes():

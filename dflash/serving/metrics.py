@@ -399,6 +399,28 @@ class BreakerGauges:
         yield dl
 
 
+class RoutedRequests:
+    """``dflash_gateway_routed_requests_total{verifier}``: requests the gateway sent to each
+    verifier replica (a retry or a resume counts again, where it went), read at scrape time
+    from ``routed()`` (address -> count: ``gateway.replicas.ReplicaSet.routed_counts``). How
+    the router splits the load, and that a drained replica gets nothing new."""
+
+    def __init__(self, registry: CollectorRegistry, routed: Callable[[], dict[str, int]]):
+        self.routed = routed
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = CounterMetricFamily("dflash_gateway_routed_requests",
+                                "Requests sent to each verifier replica (retries and resumes "
+                                "included).", labels=["verifier"])
+        for address, n in sorted(self.routed().items()):
+            c.add_metric([address], float(n))
+        yield c
+
+
 class GatewayMetrics:
     """Per request, as the gateway's client sees it."""
 
