@@ -1,7 +1,8 @@
 """The verifier engine: sessions and the speculative decode step (prefill: ``prefill.py``).
 
-Pure torch/Python (no protobuf). The step follows z-lab/dflash ``dflash_generate`` (Sec. 1.7 of
-shared/reference/dflash.md) and reads like gpt-fast's ``speculative_decode``:
+Pure torch/Python (no protobuf). The step follows z-lab/dflash ``dflash_generate`` (the
+conventions: docs/architecture.md, "DFlash semantics") and reads like gpt-fast's
+``speculative_decode``:
 
     choose k (policy) -> propose (drafter_sync; the tree or chain: proposals) -> forward (target)
     -> verify (verification) -> commit (crop the KV cache, keep the taps, stop/length: commit)

@@ -67,8 +67,8 @@ class SpeculationPolicy:
             ``explore``; 0: never explore).
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
-            batch). On the CPUs measured trees paid at batch 1 and cost 3-7% against chains at
-            8 and 32 sessions, where every row is compute (docs/trees.md, "Under load").
+            batch): where every row is compute, the extra rows of trees can cost more than they
+            commit (docs/trees.md, "Measurements").
         race: race whole modes per batch bucket (:class:`verifier_svc.mode_race.ModeRace`,
             the policy's ``race``): adaptive jobs play the mode with the most measured tokens
             per second, the per-step choice being one of them. ``race_arms``: the modes raced

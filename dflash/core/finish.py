@@ -1,7 +1,7 @@
 """Why a generation ended: the one vocabulary the verifier's events, the gateway and the
 converters share (no torch, no protobuf).
 
-The wire carries them as ``dflash.v1.FinishReason`` (``dflash.convert.FINISH`` is the one table
+The wire carries them as ``dflash.v1.FinishReason`` (``dflash.core.convert.FINISH`` is the one table
 between the two); OpenAI's names for them are the gateway's (``gateway.openai_convert``).
 
 * ``FINISH_LENGTH``: ``max_tokens`` reached (or the context window's room).
