@@ -5,11 +5,9 @@ and for the few rows of a decode or verify step (1..17) the kernels it reaches r
 the machine's speed. oneDNN's inner-product primitive on a weight reordered once into its own
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the layout PyTorch's Inductor
 freezes CPU linear layers into) streams each weight block once for all rows with register-
-blocked kernels. SmolLM2-135M's 30 layers of products (weights not cache-resident), AMD EPYC
-Zen 5, 2 threads, ms: 1 / 4 / 8 / 16 rows 29 / 19 / 25 / 32 packed against 40 / 36 / 66 / 66
-for the transposed product (:mod:`kernels.skinny_linear`) and 47 / 69 / 68 / 87 for
-``F.linear``; the LM head (49152 x 576) 4.7 / 5.2 / 7.7 / 10.7 against 10.1 / 22.5 / 24.4 /
-30.3 (``F.linear``). Bfloat16 weights (the drafter's, on CPUs with bf16 instructions) gain too.
+blocked kernels, faster at every row count measured than the transposed product
+(:mod:`kernels.skinny_linear`) and ``F.linear`` (the figures: docs/kernels.md). Bfloat16
+weights (the drafter's, on CPUs with bf16 instructions) gain too.
 
 The packed copy is made at the first packed product and kept on the weight tensor itself
 (``weight._dflash_packed``), keyed by the tensor's storage and version, so a weight changed in

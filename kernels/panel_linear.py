@@ -38,9 +38,8 @@ log = logging.getLogger("dflash.kernels.panel_linear")
 #: Output columns per panel (the C++ kernel's ``NR``).
 PANEL = 32
 #: Most rows a call takes the panels for (:func:`kernels.skinny_linear.skinny_linear`): a
-#: block's rows re-read each panel slice from L1 per 8 rows, and past ~100 rows the vendor's
-#: large-product kernels win (SmolLM2's layers, Intel Xeon: 64 rows 57.7 vs 64.5 ms, 128 rows
-#: even, 512 rows 455 vs 367), so a prefill chunk keeps them.
+#: block's rows re-read each panel slice from L1 per 8 rows, and for large row counts the
+#: vendor's large-product kernels win (docs/kernels.md), so a prefill chunk keeps them.
 MAX_ROWS = 64
 #: Attribute on a weight tensor holding ``(key, panels)``.
 _ATTR = "_dflash_panels"

@@ -31,8 +31,7 @@ import numpy as np
 def relative_rows(k: int) -> float:
     """Verify cost of ``k`` rows after the anchor relative to a decode step, before any is
     measured: one more row costs a fifth (a CPU's packed products start at two rows), each
-    further row 2.5% (docs/trees.md, "Packed linear products": 1.21 / 1.34 / 1.58 decodes at
-    3 / 7 / 15 nodes)."""
+    further row 2.5% (a line through the tree verify costs in docs/trees.md, "Measurements")."""
     return 1.0 if k <= 0 else 1.2 + 0.025 * k
 
 
@@ -59,7 +58,7 @@ class EMA:
 
 
 #: Steps (verify observations) after which a cell's own price is no longer trusted over what
-#: the fresh cells predict: about 8 s of decoding at 30 ms a step.
+#: the fresh cells predict: several seconds of decoding.
 STALE_STEPS = 256
 
 

@@ -289,8 +289,7 @@ class SpeculationPolicy:
         """Alternately the next larger and the next smaller arm by rows verified, a tree of n
         nodes just after the chain of n drafts (its neighbours are the chains of about its
         cost: listed after every chain, a small tree's neighbours were the longest chain and
-        the next tree, and the chains it beat were never measured again, docs/trees.md "Under
-        load"); at either end the one neighbour every time (from k = 0 the alternation would
+        the next tree, and the chains it beat were never measured again); at either end the one neighbour every time (from k = 0 the alternation would
         make every other exploration a k = 0 step). A suffix-only tree's neighbours are its
         drafter arm nearest its size's."""
         by_size = sorted(arms.chains + arms.trees, key=lambda a: (a.rows, a.budget > 0))

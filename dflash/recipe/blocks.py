@@ -11,7 +11,6 @@ where ``loss_mask`` is 0), with loss weight ``exp(-(k-1)/gamma)``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from dataclasses import dataclass
 
@@ -123,7 +122,3 @@ def build_batch(seqs: list[dict[str, torch.Tensor]], anchors: list[list[int]], *
     return BlockBatch(feats, ctx_pos, ids, pos, mask, labels, weights,
                       soft_ids if soft else None, soft_p if soft else None)
 
-
-def weight_sum(block_size: int, gamma: float) -> float:
-    """Sum of the weights of a full block (for reference in logs)."""
-    return sum(math.exp(-(k - 1) / gamma) for k in range(1, block_size))
