@@ -124,7 +124,7 @@ class Replica:
     @property
     def healthy(self) -> bool:
         w = self.watch
-        if w is None or w.healthy is False:   # None: not checked yet, worth a try (fails over)
+        if w is None or w.healthy is not True:   # not checked yet: only a last resort (pick)
             return False
         # back after a failed call once a health check begun after the failure answered
         return self.down_at is None or w.checks >= self.down_at + 2

@@ -292,3 +292,24 @@ def test_sources_parse_and_refuse_with_the_flag_named(tmp_path):
 def test_a_dns_name_resolves_to_its_addresses():
     assert "127.0.0.1:5" in resolve("localhost:5")
     assert resolve("no-such-host.invalid:5") == []
+
+
+def test_a_replica_not_checked_yet_is_only_a_last_resort():
+    """A replica that joins (a new pod behind ``dns:///``, a line added to the file) is not
+    routed to before its first health check answers SERVING, unless no checked one is left."""
+    from types import SimpleNamespace
+
+    rs = ReplicaSet(parse_sources(["127.0.0.1:1", "127.0.0.1:2"]))
+    checked, joined = rs.replicas["127.0.0.1:1"], rs.replicas["127.0.0.1:2"]
+    try:
+        assert rs.pick("t", IDS)[0] in (checked, joined)      # none checked: either will do
+        checked.watch = SimpleNamespace(healthy=True, checks=1, load=None)
+        joined.watch = SimpleNamespace(healthy=None, checks=0, load=None)
+        assert not joined.eligible and checked.eligible
+        picked = {rs.pick("t", [i])[0].address for i in range(8)}
+        assert picked == {checked.address}
+        checked.watch.healthy = False                          # the checked one goes down
+        assert rs.pick("t", IDS)[0] is joined
+    finally:
+        for r in rs.replicas.values():
+            r.raw.close()
