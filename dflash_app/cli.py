@@ -140,8 +140,9 @@ def cmd_up(a) -> int:
               f"{stack.gateway_addr} --tls-ca {d}/ca.pem --tls-cert {d}/client.pem "
               f"--tls-key {d}/client-key.pem PROMPT")
     if stack.cfg.metrics_ports:
+        from dflash_app.top import command_for
         ports = ", ".join(f"{n} :{p}" for n, p in stack.cfg.metrics_ports.items())
-        print(f"  /metrics  {ports}  (dflash top shows them live)")
+        print(f"  /metrics  {ports}  (live: {command_for(stack.cfg.host, stack.cfg.metrics_ports.values())})")
     print(f"logs in {stack.run_dir}/; Ctrl-C stops everything", flush=True)
     done = threading.Event()
     # Both explicitly: a process started in the background by a non-interactive shell inherits

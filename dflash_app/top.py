@@ -28,6 +28,16 @@ NO_DRAFTER = "none"       # dflash.serving.metrics.NO_DRAFTER: speculation off
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
+def command_for(host: str, ports: Iterable[int]) -> str:
+    """The ``dflash top`` command line reading every one of ``ports`` on ``host``: the bare
+    command for the default layout, one ``--metrics`` per endpoint otherwise (several verifier
+    replicas, drafters beyond the first)."""
+    endpoints = tuple(f"{host}:{p}" for p in ports)
+    if sorted(endpoints) == sorted(DEFAULT_ENDPOINTS):
+        return "dflash top"
+    return "dflash top " + " ".join(f"--metrics {e}" for e in endpoints)
+
+
 def scrape(endpoints: Iterable[str], timeout_s: float = 2.0) -> tuple[Samples, list[str]]:
     """Every endpoint's samples added up, and the endpoints that did not answer ("host:port"
     or a URL; ``/metrics`` is appended to a bare address)."""

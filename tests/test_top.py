@@ -142,3 +142,19 @@ def test_cli_top_once_prints_one_frame(services, capsys):
     assert main(["top", "--once", *[a for ep in endpoints for a in ("--metrics", ep)]]) == 0
     out = capsys.readouterr().out
     assert "dflash top" in out and "v@9" in out and "3.00" in out
+
+
+def test_the_command_line_reads_every_replica():
+    """`dflash up --metrics --verifiers 2` prints a `dflash top` that reads both replicas and
+    their drafters, not the one-verifier default."""
+    from dflash_app.launcher import DrafterSpec, StackConfig
+    from dflash_app.local_prometheus import metrics_ports
+    from dflash_app.top import DEFAULT_ENDPOINTS, command_for
+
+    one = metrics_ports(StackConfig(target="t", drafters=[DrafterSpec(path="d", port=50061)], verifiers=1))
+    assert command_for("127.0.0.1", one.values()) == "dflash top"
+    assert set(DEFAULT_ENDPOINTS) == {f"127.0.0.1:{p}" for p in one.values()}
+    two = metrics_ports(StackConfig(target="t", drafters=[DrafterSpec(path="d", port=50061)], verifiers=2))
+    line = command_for("127.0.0.1", two.values())
+    assert all(f"--metrics 127.0.0.1:{p}" in line for p in two.values()), line
+    assert len(two) == 5 and "9452" in line and "9462" in line
