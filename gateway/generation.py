@@ -138,6 +138,7 @@ def _sample_stream(upstream, tokenizer, vreq, stop, index, cancel, t0, prefilled
                 if detok.stopped:
                     call.cancel()
                     break
+            upstream.served(replica, vreq.tenant, [*vreq.prompt_token_ids, *got])
             break
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and cancel.cancelled:
@@ -204,6 +205,9 @@ class _Single:
     def failed(self, replica, error, *, overloaded=False) -> str:
         return "verifier"
 
+    def served(self, replica, tenant, ids) -> None:
+        pass
+
     def release(self, replica) -> None:
         pass
 
@@ -233,6 +237,9 @@ class _Routed:
         if not overloaded:        # a full replica is healthy: only this request goes elsewhere
             self.replicas.failed(replica)
         return replica.address
+
+    def served(self, replica, tenant, ids) -> None:
+        self.replicas.served(replica, tenant, ids)
 
     def release(self, replica) -> None:
         self.replicas.release(replica)

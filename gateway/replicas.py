@@ -307,6 +307,13 @@ class ReplicaSet:
             self.history.record(hashes, r.address)
         return r, c
 
+    def served(self, r: Replica, tenant: str, ids: Sequence[int]) -> None:
+        """``r`` finished a request whose prompt and output are ``ids``: the verifier's prefix
+        cache now holds the output's blocks too, so the conversation's next turn (which resends
+        them) matches beyond the prompt routed here (score routing only)."""
+        if self.routing != "round-robin":
+            self.history.record(self.history.hashes(tenant, ids), r.address)
+
     def routed_counts(self) -> dict[str, int]:
         """address -> requests routed there since start (each retry and resume counts once
         more, on the replica it went to)."""

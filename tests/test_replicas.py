@@ -313,3 +313,27 @@ def test_a_replica_not_checked_yet_is_only_a_last_resort():
     finally:
         for r in rs.replicas.values():
             r.raw.close()
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_next_turn_follows_the_answer_the_replica_cached(served):
+    """The verifier's prefix cache keeps a finished request's output too, and a conversation's
+    next turn resends it: the routing history learns the output's blocks from the replica that
+    served it, so a busier replica holding the whole history still wins the next turn."""
+    from types import SimpleNamespace
+
+    rs = ReplicaSet(parse_sources(["127.0.0.1:1", "127.0.0.1:2"]))
+    for r in rs.replicas.values():
+        r.watch = SimpleNamespace(healthy=True, checks=1, load=verifier_pb2.LoadReport())
+    prompt, answer, next_user = list(range(1, 17)), list(range(100, 164)), list(range(200, 216))
+    try:
+        first, _ = rs.pick("t", prompt)
+        rs.release(first)
+        if served:
+            rs.served(first, "t", prompt + answer)
+        first.watch.load = verifier_pb2.LoadReport(running=1)      # busier now
+        again, choice = rs.pick("t", prompt + answer + next_user)
+        assert (again is first) == served, choice
+    finally:
+        for r in rs.replicas.values():
+            r.raw.close()
