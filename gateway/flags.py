@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dflash.serving.argtypes import at_least, in_range, one_of
+from dflash.serving.argtypes import at_least, in_range, one_of, positive_float
 from dflash.serving.server import add_common_args, add_upstream_tls_args
 from gateway.auth import check_secret, read_secret
 from gateway.client_streams import DEFAULT_STREAMS_PER_CLIENT
@@ -71,6 +71,16 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                         "name [DFLASH_SERVED_MODEL_NAME]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
+    p.add_argument("--resent-answers", default=env("DFLASH_RESENT_ANSWERS", "on"),
+                   type=one_of(("on", "off")),
+                   help="remember each tenant's recent chat answers as the ids the target "
+                        "generated, and use them when a later chat resends the answer as text "
+                        "(its prefix then matches the verifier's cache; docs/prefix-cache.md) "
+                        "[DFLASH_RESENT_ANSWERS]")
+    p.add_argument("--resent-answers-mb", type=positive_float,
+                   default=env("DFLASH_RESENT_ANSWERS_MB", "64"),
+                   help="MiB of remembered turns (prompt text and ids), all tenants together; "
+                        "past it the least recently used go first [DFLASH_RESENT_ANSWERS_MB]")
 
 
 def _add_access_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +177,11 @@ def http_bind(a: argparse.Namespace) -> str | None:
 
 def served_model_name(a: argparse.Namespace) -> str:
     return a.served_model_name or os.path.basename(os.path.normpath(a.target))
+
+
+def resent_answers_bytes(a: argparse.Namespace) -> int:
+    """The bound of the resent-answer memory the flags ask for, bytes (0: off)."""
+    return int(a.resent_answers_mb * (1 << 20)) if a.resent_answers == "on" else 0
 
 
 def input_limits(a: argparse.Namespace) -> InputLimits:

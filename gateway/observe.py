@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.serving import semconv as sc
-from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics
+from dflash.serving.metrics import NO_DRAFTER, GatewayMetrics, ResentAnswersSpliced
 from dflash.serving.telemetry import Telemetry
 from dflash.serving.tracing import abort_status, set_error
 from gateway.servicer import GatewayServicer
@@ -37,6 +37,7 @@ class ObservedGatewayServicer(GatewayServicer):
         self.model_name = model_name
         telemetry = telemetry or Telemetry(service="gateway")
         self.metrics = GatewayMetrics(telemetry.registry)
+        ResentAnswersSpliced(telemetry.registry, lambda: self.resent.spliced if self.resent else 0)
         self.tracer = telemetry.tracer
         self.tracer_provider = telemetry.tracer_provider
 

@@ -35,11 +35,12 @@ from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_
 from gateway.admin import GatewayAdminServicer
 from gateway.auth import AdminAuth, ClientAuth, check_admin_bind, load_api_keys
 from gateway.client_streams import DEFAULT_STREAMS_PER_CLIENT, ClientStreams
-from gateway.flags import admin_token, http_bind, input_limits, parse_args, served_model_name
+from gateway.flags import admin_token, http_bind, input_limits, parse_args, resent_answers_bytes, served_model_name
 from gateway.inputs import DecodeGuard, InputLimits
 from gateway.observe import ObservedGatewayServicer
 from gateway.registry import DrafterAllowlist, DrafterRegistry, load_config
 from gateway.replicas import ReplicaSet, parse_sources
+from gateway.resent import ResentAnswers
 from gateway.upstream import register_drafter, reregister_drafters
 
 if TYPE_CHECKING:   # imported in _http_front, so importing this module loads no HTTP stack
@@ -74,7 +75,7 @@ def build(tokenizer, verifier_address: str | Sequence[str] | ReplicaSet, bind: s
           upstream_tls: "ClientTLS | None" = None, admin_bind: str = "127.0.0.1:0",
           admin_token: str | None = None, drafter_allow: DrafterAllowlist | None = None,
           api_keys: ClientAuth | None = None, http_bind: str | None = None,
-          model_name: str = "dflash", max_streams: int = 512,
+          model_name: str = "dflash", max_streams: int = 512, resent_answers_bytes: int = 0,
           max_streams_per_client: int = DEFAULT_STREAMS_PER_CLIENT) -> GatewayRuntime:
     """An unstarted gateway bound to ``bind`` (TLS when ``tls``) calling the verifier at
     ``verifier_address`` (over TLS when ``upstream_tls``): one address, several (replicas,
@@ -94,8 +95,8 @@ def build(tokenizer, verifier_address: str | Sequence[str] | ReplicaSet, bind: s
 
     ``max_streams``: streams open at once per port (one more: RESOURCE_EXHAUSTED, HTTP 429);
     ``max_streams_per_client``: a client's (API key, else IP) over both ports, 0 = unbounded
-    (``gateway.client_streams.ClientStreams``, ``rt.client_streams``).
-
+    (``gateway.client_streams.ClientStreams``, ``rt.client_streams``); ``resent_answers_bytes``:
+    the bound of the tenants' remembered chat answers (``gateway.resent``; 0 = none kept).
     Raises ValueError naming --admin-bind for a non-loopback admin bind without a token, or
     for ``max_streams`` < 1 or ``max_streams_per_client`` < 0; RuntimeError when an address
     cannot be bound.
@@ -105,8 +106,9 @@ def build(tokenizer, verifier_address: str | Sequence[str] | ReplicaSet, bind: s
         parse_sources([verifier_address] if isinstance(verifier_address, str) else list(verifier_address)),
         upstream_tls=upstream_tls)
     servicer = ObservedGatewayServicer(tokenizer, verifier, DrafterRegistry(), max_positions=max_positions,
-                                       session_ttl_s=session_ttl_s, telemetry=telemetry,
-                                       limits=limits, vocab_size=vocab_size, model_name=model_name)
+                                       session_ttl_s=session_ttl_s, telemetry=telemetry, limits=limits,
+                                       vocab_size=vocab_size, model_name=model_name, resent=ResentAnswers(
+                                           tokenizer, resent_answers_bytes) if resent_answers_bytes else None)
     if api_keys is not None:
         servicer.identity = api_keys.identity    # the key's name owns the sessions
     rt = _client_port(servicer, bind, api_keys=api_keys, max_streams=max_streams,
@@ -207,7 +209,8 @@ def main(argv=None) -> None:
                    upstream_tls=upstream_tls, admin_bind=a.admin_bind, admin_token=token,
                    drafter_allow=a.drafter_allow, api_keys=keys, http_bind=http_bind(a),
                    model_name=served_model_name(a), max_streams=a.max_streams,
-                   max_streams_per_client=a.max_streams_per_client)
+                   max_streams_per_client=a.max_streams_per_client,
+                   resent_answers_bytes=resent_answers_bytes(a))
         add_health_listener(rt, a.health_bind)
     except BindError as e:
         raise SystemExit(f"python -m gateway: error: {e}") from None

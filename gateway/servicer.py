@@ -18,26 +18,20 @@ import uuid
 from collections.abc import Iterator
 
 import grpc
-from jinja2 import TemplateError
 
 from dflash.core.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
 from dflash.core.errors import FieldError
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_OFF, MODES
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
+from gateway.chat_template import chat_ids, check_template_kwargs
 from gateway.generation import Cancel, merge, sample_stream
 from gateway.inputs import ROLES, InputLimits, NotOwner, check_session_id, client_identity, short, verifier_session_id
 from gateway.registry import DrafterRegistry
+from gateway.resent import ResentAnswers
 from gateway.status import RETRY_AFTER, UpstreamError, grpc_code
 
 log = logging.getLogger("dflash.gateway")
-# chat_template_kwargs the gateway sets itself (or that would change what it encodes)
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "sanitize_control_tokens"})
-MAX_TEMPLATE_KWARGS = 32
 
 
 @dataclasses.dataclass
@@ -50,7 +44,8 @@ class _Session:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Args: tokenizer (transformers), verifier stub, registry, context window, session TTL,
     input limits, and the vocabulary size stop token ids must fall in (default: the
-    tokenizer's, ``len(tokenizer)``).
+    tokenizer's, ``len(tokenizer)``). ``resent``: the tenants' remembered answers
+    (:mod:`gateway.resent`; None: every prompt tokenized from its text alone).
 
     Sessions belong to the client that created them (``identity(context)``: by default
     :func:`client_identity`; with API keys, ``gateway.auth.ClientAuth.identity``, the key's
@@ -60,8 +55,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, tokenizer, verifier, registry: DrafterRegistry, *, max_positions: int,
                  session_ttl_s: float = 600.0, limits: InputLimits | None = None,
-                 vocab_size: int | None = None, identity=client_identity):
+                 vocab_size: int | None = None, identity=client_identity,
+                 resent: ResentAnswers | None = None):
         self.identity = identity
+        self.resent = resent
         self.tok = tokenizer
         self.verifier = verifier
         self.registry = registry
@@ -157,43 +154,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if template_kwargs:
                 raise InvalidParam("chat_template_kwargs", "only with chat messages")
             return list(self.tok.encode(r.prompt))
-        return self._chat_ids([{"role": m.role, "content": m.content} for m in r.chat.messages],
-                              template_kwargs)
+        return chat_ids(self.tok, [{"role": m.role, "content": m.content} for m in r.chat.messages],
+                        template_kwargs)
 
-    @staticmethod
-    def _check_template_kwargs(kwargs: dict) -> None:
-        """Extra variables for the chat template (``enable_thinking``...): at most
-        MAX_TEMPLATE_KWARGS, none that the gateway sets itself. Raises InvalidParam naming
-        ``chat_template_kwargs.<key>``."""
-        if not isinstance(kwargs, dict):
-            raise InvalidParam("chat_template_kwargs", "must be an object")
-        if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise InvalidParam("chat_template_kwargs", f"{len(kwargs)} entries, more than "
-                               f"{MAX_TEMPLATE_KWARGS}")
-        for k in kwargs:
-            if not isinstance(k, str) or not k.isidentifier():
-                raise InvalidParam("chat_template_kwargs", f"key {short(str(k))} is not a name")
-            if k in RESERVED_TEMPLATE_KWARGS:
-                raise InvalidParam(f"chat_template_kwargs.{k}", "is set by the gateway")
-
-    def _chat_ids(self, msgs: list[dict], template_kwargs: dict | None = None) -> list[int]:
-        """Render the chat template and encode it; special tokens typed in a content stay text.
-
-        transformers' ``sanitize_control_tokens``: control tokens in the messages are marked
-        before rendering and encoded as ordinary text, so only the template's own become control
-        tokens (without any typed, the ids equal encoding the rendered text). Raises
-        InvalidParam("chat.messages") when the template refuses the chat or the tokenizer cannot
-        keep a typed control token as text.
-        """
+    def _tokenized(self, r: gateway_pb2.GenerateRequest, owner: str,
+                   template_kwargs: dict | None) -> tuple[list[int], str | None]:
+        """The prompt's ids (:meth:`_prompt_ids`, or ``owner``'s remembered answer's ids + the
+        rest's, ``gateway.resent``) and, when the resent-answer memory may remember this turn,
+        its rendered text (else None). Raises InvalidParam."""
+        if self.resent is None or r.WhichOneof("input") != "chat":
+            return self._prompt_ids(r, template_kwargs), None
+        msgs = [{"role": m.role, "content": m.content} for m in r.chat.messages]
         kwargs = template_kwargs or {}
-        self._check_template_kwargs(kwargs)
-        try:
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, sanitize_control_tokens=True,
-                                               **kwargs)
-        except (ValueError, TypeError, TemplateError) as e:
-            raise InvalidParam("chat.messages", f"cannot be rendered: {str(e)[:120]}") from e
-        return list(ids)
+        check_template_kwargs(kwargs)
+        text = self.resent.render(msgs, kwargs)
+        ids = self.resent.splice(owner, msgs, text) if text is not None else None
+        return (ids if ids is not None else chat_ids(self.tok, msgs, kwargs)), text
 
     def _drafter(self, r: gateway_pb2.GenerateRequest) -> str:
         """The drafter label for this request; a session sticks to its first choice. A named
@@ -335,7 +311,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling = self._check(request, fill_context)
         self._check_owner(request.session_id, owner)
         label = self._drafter(request)
-        prompt = self._prompt_ids(request, chat_template_kwargs)
+        prompt, text = self._tokenized(request, owner, chat_template_kwargs)
         request = self._fit_window(request, len(prompt))
         if request.session_id:
             self._claim(request.session_id, label, owner)
@@ -350,6 +326,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                  prefilled=lead if i == 0 else None)
                    for i in range(max(1, request.n))]
         merged = merge(samples, cancel, lead)
+        if text is not None and self.resent is not None:
+            merged = self.resent.remembering(merged, owner, text, prompt)
         try:
             for r in merged:
                 if r.HasField("usage"):

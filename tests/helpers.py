@@ -112,10 +112,11 @@ def wait_until(pred: Callable[[], T], timeout: float = 10.0, what: str | Callabl
 class Stack:
     """In-process verifier + drafters + gateway on loopback with real gRPC.
 
-    ``telemetry``: optional ``service name -> dflash.serving.telemetry.Telemetry`` (tracer, registry).
+    ``telemetry``: optional ``service name -> dflash.serving.telemetry.Telemetry`` (tracer, registry);
+    ``gateway_kw``: more keywords for ``gateway.server.build``; the rest go to the engine.
     """
 
-    def __init__(self, target_model, tokenizer, telemetry=None, **engine_kw):
+    def __init__(self, target_model, tokenizer, telemetry=None, gateway_kw=None, **engine_kw):
         from gateway.server import build as build_gateway
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.server import build as build_verifier
@@ -128,7 +129,7 @@ class Stack:
         self.verifier_addr = f"127.0.0.1:{self.verifier.port}"
         self.gateway = build_gateway(tokenizer, self.verifier_addr, "127.0.0.1:0",
                                      max_positions=target_model.max_positions,
-                                     telemetry=self.telemetry("gateway"))
+                                     telemetry=self.telemetry("gateway"), **(gateway_kw or {}))
         self.gateway.server.start()
         self.gateway.set_serving(True)
         self.gateway_addr = f"127.0.0.1:{self.gateway.port}"

@@ -102,6 +102,7 @@ METRICS = {
     "dflash_drafter_context_bytes",
     "dflash_drafter_errors",
     "dflash_drafter_items",
+    "dflash_gateway_resent_answers_spliced",
     "dflash_gateway_routed_requests",
     "dflash_gateway_running_requests",
     "dflash_learn_heldout_tau",

@@ -421,6 +421,25 @@ class RoutedRequests:
         yield c
 
 
+class ResentAnswersSpliced:
+    """``dflash_gateway_resent_answers_spliced_total``: chat requests whose prompt ids began
+    with a remembered turn's (the ids the target generated for a resent answer;
+    ``gateway.resent``), read at scrape time from ``spliced()``."""
+
+    def __init__(self, registry: CollectorRegistry, spliced: Callable[[], int]):
+        self.spliced = spliced
+        registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = CounterMetricFamily("dflash_gateway_resent_answers_spliced",
+                                "Chat requests tokenized from a remembered answer's ids.")
+        c.add_metric([], float(self.spliced()))
+        yield c
+
+
 class GatewayMetrics:
     """Per request, as the gateway's client sees it."""
 
