@@ -71,12 +71,12 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                         "name [DFLASH_SERVED_MODEL_NAME]")
     p.add_argument("--session-ttl", type=float, default=float(env("DFLASH_SESSION_TTL_S", "600")),
                    help="idle session lifetime, seconds [DFLASH_SESSION_TTL_S]")
-    p.add_argument("--resent-answers", default=env("DFLASH_RESENT_ANSWERS", "on"),
+    p.add_argument("--resent-answers", default=env("DFLASH_RESENT_ANSWERS", "off"),
                    type=one_of(("on", "off")),
                    help="remember each tenant's recent chat answers as the ids the target "
                         "generated, and use them when a later chat resends the answer as text "
-                        "(its prefix then matches the verifier's cache; docs/prefix-cache.md) "
-                        "[DFLASH_RESENT_ANSWERS]")
+                        "(its prefix then matches the verifier's cache; the prompt ids then depend on "
+                        "what the gateway remembers; docs/prefix-cache.md) [DFLASH_RESENT_ANSWERS]")
     p.add_argument("--resent-answers-mb", type=positive_float,
                    default=env("DFLASH_RESENT_ANSWERS_MB", "64"),
                    help="MiB of remembered turns (prompt text and ids), all tenants together; "

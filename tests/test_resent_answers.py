@@ -172,9 +172,11 @@ def test_the_flags_switch_and_bound_the_memory(monkeypatch, capsys):
 
     monkeypatch.delenv("DFLASH_RESENT_ANSWERS", raising=False)
     monkeypatch.delenv("DFLASH_RESENT_ANSWERS_MB", raising=False)
-    assert resent_answers_bytes(parse_args(["--target", "t"])) == 64 << 20     # on by default
-    assert resent_answers_bytes(parse_args(["--target", "t", "--resent-answers-mb", "0.5"])) == 1 << 19
-    assert resent_answers_bytes(parse_args(["--target", "t", "--resent-answers", "off"])) == 0
+    assert resent_answers_bytes(parse_args(["--target", "t"])) == 0            # off by default
+    on = ["--target", "t", "--resent-answers", "on"]
+    assert resent_answers_bytes(parse_args(on)) == 64 << 20
+    assert resent_answers_bytes(parse_args([*on, "--resent-answers-mb", "0.5"])) == 1 << 19
+    monkeypatch.setenv("DFLASH_RESENT_ANSWERS", "on")
     monkeypatch.setenv("DFLASH_RESENT_ANSWERS_MB", "2")
     assert resent_answers_bytes(parse_args(["--target", "t"])) == 2 << 20
     monkeypatch.setenv("DFLASH_RESENT_ANSWERS", "off")
