@@ -201,7 +201,7 @@ class LocalStack:
         # OpenMP wait policy: the services' entry points shorten libgomp's spin before sleep
         # (dflash.serving.omp.default_spin_count: GOMP_SPINCOUNT=10000 unless the user's env sets it):
         # sleeping at every barrier and spinning forever are both slower when three processes
-        # share a few cores (docs/perf-history.md, "OpenMP spin count").
+        # share a few cores (docs/bench/perf-history/README.md, "OpenMP spin count").
         env = {**os.environ, **self.cfg.extra_env}
         if name in self.cfg.metrics_ports:
             env["DFLASH_METRICS_PORT"] = str(self.cfg.metrics_ports[name])

@@ -95,8 +95,8 @@ class DrafterEngine(DrafterGauges):
             (its context updates on steps without speculation), so they run beside its forward
             on shared cores. One thread by default: two OpenMP threads busy-waiting at every
             barrier take both cores of a small machine from the verifier
-            (``docs/perf-history.md``, "drafter_svc/engine.py"). 0 = no second thread: such
-            calls run on the compute thread. Raises ValueError below 0.
+            (``docs/bench/perf-history/README.md``, "drafter_svc/engine.py"). 0 = no second
+            thread: such calls run on the compute thread. Raises ValueError below 0.
         context_sched: the context thread's Linux scheduling policy. "idle" (``SCHED_IDLE``):
             it runs only on a core nothing else wants, i.e. in the verifier's gaps (between
             steps, while it waits for a draft), so context updates do not lengthen the

@@ -15,7 +15,7 @@ handled).
 Whether it pays depends on the CPU (on some, the vendor's small-M sgemm wins at every row
 count), so the services tune the row limit at start (:func:`tune_max_rows`, ``--skinny-max-rows
 -1``, the default): the real model's forward, timed both ways on the thread that runs it. The
-figures behind this design: ``docs/perf-history.md``, "kernels/skinny_linear.py".
+figures behind this design: ``docs/bench/perf-history/README.md``, "kernels/skinny_linear.py".
 
 The torch reference is ``F.linear`` itself; ``tests/test_skinny_linear.py`` compares them.
 """

@@ -26,9 +26,9 @@
 #                step (16x the CPU recipe's 4: building the blocks on the host, not the GPU,
 #                bounds a step, so more blocks a step are nearly free and the gradient is less
 #                noisy); lr 1e-4 (the CPU warm starts used 6e-5 at 4 sequences; 3e-4 with a
-#                fresh AdamW lost version 4's long runs, docs/training.md), KL 0.5, full
-#                vocabulary from 85%. Held-out split as on a CPU: heldout_log.csv, before /
-#                every 45 s / after.
+#                fresh AdamW lost version 4's long runs,
+#                docs/bench/training-history/README.md), KL 0.5, full vocabulary from 85%.
+#                Held-out split as on a CPU: heldout_log.csv, before / every 45 s / after.
 #   6. eval      dflash.train.evaluate (in-process greedy DFlash loop, float32 target) on 8
 #                HumanEval and 8 chat prompts x 128 tokens, committed drafter and new one
 #   7. pack      $OUT (at most 8 files, each < 16 MiB): drafter.tar.partNN (split -b 15M),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The suffix-drafts benchmarks of docs/suffix.md, one after the other on an otherwise idle
-# machine; each set's results go to docs/bench/suffix-<set>-<tag>/ (bench.json/md/png). A set
-# whose bench.json exists is skipped, so a second run resumes. TAG names the machine (amd, xeon).
+# The suffix-drafts benchmarks (docs/bench/suffix-history/README.md), one after the other on an
+# otherwise idle machine; each set's results go to docs/bench/suffix-<set>-<tag>/
+# (bench.json/md/png). A set whose bench.json exists is skipped, so a second run resumes. TAG
+# names the machine (amd, xeon).
 #   scripts/bench_suffix.sh [TAG]
 set -euo pipefail
 cd "$(dirname "$0")/.."

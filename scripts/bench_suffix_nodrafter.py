@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Mode ``suffix`` with the drafter stopped (docs/suffix.md): the stack started as ``dflash up``
-starts it, its drafter process killed, then ``dflash bench --spec-modes suffix`` (suffix and
-speculation off interleaved per prompt) on each prompt set against the running gateway, whose
-verifier still has the dead drafter's address. Results in
+"""Mode ``suffix`` with the drafter stopped (figures: docs/bench/suffix-history/README.md): the
+stack started as ``dflash up`` starts it, its drafter process killed, then ``dflash bench
+--spec-modes suffix`` (suffix and speculation off interleaved per prompt) on each prompt set
+against the running gateway, whose verifier still has the dead drafter's address. Results in
 ``docs/bench/suffix-nodrafter-<set>-<tag>/``; a set already there is skipped.
 
     python scripts/bench_suffix_nodrafter.py [--tag amd] [--limit 10]

@@ -1,6 +1,6 @@
 """Replay the online-learning bench's rounds offline on a store it captured, and score every
-version it would release by the gate's served walk on another store (docs/learning.md,
-"Schedules end at the gate").
+version it would release by the gate's served walk on another store
+(docs/bench/learning-history/README.md, "Schedules end at the gate").
 
 Round r trains on the store's first ``--rounds-at[r]`` conversations (the order they were
 captured: the bench's rounds saw them so), ``--steps`` optimizer steps over a schedule of

@@ -233,8 +233,9 @@ def test_greedy_identical_with_a_drafter(stack, make_drafter, tiny_target, hf_ta
 def test_mode_suffix_sends_the_drafter_nothing_and_a_drafting_turn_catches_up(
         stack, make_drafter, tiny_target, hf_target):
     """Mode suffix never asks the drafter for drafts, so it sends no context either (on shared
-    cores those updates took the target's time: docs/suffix.md); the session's next turn in a
-    drafting mode sends every position the drafter lacks in its first call, without a gap."""
+    cores those updates took the target's time: docs/bench/suffix-history/README.md); the
+    session's next turn in a drafting mode sends every position the drafter lacks in its first
+    call, without a gap."""
     engine = DrafterEngine.from_pretrained(make_drafter(block_size=8), tiny_target)
     addr = stack.add_drafter(engine)
     v = stack.verifier_stub()

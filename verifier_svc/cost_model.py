@@ -18,7 +18,7 @@
   the fresh cells predict, and restarted by its next observation. A policy only re-measures
   the cells it chooses, so a price learned in a transient (start-up, another process) would
   otherwise keep its shape from being chosen, and so re-measured, for the life of the process
-  (docs/suffix.md, "What split them").
+  (docs/bench/suffix-history/README.md, "What split them").
 
 How the policy weighs these costs against expected tokens: ``verifier_svc/policy.py``.
 """
@@ -31,7 +31,8 @@ import numpy as np
 def relative_rows(k: int) -> float:
     """Verify cost of ``k`` rows after the anchor relative to a decode step, before any is
     measured: one more row costs a fifth (a CPU's packed products start at two rows), each
-    further row 2.5% (a line through the tree verify costs in docs/trees.md, "Measurements")."""
+    further row 2.5% (a line through the tree verify costs in
+    docs/bench/trees-history/README.md, "Measurements")."""
     return 1.0 if k <= 0 else 1.2 + 0.025 * k
 
 
@@ -71,7 +72,7 @@ class _Cell(EMA):
     continues as a running mean / EMA over the later ones. Until its second step a cell is
     ``provisional``: it is priced no dearer than the fit predicts and bounds no other cell
     (:meth:`StepCostModel.estimate`): a single stalled step would otherwise floor every longer
-    block and steer the batch to a slower one (``docs/perf-history.md``,
+    block and steer the batch to a slower one (``docs/bench/perf-history/README.md``,
     "verifier_svc/cost_model.py")."""
 
     #: the cost model's step clock at the cell's last observation

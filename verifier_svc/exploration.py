@@ -3,7 +3,8 @@
 An arm's estimate only moves when that arm runs, so the policy now and then runs a neighbour of
 the best arm instead, to follow load and acceptance. Each such step costs what the best arm
 would have gained, and where the best arm keeps winning (on chat, suffix trees alone against
-every drafter arm) the explorations are pure cost (docs/suffix.md, "Adaptive against suffix").
+every drafter arm) the explorations are pure cost (docs/bench/suffix-history/README.md,
+"Adaptive against suffix").
 
 So each leader (a best arm's batch bucket and :func:`leader`: its family and size) keeps its own schedule: the first exploration around it ``every`` steps after it
 first leads, each next one twice the previous gap later, up to ``backoff`` times ``every``,

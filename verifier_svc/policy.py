@@ -44,7 +44,7 @@ __all__ = ["MODES", "MIXED", "CANDIDATES", "DEFAULT_RACE_ARMS", "SESSION_PRIOR_S
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
 #: stays within a few decodes' cost; the policy keeps only those that pay on the deployment.
 #: With the anchor a tree of n nodes is n + 1 rows: 4, 8 and 16 rows suit a CPU's vector
-#: kernels, one row more costs up to a third more (docs/trees.md, "Row counts").
+#: kernels, one row more costs up to a third more (docs/bench/trees-history/README.md, "Row counts").
 DEFAULT_TREE_BUDGETS = (3, 7, 15)
 #: Nodes of a tree in mode "tree" when the request names none (``--tree-budget``): 16 rows.
 DEFAULT_TREE_BUDGET = 15
@@ -68,7 +68,7 @@ class SpeculationPolicy:
         tree_budgets: node budgets adaptive jobs may verify as trees (empty: chains only).
         tree_max_batch: adaptive steps of more sessions than this verify chains only (0: any
             batch): where every row is compute, the extra rows of trees can cost more than they
-            commit (docs/trees.md, "Measurements").
+            commit (docs/bench/trees-history/README.md, "Measurements").
         race: race whole modes per batch bucket (:class:`verifier_svc.mode_race.ModeRace`,
             the policy's ``race``): adaptive jobs play the mode with the most measured tokens
             per second, the per-step choice being one of them. ``race_arms``: the modes raced

@@ -19,8 +19,8 @@ class TapRows:
     for rows that come from CUDA.
 
     Why in place: concatenating per-step chunks copies the whole context at every context
-    update, a cost that grows with the batch and the context (``docs/perf-history.md``,
-    "verifier_svc/tap_buffer.py").
+    update, a cost that grows with the batch and the context
+    (``docs/bench/perf-history/README.md``, "verifier_svc/tap_buffer.py").
     """
 
     def __init__(self) -> None:

@@ -55,7 +55,7 @@ def grouped_kv_attention() -> None:
     With a mask (every verify of more than one token, every batched step) transformers otherwise
     repeats each layer's cached K/V to the query heads (``repeat_kv``): a copy of the whole cache
     per layer and step. PyTorch's CPU flash kernel takes grouped K/V with a mask itself, with
-    bit-identical logits and without that copy (figures: ``docs/perf-history.md``,
+    bit-identical logits and without that copy (figures: ``docs/bench/perf-history/README.md``,
     "verifier_svc/target.py"). CPU only: CUDA's flash kernel refuses a mask with grouped heads
     and the math fallback would be slower.
     """

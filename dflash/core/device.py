@@ -10,7 +10,7 @@ Every model process (the verifier, a drafter, each expert-parallel rank) takes
   target's greedy output is compared in float32), except a drafter's on a CPU with bf16
   dot-product instructions (:func:`cpu_native_bf16`), which is bfloat16: a drafter's dtype
   changes only how often its drafts are accepted, never the output, and there its block costs
-  about half (docs/trees.md, "Row counts and the drafter's dtype").
+  about half (docs/bench/trees-history/README.md, "Row counts and the drafter's dtype").
 
 A device that is not there is refused when the service starts, naming the flag
 (:class:`DeviceError`, a ``FieldError``), before any weight is read. :func:`to_device` is the

@@ -3,5 +3,5 @@
 
 #: Drafted steps each version serves before the canary watch decides: served τ differs a lot
 #: from prompt to prompt, so a window of a few answers decides by which prompts each version
-#: drew (docs/learning.md, "Benchmark").
+#: drew (docs/bench/learning-history/README.md, "Capture's cost and the guards").
 MIN_DRAFTS = 2000

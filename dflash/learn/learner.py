@@ -34,8 +34,8 @@ from dflash.recipe.loss import batch_loss
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnConfig:
     """The learner's recipe: the trainer's (``docs/training.md``) with a higher learning rate
-    and a steeper position decay, chosen by the τ a release serves (docs/learning.md, "A second
-    domain", has the comparison)."""
+    and a steeper position decay, chosen by the τ a release serves
+    (docs/bench/learning-history/README.md, "A second domain", has the comparison)."""
 
     lr: float = 5e-4
     weight_decay: float = 0.01

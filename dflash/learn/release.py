@@ -69,7 +69,8 @@ def release(learner, *, force: bool = False) -> Path | None:
     if not (res.release or force):
         # A candidate judged at the end of its schedule will not improve by standing still: the
         # next one starts from the serving version over the store as it is then, with a full
-        # schedule of its own (docs/learning.md, "Schedules end at the gate").
+        # schedule of its own (docs/bench/learning-history/README.md, "Schedules end at the
+        # gate").
         spent = learner.step >= learner.cfg.max_steps
         log_decision(learner.dir, "refused", **figures, afresh=spent)
         if spent:

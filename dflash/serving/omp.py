@@ -4,7 +4,7 @@ Why: the verifier and the drafter take turns on the same cores at batch 1 (draft
 draft ...), and after each parallel region libgomp's workers spin before they sleep (300,000
 iterations by default), taking a core from the other service for milliseconds at every
 hand-over. 10,000 spins still bridge the regions inside one forward. Measurements:
-``docs/perf-history.md`` ("OpenMP spin count").
+``docs/bench/perf-history/README.md`` ("OpenMP spin count").
 
 libgomp reads its environment once, when it is loaded (by ``import torch``), so the services'
 entry points call :func:`default_spin_count` first. The user's own ``GOMP_SPINCOUNT`` or

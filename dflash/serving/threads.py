@@ -4,7 +4,8 @@ Why: libgomp keeps a thread team per thread that ever ran a parallel region, and
 process holds more OpenMP threads than CPUs it throttles the busy-wait of every team (to about a
 thousand spins; libgomp ``do_spin``), so each of the hundreds of parallel regions in a forward
 pays a sleep and a wake-up (a verifier that loaded on the main thread and decoded on its
-scheduler thread ran its forwards much slower: ``docs/perf-history.md``, "One OpenMP team").
+scheduler thread ran its forwards much slower: ``docs/bench/perf-history/README.md``, "One
+OpenMP team").
 
 How: :func:`reserve` (the main thread, at start, before any torch work) sets torch's thread
 count to 1, so loading and every other thread run single-threaded and create no team;
