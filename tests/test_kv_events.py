@@ -129,7 +129,7 @@ class Consumer(Blocks):
 
 # ---------------------------------------------------------------------- the cache's own state
 def recipe(tenant: str, tokens, n: int) -> list[int]:
-    """docs/prefix-cache.md's hash recipe, written out here (not the project's function)."""
+    """docs/kv-events.md's hash recipe, written out here (not the project's function)."""
     prev = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"dflash-kv-root").digest()
     out = []
     for i in range(n):

@@ -247,7 +247,7 @@ def zmq_endpoints(text: str) -> str:
 
 
 def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
-    """KV events of the prefix cache for KV-aware routers (vLLM's format; docs/prefix-cache.md)."""
+    """KV events of the prefix cache for KV-aware routers (vLLM's format; docs/kv-events.md)."""
     env = os.environ.get
     p.add_argument("--kv-events-endpoint", type=zmq_endpoints,
                    default=env("DFLASH_KV_EVENTS_ENDPOINT", ""),

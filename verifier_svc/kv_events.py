@@ -1,6 +1,6 @@
 """KV events: the prefix cache's blocks, published over ZeroMQ in vLLM's wire format, so that a
 KV-aware router (llm-d's precise prefix scorer, NVIDIA Dynamo's KV router) knows which replica
-holds which prefix (``--kv-events-endpoint``; off by default; docs/prefix-cache.md, "KV events").
+holds which prefix (``--kv-events-endpoint``; off by default; docs/kv-events.md).
 
 Wire (vLLM's ``vllm.distributed.kv_events``, ``ZmqEventPublisher``): each message has three
 frames: the topic (``--kv-events-topic``, UTF-8), the sequence number (8 bytes, big-endian,

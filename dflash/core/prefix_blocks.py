@@ -6,7 +6,7 @@ the gateway's router (``gateway.routing``) remembers which replica served which 
 are Python's ``hash`` of tuples, so they are stable within one process only. The KV events
 (``verifier_svc.kv_events``) carry :func:`stable_block_hashes` instead: the same chain over the
 same tenant salt and token ids, as 64-bit BLAKE2b digests that any process can recompute
-(docs/prefix-cache.md, "KV events", gives the recipe).
+(docs/kv-events.md, "Hashes", gives the recipe).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ MAX_PREFIX_KEY = 64
 @runtime_checkable
 class PrefixKeeper(Protocol):
     """A proposer that keeps finished sessions' context as prefixes later sessions start from
-    (the drafter's side of the verifier's prefix cache, ``docs/prefix-cache.md``)."""
+    (the drafter's side of the verifier's prefix cache, ``docs/drafter-context.md``)."""
 
     def keep_prefix(self, session_id: str, key: bytes, length: int) -> None:
         """The session ends; its context becomes the prefix ``key`` when the drafter holds
