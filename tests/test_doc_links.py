@@ -2,7 +2,8 @@
 and an ``#anchor`` into a Markdown file names one of its headings, slugged as GitHub does), and
 every ``some/file.md, "Section"`` reference in a tracked text file names a file with that section
 (a heading, or a paragraph led by ``**Section.**``). The unquoted ``README, Section`` form cannot
-be checked, so it is refused."""
+be checked, so it is refused. Every subject doc (``docs/*.md``) fits in :data:`DOC_LINES` lines:
+dated benchmark logs live under ``docs/bench/<run>/README.md``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ BARE_README_REF = re.compile(r"README, [A-Z]")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 BOLD_LEAD = re.compile(r"^\*\*([^*\n]+?)\.?\*\*", re.M)
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+DOC_LINES = 250
 
 
 def tracked(suffixes: tuple[str, ...]) -> list[Path]:
@@ -100,6 +102,25 @@ def test_every_section_reference_names_a_section_that_exists() -> None:
     here = Path(__file__).resolve()     # its own examples are planted on purpose
     problems = [p for f in tracked(TEXT) if f.resolve() != here for p in section_problems(f)]
     assert problems == []
+
+
+def long_docs(docs: list[Path]) -> list[str]:
+    """The subject docs over :data:`DOC_LINES` lines, with their counts."""
+    counts = {rel(md): len(md.read_text(encoding="utf-8").splitlines()) for md in docs}
+    return [f"{name}: {n} lines" for name, n in counts.items() if n > DOC_LINES]
+
+
+def test_every_subject_doc_fits_its_line_budget() -> None:
+    docs = [md for md in tracked((".md",)) if md.parent == ROOT / "docs"]
+    assert docs and long_docs(docs) == []
+
+
+def test_a_doc_over_the_budget_is_found(tmp_path: Path) -> None:
+    md = tmp_path / "long.md"
+    md.write_text("line\n" * (DOC_LINES + 1), encoding="utf-8")
+    assert long_docs([md]) == [f"long.md: {DOC_LINES + 1} lines"]
+    md.write_text("line\n" * DOC_LINES, encoding="utf-8")
+    assert long_docs([md]) == []
 
 
 @pytest.mark.parametrize("text, bad", [
