@@ -7,7 +7,7 @@ speed. ``kernels/csrc/panel_linear.cpp`` holds the weight as panels of 32 output
 transposed (``[ceil(out/32), in, 32]``), and keeps an 8-row x 32-column tile of results in
 AVX-512 registers while it walks a panel's depth; the row blocks of a call take turns on each
 slice of a panel while it is in L1, and the next panel is prefetched, so the weights stream from
-memory once per call whatever the row count. Figures: ``docs/kernels.md``, "kernels/panel_linear.py".
+memory once per call whatever the row count. Figures: ``docs/kernels.md``.
 
 Each output is one fused multiply-add chain over the input features in order, whatever the row
 count: a row's result does not depend on how many rows share the call (a verify block's products

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (".md", ".py", ".toml", ".yaml", ".yml", ".sh", ".cfg", ".ini", ".txt")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
-SECTION_REF = re.compile(r"`?((?:[\w.-]+/)*[\w.-]+\.md)`?,\s+\"([^\"\n]+)\"")
+SECTION_REF = re.compile(r"`{0,2}((?:[\w.-]+/)*[\w.-]+\.md)`{0,2},\s+\"([^\"\n]+)\"")
 BARE_README_REF = re.compile(r"README, [A-Z]")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 BOLD_LEAD = re.compile(r"^\*\*([^*\n]+?)\.?\*\*", re.M)

@@ -5,7 +5,7 @@ Source: SuffixDecoding (Oliaro et al., arXiv 2411.04975; served in Snowflake's
 ArcticInference): find the longest suffix of the context that occurred before, and propose what
 followed it, each continuation scored by how often it followed (the frequency score
 ``count(node) / count(root)``); the deeper the match, the deeper the proposal may go. We keep an
-n-gram table instead of a suffix tree (``docs/suffix.md``, "Index"): it appends and rewinds in
+n-gram table instead of a suffix tree (``docs/suffix.md``, "The index"): it appends and rewinds in
 O(n-gram sizes) per token, and a lookup is a handful of dict reads, whatever the context length.
 
 Pure Python, no torch: the verifier's engine turns a :class:`SuffixTrie` into tree nodes
