@@ -467,8 +467,12 @@ def _on_stack(a, run) -> int:
 def _workload(a, prompts, out: Path) -> int:
     """``--workload``: the prefix cache's workloads (``dflash_app.bench_prefix``), on a started
     stack or not."""
-    from dflash_app.bench_prefix import cmd_workload
+    from dflash_app.bench_prefix import cmd_workload, workload_mode
 
+    try:
+        workload_mode(a.spec_modes)         # before a stack starts
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return _on_stack(a, lambda: cmd_workload(a, prompts, out))
 
 
@@ -536,7 +540,9 @@ def add_parser(sub) -> None:
                         "is read (with --start: set up by the bench)")
     b.add_argument("--spec-modes", type=mode_list, default=DEFAULT_SPEC_MODES,
                    help="speculation modes compared side by side: the --concurrency sweep runs "
-                        "each; the on/off comparison runs each non-off mode against off")
+                        "each; the on/off comparison runs each non-off mode against off; "
+                        "--workload runs the one mode it names (e.g. fixed), its default the "
+                        "verifier's")
     b.add_argument("--requests", type=at_least(1), default=8,
                    help="requests per concurrency level, at least one per client; each client "
                         "sends its share one after the other (--concurrency)")

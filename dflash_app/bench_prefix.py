@@ -15,7 +15,10 @@ rotated), each arm its own tenants (``x-dflash-client``) so no arm reads another
 * ``session`` (multiturn only): the ``session_id`` extension, one session per conversation.
 
 Per turn and arm: TTFT (median and max over conversations), decode tokens/s, τ and cached
-prompt tokens (mean share of the prompt); greedy outputs of each arm against ``off``.
+prompt tokens (mean share of the prompt); greedy outputs of each arm against ``off``. Every
+request asks for one speculation mode (``--spec-modes`` naming one, e.g. ``fixed``: no policy
+choosing blocks from timings, so τ per turn compares drafts, not the policy's noise); without
+it the verifier's default.
 Output: ``prefix.json`` and ``prefix.md`` under ``--out``.
 """
 
@@ -32,14 +35,17 @@ WORKLOADS = ("multiturn", "shared-system")
 
 
 def _row(addr: str, messages: list[dict], *, max_tokens: int, speculation: bool, session_id: str,
-         tenant: str) -> dict:
-    """One request as ``tenant``; its figures and its answer's text. The channel connects
-    before the request starts, so its handshake is not in the TTFT."""
+         tenant: str, mode: str = "") -> dict:
+    """One request as ``tenant`` in speculation ``mode`` (a bench mode name, ``"tree:8"``; ""
+    = the verifier's); its figures and its answer's text. The channel connects before the
+    request starts, so its handshake is not in the TTFT."""
     from dflash.client import GatewayClient, build_request
     from dflash.core.convert import stats_from_proto
+    from dflash_app.bench import split_mode
 
+    spec_mode, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens, speculation=speculation,
-                        session_id=session_id)
+                        session_id=session_id, speculation_mode=spec_mode, tree_budget=budget)
     client = GatewayClient(addr, metadata=[(CLIENT_KEY, tenant)])
     try:
         client.wait_ready()
@@ -73,13 +79,28 @@ def system_prompt(prompts, tokens: int, tokenizer=None, text: str = "") -> str:
     return "Reference material:\n\n" + "\n\n".join(parts)
 
 
+def workload_mode(spec_modes: str) -> tuple[bool, str]:
+    """``--spec-modes`` for ``--workload``: (speculation, mode) of every request. Its default
+    (a list, for the on/off comparison) means the verifier's mode; else it names one mode
+    (``off``: no speculation). Raises ValueError naming ``--spec-modes`` for several."""
+    from dflash_app.bench import DEFAULT_SPEC_MODES
+
+    if spec_modes == DEFAULT_SPEC_MODES:
+        return True, ""
+    modes = [m for m in spec_modes.split(",") if m]
+    if len(modes) != 1:
+        raise ValueError(f"--spec-modes: --workload runs one speculation mode, got {spec_modes!r}")
+    return (False, "") if modes[0] == "off" else (True, modes[0])
+
+
 def run_workload(addr: str, prompts, *, workload: str, max_tokens: int, speculation: bool,
                  conversations: int = 8, turns: int = 6, users: int = 16, system: str = "",
-                 progress=None, arms: list[str] | None = None) -> dict:
+                 progress=None, arms: list[str] | None = None, mode: str = "") -> dict:
     """Run ``workload`` against the gateway at ``addr``; returns ``{"arms", "turns", "rows"}``:
     per arm a list (one per turn) of the per-conversation rows (:func:`_row` plus ``conv``).
     ``arms``: a subset of the workload's (module docstring; None: all of them), e.g.
-    ``["cache"]`` for the cached share alone (``scripts/bench_replicas.py``).
+    ``["cache"]`` for the cached share alone (``scripts/bench_replicas.py``). ``mode``: every
+    request's speculation mode (``"fixed"``, ``"tree:8"``; "" = the verifier's).
 
     Raises:
         ValueError: naming ``workload`` when it is not one of :data:`WORKLOADS`, ``prompts``
@@ -114,13 +135,14 @@ def run_workload(addr: str, prompts, *, workload: str, max_tokens: int, speculat
                           "session": f"bench-session-{run_id}-{c}"}[arm]
                 sid = f"bench-{run_id}-{c}" if arm == "session" else ""
                 r = _row(addr, msgs, max_tokens=max_tokens, speculation=speculation,
-                         session_id=sid, tenant=tenant)
+                         session_id=sid, tenant=tenant, mode=mode)
                 rows[arm][t].append({**r, "conv": c})
                 if workload == "multiturn":
                     history[(arm, c)] = msgs + [{"role": "assistant", "content": r["text"]}]
                 if progress is not None:
                     progress()
-    return {"workload": workload, "arms": arms, "turns": n_turns, "rows": rows}
+    return {"workload": workload, "arms": arms, "turns": n_turns, "rows": rows,
+            "speculation_mode": (mode or "verifier default") if speculation else "off"}
 
 
 def summarize(results: dict) -> dict:
@@ -149,25 +171,31 @@ def summarize(results: dict) -> dict:
 
 def markdown(results: dict, summary: dict) -> str:
     label = "user" if results["workload"] == "shared-system" else "turn"
+    arms = results["arms"]
     lines = [f"## prefix cache: {results['workload']}", "",
-             f"| {label} | " + " | ".join(f"{a} TTFT s (med / max) | {a} cached" for a in results["arms"])
-             + " |", "|---|" + "---|---|" * len(results["arms"])]
+             f"speculation: {results.get('speculation_mode', 'verifier default')}", "",
+             f"| {label} | " + " | ".join(f"{a} TTFT s (med / max) | {a} cached | {a} τ" for a in arms)
+             + " |", "|---|" + "---|---|---|" * len(arms)]
     for t in range(results["turns"]):
         cells = []
-        for a in results["arms"]:
+        for a in arms:
             x = summary[a]["turns"][t]
-            cells += [f"{x['ttft_median_s']:.3f} / {x['ttft_max_s']:.3f}", f"{100 * x['cached_share']:.0f}%"]
+            cells += [f"{x['ttft_median_s']:.3f} / {x['ttft_max_s']:.3f}",
+                      f"{100 * x['cached_share']:.0f}%", f"{x['tau']:.2f}"]
         lines.append(f"| {t + 1} | " + " | ".join(cells) + " |")
-    if "off" in results["arms"]:
+    if "off" in arms:
         lines += ["", "greedy outputs identical to off: " + ", ".join(
-            f"{a} {summary[a]['identical_to_off']}/{summary[a]['rows']}" for a in results["arms"]
-            if a != "off")]
+            f"{a} {summary[a]['identical_to_off']}/{summary[a]['rows']}" for a in arms if a != "off")]
+        lines += [f"τ per {label}, {a} / off: " + ", ".join(
+            f"{x['tau'] / o['tau']:.3f}" if o["tau"] else "-"
+            for x, o in zip(summary[a]["turns"], summary["off"]["turns"])) for a in arms if a != "off"]
     lines.append("")
     return "\n".join(lines)
 
 
 def cmd_workload(a, prompts, out: Path) -> int:
-    """``--workload``: run it against ``a.gateway`` and write ``prefix.json`` / ``prefix.md``."""
+    """``--workload``: run it against ``a.gateway`` and write ``prefix.json`` / ``prefix.md``.
+    Raises ValueError naming ``--spec-modes`` when it names several modes."""
     from tqdm import tqdm
 
     system = ""
@@ -176,11 +204,12 @@ def cmd_workload(a, prompts, out: Path) -> int:
         system = system_prompt(prompts, a.system_tokens, text=text)
     arms = 3 if a.workload == "multiturn" else 2
     total = arms * (a.conversations * a.turns if a.workload == "multiturn" else a.users)
+    speculation, mode = workload_mode(a.spec_modes)
     with tqdm(total=total, desc=a.workload) as bar:
         results = run_workload(a.gateway, prompts, workload=a.workload, max_tokens=a.max_tokens,
-                               speculation=not a.no_speculation, conversations=a.conversations,
-                               turns=a.turns, users=a.users, system=system,
-                               progress=lambda: bar.update(1))
+                               speculation=speculation and not a.no_speculation,
+                               conversations=a.conversations, turns=a.turns, users=a.users,
+                               system=system, progress=lambda: bar.update(1), mode=mode)
     summary = summarize(results)
     (out / "prefix.json").write_text(json.dumps({**results, "summary": summary}, indent=1))
     md = markdown(results, summary)

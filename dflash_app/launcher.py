@@ -11,6 +11,8 @@ with its own drafters, as a Kubernetes pool pod has them (deploy/k8s/overlays/po
 names replica 0's drafter addresses; replica r's verifier dials its own drafters for those names
 (``--drafter-alias``). The host's cores are split among the replicas: each replica's verifier and
 drafters get ``--threads cores // N`` (they take turns within a step, so they share a share).
+``StackConfig.verifier_args_per_replica`` gives each replica's verifier flags of its own (a bench
+comparing two settings on one stack: ``scripts/bench_prefix_overhead.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class StackConfig:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     health_timeout_s: float = 600.0
     verifier_args: list[str] = dataclasses.field(default_factory=list)
+    # more flags for one replica's verifier, after verifier_args: entry r for replica r (empty:
+    # none; else one entry per replica), e.g. a bench comparing ``--prefix-cache on`` and ``off``
+    verifier_args_per_replica: list[list[str]] = dataclasses.field(default_factory=list)
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     # mTLS on every link with certificates made at start in <run_dir>/tls (dflash.serving.tls)
     tls: bool = False
@@ -174,6 +179,9 @@ class LocalStack:
         c = self.cfg
         if c.verifiers < 1:
             raise LaunchError(f"verifiers: must be >= 1, got {c.verifiers}")
+        if c.verifier_args_per_replica and len(c.verifier_args_per_replica) != c.verifiers:
+            raise LaunchError(f"verifier_args_per_replica: one list per replica ({c.verifiers}), "
+                              f"got {len(c.verifier_args_per_replica)}")
         used = {"gateway": c.gateway_port, "gateway admin": int(self.admin_addr.rpartition(":")[2])}
         if c.http_port:
             used["gateway HTTP"] = c.http_port
@@ -321,6 +329,8 @@ class LocalStack:
         name, addr = self.verifier_name(r), self.verifier_addrs[r]
         self._spawn(name, "verifier_svc", ["--target", c.target, "--bind", addr, "--dtype", c.dtype,
                                            *self._threads(), *aliases, *c.verifier_args,
+                                           *(c.verifier_args_per_replica[r]
+                                             if c.verifier_args_per_replica else []),
                                            *tls("verifier", upstream=True)])
         self._wait(name, addr)
 

@@ -79,10 +79,11 @@ def test_shared_system_users_reuse_the_system_prompt(cached_stack, tokenizer):
 def test_the_cli_writes_its_report_and_refuses_a_bad_workload(cached_stack, tmp_path):
     a = types.SimpleNamespace(gateway=cached_stack.gateway_addr, workload="shared-system",
                               system_file="", system_tokens=40, max_tokens=2, no_speculation=True,
-                              conversations=1, turns=1, users=2)
+                              conversations=1, turns=1, users=2, spec_modes="fixed")
     assert bench_prefix.cmd_workload(a, PROMPTS, tmp_path) == 0
     data = json.loads((tmp_path / "prefix.json").read_text())
     assert data["summary"]["cache"]["rows"] == 2 and (tmp_path / "prefix.md").exists()
+    assert data["speculation_mode"] == "off"            # --no-speculation wins over the mode
     with pytest.raises(ValueError, match="workload"):
         bench_prefix.run_workload(cached_stack.gateway_addr, PROMPTS, workload="x", max_tokens=1,
                                   speculation=False)
@@ -97,5 +98,37 @@ def test_bench_parses_the_workload_flags():
     add_parser(p.add_subparsers())
     a = p.parse_args(["bench", "--workload", "multiturn", "--conversations", "3", "--turns", "2"])
     assert (a.workload, a.conversations, a.turns, a.users) == ("multiturn", 3, 2, 16)
+    assert bench_prefix.workload_mode(a.spec_modes) == (True, "")    # the verifier's mode
+    a = p.parse_args(["bench", "--workload", "multiturn", "--spec-modes", "fixed"])
+    assert bench_prefix.workload_mode(a.spec_modes) == (True, "fixed")
     with pytest.raises(SystemExit):
         p.parse_args(["bench", "--workload", "nope"])
+
+
+def test_the_workload_runs_the_speculation_mode_it_is_given(cached_stack, monkeypatch):
+    import dflash.client
+    from dflash_app.bench import DEFAULT_SPEC_MODES
+
+    sent = []
+    real = dflash.client.build_request
+
+    def spy(*args, **kw):
+        req = real(*args, **kw)
+        sent.append((req.speculation, req.speculation_mode, req.tree_budget))
+        return req
+
+    monkeypatch.setattr(dflash.client, "build_request", spy)
+    for spec_modes, expect in (("fixed", (True, "fixed", 0)), ("tree:8", (True, "tree", 8)),
+                               ("off", (False, "", 0)), (DEFAULT_SPEC_MODES, (True, "", 0))):
+        speculation, mode = bench_prefix.workload_mode(spec_modes)
+        sent.clear()
+        res = bench_prefix.run_workload(cached_stack.gateway_addr, PROMPTS, workload="multiturn",
+                                        max_tokens=2, speculation=speculation, conversations=1,
+                                        turns=2, arms=["off", "cache"], mode=mode)
+        assert sent == [expect] * 4, spec_modes
+        assert res["speculation_mode"] == {"fixed": "fixed", "tree:8": "tree:8", "off": "off"}.get(
+            spec_modes, "verifier default")
+    md = bench_prefix.markdown(res, bench_prefix.summarize(res))
+    assert "speculation: verifier default" in md and "| cache τ |" in md and "τ per turn, cache / off: " in md
+    with pytest.raises(ValueError, match="--spec-modes: --workload runs one speculation mode"):
+        bench_prefix.workload_mode("fixed,adaptive")

@@ -96,6 +96,28 @@ def test_another_gateway_joins_a_started_stack_on_the_verifiers_it_is_given(monk
         stack.add_gateway("gateway-rr", 50074, 50075)
 
 
+def test_each_replica_may_get_verifier_flags_of_its_own(monkeypatch, tmp_path):
+    cfg = StackConfig(target="t", drafters=[DrafterSpec(path="d", port=50061)],
+                      run_dir=str(tmp_path), verifiers=2, verifier_args=["--prefix-cache-mb", "64"],
+                      verifier_args_per_replica=[[], ["--prefix-cache", "off"]])
+    argv = _planned(monkeypatch, cfg)
+    v0, v1 = argv["verifier0"], argv["verifier1"]
+    assert flag_values(v0, "--prefix-cache") == [] and flag_values(v1, "--prefix-cache") == ["off"]
+    # the common flags go to both, before the replica's own (a later flag wins in argparse)
+    assert flag_values(v0, "--prefix-cache-mb") == flag_values(v1, "--prefix-cache-mb") == ["64"]
+    assert v1.index("--prefix-cache-mb") < v1.index("--prefix-cache")
+    assert not any("--prefix-cache" in a for n, a in argv.items() if not n.startswith("verifier"))
+    spawned = []
+    monkeypatch.setattr(LocalStack, "_spawn", lambda self, *a: spawned.append(a))
+    for per in ([["--prefix-cache", "off"]], [[], [], []]):
+        bad = StackConfig(target="t", drafters=[DrafterSpec(path="d", port=50061)],
+                          run_dir=str(tmp_path), verifiers=2, verifier_args_per_replica=per)
+        with pytest.raises(LaunchError, match=rf"verifier_args_per_replica: one list per replica "
+                                              rf"\(2\), got {len(per)}"):
+            LocalStack(bad).start()
+    assert spawned == []
+
+
 def test_replica_ports_that_collide_are_refused_before_anything_starts(monkeypatch, tmp_path):
     spawned = []
     monkeypatch.setattr(LocalStack, "_spawn", lambda self, *a: spawned.append(a))
