@@ -136,9 +136,9 @@ class SpeculativeDecoding(BaseModel):
     acceptance_histogram: list[int]        # j: steps that accepted exactly j drafts
     num_spec_tokens: int                   # the longest draft (positions counted)
     drafter: str | None = None             # name@version (None: no drafter)
-    # accepted draft tokens by who proposed them: "drafter" (a candidate the suffix index also
-    # proposed included) and "suffix" (the suffix index alone); they sum to
-    # num_accepted_draft_tokens
+    # accepted draft tokens by who proposed them: "drafter" (a candidate the suffix index or the
+    # grammar also proposed included), "suffix" (the suffix index alone) and "grammar" (forced by
+    # the request's grammar alone); they sum to num_accepted_draft_tokens
     num_accepted_tokens_by_source: dict[str, int] = Field(default_factory=dict)
 
 

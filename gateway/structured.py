@@ -177,19 +177,23 @@ def _call_id() -> str:
 
 def tool_calls(plan: ToolPlan, text: str) -> list[dict] | None:
     """The OpenAI ``tool_calls`` of a finished constrained output (None: the text is not a
-    whole call, e.g. cut by ``max_tokens``)."""
+    whole call, e.g. cut by ``max_tokens``); the arguments are the output's own text, the same
+    as :class:`ToolCallStream` streams."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
     if plan.named is not None:
-        name, args = plan.named, obj
+        name, args = plan.named, text
     elif isinstance(obj, dict) and obj.get("name") in plan.names and "arguments" in obj:
-        name, args = obj["name"], obj["arguments"]
+        name = obj["name"]
+        # the arguments' own text, as ToolCallStream sends it (a re-serialisation would
+        # escape what the model wrote unescaped: the whole and streamed calls would differ)
+        args = text[len(call_prefix(name)):-1] if text.startswith(call_prefix(name)) and text.endswith("}") \
+            else json.dumps(obj["arguments"], ensure_ascii=False)
     else:
         return None
-    return [{"id": _call_id(), "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args)}}]
+    return [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}}]
 
 
 class ToolCallStream:

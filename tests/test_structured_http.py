@@ -138,8 +138,25 @@ def test_tool_calls_shape_whole_and_streamed(served, choice):
                     pieces.append(tc.function.arguments)
             finish = ch.finish_reason or finish
     assert finish == "tool_calls" and len(ids) == 1 and name == call.function.name
-    assert json.loads("".join(pieces)) == args       # greedy: the same call as the whole response
+    assert "".join(pieces) == call.function.arguments   # greedy: the same call, the same text
+    assert json.loads("".join(pieces)) == args
     assert len(pieces) > 1                            # the arguments came in several deltas
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_whole_calls_arguments_are_the_outputs_own_text(named):
+    """Not re-serialised: what the model wrote unescaped stays unescaped, as in the stream."""
+    from gateway.structured import ToolCallStream, ToolPlan, call_prefix, tool_calls
+
+    args = '{"city": "Zürich", "note": "\\u00e9 \\"q\\""}'
+    plan = ToolPlan(("get_weather", "get_time"), "get_weather" if named else None, "")
+    text = args if named else call_prefix("get_weather") + args + "}"
+    (call,) = tool_calls(plan, text)
+    assert call["function"] == {"name": "get_weather", "arguments": args}
+    stream = ToolCallStream(plan)
+    pieces = [d["function"]["arguments"] for i in range(0, len(text), 5) for d in stream.feed(text[i:i + 5])]
+    pieces += [d["function"]["arguments"] for d in stream.finish()]
+    assert "".join(pieces) == args
 
 
 BAD = [

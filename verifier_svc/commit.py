@@ -10,6 +10,7 @@ advances its row's request, session and cache in place).
 from __future__ import annotations
 
 import logging
+import time
 
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.logits_processors import token_logprobs
@@ -63,9 +64,7 @@ def commit_row(r: StepRow, timing: StepTiming, target: Target, totals: Acceptanc
         answers.add(st.req.tenant, s.tokens[len(st.req.prompt):])
     if st.processor:
         st.processor.commit(new)
-    if st.grammar is not None:
-        st.grammar.commit(new)
-    grammar_accepted = _grammar_accepted(r, v)
+    grammar_accepted = _grammar_commit(r, v)
     sampling = st.req.sampling
     logprobs = (token_logprobs(r.logits, kept[:len(new)], new, sampling.top_logprobs)
                 if sampling.logprobs else None)
@@ -83,9 +82,22 @@ def commit_row(r: StepRow, timing: StepTiming, target: Target, totals: Acceptanc
                    draft_seconds=draft_s, verify_seconds=timing.verify_seconds,
                    fallback=d.fallback, stats=st.stats, batch_size=timing.batch,
                    policy=timing.decision, step=st.steps, tree_nodes=nodes, logprobs=logprobs,
-                   suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted)
+                   suffix_nodes=suffix_nodes, suffix_accepted=suffix_accepted,
+                   grammar_accepted=grammar_accepted)
     st.steps += 1
     return ev
+
+
+def _grammar_commit(r: StepRow, v: Verified) -> int:
+    """Advance row ``r``'s matcher by its committed tokens (timed into ``r.grammar_seconds``);
+    returns the accepted tokens only its grammar proposed (0 without a grammar)."""
+    g = r.state.grammar
+    if g is None:
+        return 0
+    t0 = time.perf_counter()
+    g.commit(v.tokens)
+    r.grammar_seconds += time.perf_counter() - t0
+    return _grammar_accepted(r, v)
 
 
 def _grammar_accepted(r: StepRow, v: Verified) -> int:

@@ -66,6 +66,7 @@ class StepRow:
     verified: Verified | None = None
     masks: torch.Tensor | None = None        # [len(block), V] bool, its grammar's; None: no grammar
     grammar_nodes: int = 0                   # block tokens only its grammar proposed (forced)
+    grammar_seconds: float = 0.0             # this step's seconds on its grammar (grammar_rows.GrammarTime)
 
     @property
     def tree(self) -> DraftTree | None:

@@ -45,7 +45,7 @@ from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync
 from verifier_svc.engine_gauges import EngineGauges
-from verifier_svc.grammar_rows import constrain
+from verifier_svc.grammar_rows import GrammarTime, constrain
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
@@ -137,6 +137,7 @@ class VerifierEngine(EngineGauges):
         self.suffix_calibration = SuffixCalibration()
         self.suffix_lookup_seconds = 0.0     # summed over steps (metrics: per-step cost)
         self.suffix_lookups = 0
+        self.grammar_time = GrammarTime()    # decode steps' seconds on grammars (metrics)
         self.step_listeners: list[Callable[[Request, StepEvent], None]] = []
         self._last_cycle_end = 0.0           # for the policy's per-cycle overhead
         self._grammars = grammars
@@ -310,6 +311,7 @@ class VerifierEngine(EngineGauges):
         with t.lock:
             events = [commit_row(r, timing, t, self.totals, suffix=self.suffix, answers=self.answers,
                                  calibration=self.suffix_calibration) for r in rows]
+        self.grammar_time.add(rows)
         # a call that uploaded a session's whole context makes the step a join, not a steady
         # step (mode suffix sends nothing, so its sessions join nothing)
         self._feed_policy(plan, drafts.uploaded, rows, events, timing, drafts.wasted_seconds)
@@ -371,7 +373,9 @@ def _processed(r: StepRow) -> torch.Tensor:
         x = (processor.apply(x, tree.tokens, tree.parents) if tree is not None
              else processor.apply(x, r.block[1:]))
     if r.masks is not None:
+        t0 = time.perf_counter()
         x = x.float().masked_fill(~r.masks.to(x.device), -math.inf)
+        r.grammar_seconds += time.perf_counter() - t0
     return x
 
 

@@ -1,10 +1,11 @@
 """The verifier engine's gauges (read by ``verifier_svc.observe`` each scrape): the sessions'
-suffix indexes, their KV, the prefix cache and the drafters' kept contexts. A base of
+suffix indexes, their KV, the prefix cache, the drafters' kept contexts and the grammars' time. A base of
 :class:`verifier_svc.engine.VerifierEngine`, kept apart so the engine reads as its step."""
 
 from __future__ import annotations
 
 from verifier_svc.drafter_sync import DrafterSync
+from verifier_svc.grammar_rows import GrammarTime
 from verifier_svc.prefix_cache import PrefixCache
 from verifier_svc.sessions import SessionStore
 from verifier_svc.suffix_drafts import AnswerStore
@@ -18,6 +19,7 @@ class EngineGauges:
     answers: AnswerStore
     prefix_cache: PrefixCache | None
     sync: DrafterSync
+    grammar_time: GrammarTime
 
     @property
     def suffix_index_tokens(self) -> int:
@@ -76,3 +78,12 @@ class EngineGauges:
     @property
     def drafter_prefix_misses(self) -> int:
         return self.sync.prefixes.misses
+
+    # decode steps' time on grammars (``verifier_svc.grammar_rows.GrammarTime``)
+    @property
+    def grammar_seconds(self) -> float:
+        return self.grammar_time.seconds
+
+    @property
+    def grammar_rows(self) -> int:
+        return self.grammar_time.rows

@@ -14,26 +14,50 @@ speculation.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
-from dflash.core.grammar import MAX_FORCED
+from dflash.core.grammar import MAX_FORCED, GrammarState
 from dflash.core.logits_processors import chain_parents
 from dflash.core.speculation import MAX_TREE_BUDGET, MODE_OFF
 from verifier_svc.decode_state import StepRow
 from verifier_svc.suffix_drafts import GRAMMAR, Sourced
 from verifier_svc.tree import DraftTree
 
-__all__ = ["constrain", "with_forced"]
+__all__ = ["GrammarTime", "constrain", "with_forced"]
+
+
+@dataclasses.dataclass
+class GrammarTime:
+    """Decode-step time spent on grammars: ``seconds`` summed over ``rows``, the step rows that
+    verified under a grammar (at batch 1 a row is a step)."""
+
+    seconds: float = 0.0
+    rows: int = 0
+
+    def add(self, rows: list[StepRow]) -> None:
+        """One step's rows, once they are committed (rows without a grammar count nowhere)."""
+        for r in rows:
+            if r.state.grammar is not None:
+                self.rows += 1
+                self.seconds += r.grammar_seconds
 
 
 def constrain(r: StepRow) -> None:
     """Prune row ``r``'s drafts (chain) or tree by its grammar, add its forced tokens, and set
-    ``r.masks`` (bool ``[block, V]``). Rows without a grammar are left alone."""
-    st = r.state
-    g = st.grammar
+    ``r.masks`` (bool ``[block, V]``); the seconds it took go to ``r.grammar_seconds``. Rows
+    without a grammar are left alone."""
+    g = r.state.grammar
     if g is None:
         return
+    t0 = time.perf_counter()
+    _constrain(r, g)
+    r.grammar_seconds += time.perf_counter() - t0
+
+
+def _constrain(r: StepRow, g: GrammarState) -> None:
+    st = r.state
     room = st.req.max_tokens - st.emitted - 1      # drafts committable beside the bonus token
     forced = g.forced(min(MAX_FORCED, room)) if st.mode != MODE_OFF else []
     if r.sourced is not None:

@@ -73,6 +73,11 @@ class VerifierObserver:
              "suffix candidates (summed over decode steps)."),
             ("suffix_lookups_total", "suffix_lookups", "Decode steps that looked up suffix "
              "candidates."),
+            ("grammar_seconds_total", "grammar_seconds", "Seconds decode steps spent on "
+             "grammars: pruning drafts, computing and applying masks, advancing matchers "
+             "(summed over the rows that had a grammar)."),
+            ("grammar_rows_total", "grammar_rows", "Decode-step rows verified under a grammar "
+             "(at batch 1, steps)."),
             ("prefix_cache_bytes", "prefix_cache_bytes", "Bytes of cached prefixes (K/V and "
              "taps), pinned ones included."),
             ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes", "Of those, bytes never "
@@ -121,7 +126,8 @@ class VerifierObserver:
         self.metrics.step(label, drafted=ev.drafted, accepted=ev.accepted, fallback=ev.fallback,
                           verify_s=ev.verify_seconds, draft_s=draft_s, wire_s=wire_s,
                           context_bytes=view.context_bytes, tree_nodes=ev.tree_nodes,
-                          suffix_nodes=ev.suffix_nodes, suffix_accepted=ev.suffix_accepted)
+                          suffix_nodes=ev.suffix_nodes, suffix_accepted=ev.suffix_accepted,
+                          grammar_accepted=ev.grammar_accepted)
         if ev.drafted:
             self.speclog.record(ev.drafted, ev.accepted)
         if isinstance(req.trace, RequestSpans):

@@ -89,6 +89,7 @@ class StepEvent:
     tree_nodes: int = 0                # nodes of the tree verified this step (0: a chain)
     suffix_nodes: int = 0              # of those, nodes from suffix candidates
     suffix_accepted: int = 0           # accepted tokens only a suffix candidate proposed
+    grammar_accepted: int = 0          # accepted tokens only the grammar proposed (forced)
     step: int = -1                     # decode step index (-1: the prefill event)
     logprobs: list[TokenLogprob] | None = None   # one per token when sampling.logprobs
 

@@ -102,7 +102,8 @@ class VerifierMetrics:
         self.accepted_by_source = Counter(
             "dflash_spec_decode_num_accepted_tokens_by_source",
             "Accepted draft tokens by who proposed them: drafter (a candidate the suffix index "
-            "also proposed included) or suffix (the suffix index alone); they sum to "
+            "or the grammar also proposed included), suffix (the suffix index alone) or grammar "
+            "(forced by the request's grammar alone; a series only once one was); they sum to "
             "num_accepted_tokens.", [V, "source"], registry=r)
         self.suffix_nodes = Counter("dflash_spec_decode_num_suffix_nodes",
                                     "Suffix candidates verified (tree nodes from the suffix index).",
@@ -112,11 +113,11 @@ class VerifierMetrics:
     def step(self, label: str, *, drafted: int, accepted: int, fallback: str | None,
              verify_s: float, draft_s: float | None, wire_s: float | None,
              context_bytes: int | None, tree_nodes: int = 0, suffix_nodes: int = 0,
-             suffix_accepted: int = 0) -> None:
+             suffix_accepted: int = 0, grammar_accepted: int = 0) -> None:
         """One decode step. ``accepted`` counts drafts accepted and emitted (stop-aware); a tree
         step (``tree_nodes`` > 0) gives its depth as ``drafted`` and its path as ``accepted``;
         ``suffix_nodes`` of its nodes were suffix candidates, ``suffix_accepted`` of ``accepted``
-        only the suffix index proposed."""
+        only the suffix index proposed, ``grammar_accepted`` only the request's grammar."""
         if tree_nodes:
             self.tree_drafts.labels(label).inc()
             self.tree_nodes.labels(label).inc(tree_nodes)
@@ -126,8 +127,11 @@ class VerifierMetrics:
             self.drafts.labels(label).inc()
             self.draft_tokens.labels(label).inc(drafted)
             self.accepted.labels(label).inc(accepted)
-            self.accepted_by_source.labels(label, "drafter").inc(accepted - suffix_accepted)
+            self.accepted_by_source.labels(label, "drafter").inc(
+                accepted - suffix_accepted - grammar_accepted)
             self.accepted_by_source.labels(label, "suffix").inc(suffix_accepted)
+            if grammar_accepted:
+                self.accepted_by_source.labels(label, "grammar").inc(grammar_accepted)
             self.acceptance_length.labels(label).observe(1 + accepted)
             for i in range(drafted):
                 child = self._pos_children.get((label, i))
