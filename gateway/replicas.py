@@ -130,6 +130,12 @@ class Replica:
         return self.down_at is None or w.checks >= self.down_at + 2
 
     @property
+    def maybe_up(self) -> bool:
+        """Not known to be down: healthy, or not checked yet (a drafter registered now must
+        reach it too: its first SERVING answer may come before the registration)."""
+        return self.healthy or self.watch is None or self.watch.healthy is None
+
+    @property
     def draining(self) -> bool:
         load = self.watch.load if self.watch is not None else None
         return self.drain or bool(load is not None and load.draining)
@@ -340,15 +346,20 @@ class ReplicaSet:
         with self._lock:
             return [r for r in self.replicas.values() if r.healthy]
 
+    def maybe_up(self) -> list[Replica]:
+        """The replicas not known to be down (:attr:`Replica.maybe_up`)."""
+        with self._lock:
+            return [r for r in self.replicas.values() if r.maybe_up]
+
     def __len__(self) -> int:
         return len(self.replicas)
 
     # ------------------------------------------------------------------ the stub
     def CheckDrafter(self, request, timeout=None):
-        """Every healthy replica checks the drafter (the first answer is returned); with none
-        healthy, the first replica's (UNAVAILABLE while it is down). Raises the first
-        replica's grpc.RpcError when every one refuses."""
-        targets = self.healthy() or list(self.replicas.values())[:1]
+        """Every replica not known to be down checks the drafter (the first answer is
+        returned); with none, the first replica's (UNAVAILABLE while it is down). Raises the
+        first replica's grpc.RpcError when every one refuses."""
+        targets = self.maybe_up() or list(self.replicas.values())[:1]
         first: grpc.RpcError | None = None
         out = None
         for r in targets:
@@ -367,7 +378,7 @@ class ReplicaSet:
 
     def CloseSession(self, request, timeout=None):
         existed = False
-        for r in self.healthy():
+        for r in self.maybe_up():
             try:
                 existed = r.stub.CloseSession(request, timeout=timeout).existed or existed
             except grpc.RpcError:

@@ -306,10 +306,13 @@ def test_a_replica_not_checked_yet_is_only_a_last_resort():
         checked.watch = SimpleNamespace(healthy=True, checks=1, load=None)
         joined.watch = SimpleNamespace(healthy=None, checks=0, load=None)
         assert not joined.eligible and checked.eligible
+        # but a drafter registered now is checked on it too (CheckDrafter fans out to it)
+        assert rs.maybe_up() == [checked, joined]
         picked = {rs.pick("t", [i])[0].address for i in range(8)}
         assert picked == {checked.address}
         checked.watch.healthy = False                          # the checked one goes down
         assert rs.pick("t", IDS)[0] is joined
+        assert rs.maybe_up() == [joined]
     finally:
         for r in rs.replicas.values():
             r.raw.close()
