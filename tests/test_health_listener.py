@@ -71,10 +71,12 @@ def test_the_listener_is_its_own_process_and_goes_not_serving_when_the_service_i
         assert child.proc.pid != os.getpid() and child.proc.poll() is None
         child.set("", SERVING)
         child.set("dflash.v1.Verifier", SERVING)
-        assert status(child.port) == SERVING
+        # set() writes a line and returns: the child reads it when it gets the CPU
+        wait_until(lambda: status(child.port) == SERVING, 5, "SERVING mirrored")
         wait_until(lambda: status(child.port) == NOT_SERVING, 5, "NOT_SERVING after silence")
-        child.set("", SERVING)
-        assert status(child.port) == SERVING
+        # a line brings it back for stale_s: each try sends one, so a slow poll cannot miss it
+        wait_until(lambda: (child.set("", SERVING), status(child.port) == SERVING)[1], 5,
+                   "SERVING after the next line")
     finally:
         child.stop()
     beating = HealthProcess("127.0.0.1:0", heartbeat_s=0.05, stale_s=1.0)
