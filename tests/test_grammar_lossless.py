@@ -33,6 +33,7 @@ from dflash.core.sampling import Sampling, probs_from_logits
 from verifier_svc.engine import Request, VerifierEngine
 
 from doubles import ReferenceDrafter
+from helpers import fixed_os_randomness
 from markov import TableDrafter, TableTarget
 
 PROMPTS = [[72, 101, 108, 108, 111], [3, 250, 17, 99, 42, 8, 199, 64, 10, 11, 12]]
@@ -221,20 +222,21 @@ def sample_run(mode: str) -> tuple[dict, dict, int]:
     info = {"accepted": 0, "rejected": 0}
     outside = 0
     try:
-        for i in range(N_REQUESTS):
-            req = Request(request_id=f"{mode}{i}", prompt=[2], max_tokens=TOKENS, ignore_eos=True,
-                          sampling=SAMPLING, proposer=drafter, grammar=GrammarSpec("regex", NO_AA))
-            out: list[int] = []
-            for ev in eng.generate(req):
-                out += ev.tokens
-                if ev.drafted and ev.finish is None:
-                    info["accepted"] += ev.accepted
-                    info["rejected"] += ev.accepted < ev.drafted
-            assert len(out) == TOKENS
-            outside += any(a == b == 0 for a, b in zip(out, out[1:]))
-            for j, t in enumerate(out):
-                key = (j % 2, j > 0 and out[j - 1] == 0)   # the prompt [2] sits at position 0
-                counts.setdefault(key, np.zeros(V, dtype=np.int64))[t] += 1
+        with fixed_os_randomness(1_000_000 * ("fixed", "tree", "off").index(mode)):
+            for i in range(N_REQUESTS):
+                req = Request(request_id=f"{mode}{i}", prompt=[2], max_tokens=TOKENS, ignore_eos=True,
+                              sampling=SAMPLING, proposer=drafter, grammar=GrammarSpec("regex", NO_AA))
+                out: list[int] = []
+                for ev in eng.generate(req):
+                    out += ev.tokens
+                    if ev.drafted and ev.finish is None:
+                        info["accepted"] += ev.accepted
+                        info["rejected"] += ev.accepted < ev.drafted
+                assert len(out) == TOKENS
+                outside += any(a == b == 0 for a, b in zip(out, out[1:]))
+                for j, t in enumerate(out):
+                    key = (j % 2, j > 0 and out[j - 1] == 0)   # the prompt [2] sits at position 0
+                    counts.setdefault(key, np.zeros(V, dtype=np.int64))[t] += 1
     finally:
         eng.close()
     return counts, info, outside

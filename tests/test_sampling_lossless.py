@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -62,6 +60,7 @@ from dflash.v1 import common_pb2, gateway_pb2
 from verifier_svc.engine import Request, VerifierEngine
 
 from doubles import TargetDouble
+from helpers import fixed_os_randomness
 from markov import TableDrafter
 
 V = 4
@@ -214,26 +213,25 @@ def run(setting: int, speculative: bool, seeded: bool = True) -> tuple[np.ndarra
     drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE) if speculative else None
     n_tokens = N_TRANSITIONS if speculative else N_PLAIN
     seqs, info = [], {"steps": 0, "drafted_steps": 0, "rejected_steps": 0, "full_steps": 0}
-    os_bits = itertools.count(7_000_000 * (setting + 1) + (500_000 if speculative else 0))
-    for i in range(-(-n_tokens // TOKENS_PER_REQUEST)):
-        seed = 1000 * setting + i + (500 if speculative else 0)
-        req = Request(request_id=f"r{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
-                      sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                        seed=seed if seeded else None),
-                      proposer=drafter)
-        out = []
-        with mock.patch("secrets.randbits", lambda _bits: next(os_bits)):
+    with fixed_os_randomness(7_000_000 * (setting + 1) + (500_000 if speculative else 0)):
+        for i in range(-(-n_tokens // TOKENS_PER_REQUEST)):
+            seed = 1000 * setting + i + (500 if speculative else 0)
+            req = Request(request_id=f"r{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
+                          sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                            seed=seed if seeded else None),
+                          proposer=drafter)
+            out = []
             events = list(engine.generate(req))
-        for ev in events:
-            out += ev.tokens
-            info["steps"] += 1
-            if ev.drafted:
-                info["drafted_steps"] += 1
-                # A step cut by max_tokens may report fewer accepted without a rejection.
-                if ev.finish is None:
-                    info["rejected_steps" if ev.accepted < ev.drafted else "full_steps"] += 1
-        assert len(out) == TOKENS_PER_REQUEST
-        seqs.append(PROMPT + out)
+            for ev in events:
+                out += ev.tokens
+                info["steps"] += 1
+                if ev.drafted:
+                    info["drafted_steps"] += 1
+                    # A step cut by max_tokens may report fewer accepted without a rejection.
+                    if ev.finish is None:
+                        info["rejected_steps" if ev.accepted < ev.drafted else "full_steps"] += 1
+            assert len(out) == TOKENS_PER_REQUEST
+            seqs.append(PROMPT + out)
     return transition_counts(seqs), info
 
 

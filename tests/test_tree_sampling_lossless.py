@@ -24,6 +24,7 @@ import pytest
 from dflash.core.sampling import Sampling
 from verifier_svc.engine import Request, VerifierEngine
 
+from helpers import fixed_os_randomness
 from markov import TableDrafter
 from test_sampling_lossless import (
     ALPHA,
@@ -61,23 +62,24 @@ def run(setting: int, positions_by_slot: bool = False, mode: str = "tree", seede
     drafter = TableDrafter(draft_probs(sampling), BLOCK_SIZE) if mode != "suffix" else None
     seqs, info = [], {"tree_steps": 0, "nodes": 0, "accepted": 0, "deep": 0, "suffix_nodes": 0,
                       "suffix_accepted": 0}
-    for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
-        req = Request(request_id=f"t{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
-                      sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                        seed=7000 + 100 * setting + i if seeded else None),
-                      proposer=drafter)
-        out = []
-        for ev in engine.generate(req):
-            out += ev.tokens
-            if ev.tree_nodes:
-                info["tree_steps"] += 1
-                info["nodes"] += ev.tree_nodes
-                info["accepted"] += ev.accepted
-                info["deep"] += ev.accepted >= 2
-                info["suffix_nodes"] += ev.suffix_nodes
-                info["suffix_accepted"] += ev.suffix_accepted
-        assert len(out) == TOKENS_PER_REQUEST
-        seqs.append(PROMPT + out)
+    with fixed_os_randomness(8_000_000 + 100_000 * setting):
+        for i in range(-(-N_TRANSITIONS // TOKENS_PER_REQUEST)):
+            req = Request(request_id=f"t{i}", prompt=list(PROMPT), max_tokens=TOKENS_PER_REQUEST,
+                          sampling=Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                            seed=7000 + 100 * setting + i if seeded else None),
+                          proposer=drafter)
+            out = []
+            for ev in engine.generate(req):
+                out += ev.tokens
+                if ev.tree_nodes:
+                    info["tree_steps"] += 1
+                    info["nodes"] += ev.tree_nodes
+                    info["accepted"] += ev.accepted
+                    info["deep"] += ev.accepted >= 2
+                    info["suffix_nodes"] += ev.suffix_nodes
+                    info["suffix_accepted"] += ev.suffix_accepted
+            assert len(out) == TOKENS_PER_REQUEST
+            seqs.append(PROMPT + out)
     engine.close()
     return transition_counts(seqs), info
 
