@@ -27,8 +27,8 @@ only. Then, in this order:
    one poll late); when the last one went there; requests routed to replica 0 after the mark
    (the load went on). Replica 1 is undrained afterwards.
 3. **failover**: ``--streams`` concurrent greedy streams run once uninterrupted (the reference),
-   then again with replica 1's verifier process killed (SIGKILL) once ``--kill-at`` of the
-   reference's tokens have arrived. Failed requests (target 0); streams that moved
+   then again with the verifier process of the replica serving most of them (replica 1 on a
+   tie) killed (SIGKILL) once ``--kill-at`` of the reference's tokens have arrived. Failed requests (target 0); streams that moved
    (``usage.resumes`` > 0); streams whose token ids equal the reference's (target: all); per
    moved stream the time to resume: from its last token before the kill to its first after
    (p50, max), and from the kill to that first token.
@@ -391,19 +391,24 @@ def measure_failover(b: Bench, prompts, a) -> dict:
             if got[0] >= threshold:
                 fire.set()
 
-    victim = b.stack.procs[b.stack.verifier_name(1)]
     kill: dict = {}
 
     def killer() -> None:
         if fire.wait(1800) and not kill.get("cancelled"):
+            # the replica serving most of the streams (replica 1 on a tie): the router may
+            # have sent every one to the replica that holds their prefixes, and killing the
+            # other would test nothing
+            now = routed(b.metrics["score"])
+            load = [now.get(r, 0) - mid.get(r, 0) for r in b.replicas]
+            kill["index"] = i = max(range(len(load)), key=lambda j: (load[j], j))
             kill["t"] = time.perf_counter()
-            victim.send_signal(signal.SIGKILL)
+            b.stack.procs[b.stack.verifier_name(i)].send_signal(signal.SIGKILL)
             with lock:
                 kill["tokens"] = got[0]
 
     k = threading.Thread(target=killer, daemon=True)
     k.start()
-    log(f"failover: {a.streams} streams, {b.stack.verifier_name(1)} killed once the streams have "
+    log(f"failover: {a.streams} streams, the replica serving most of them killed once they have "
         f"{threshold:.0f} of the reference's tokens ...")
     run = run_streams(b.gateways["score"], msgs, max_tokens=a.max_tokens,
                       tenant=f"bench-kill-{run_id}", on_delta=on_delta)
@@ -412,8 +417,10 @@ def measure_failover(b: Bench, prompts, a) -> dict:
     k.join()
     after = routed(b.metrics["score"])
     out = failover_summary(ref, run, kill.get("t"))
-    out.update({"killed": b.stack.verifier_name(1) if "t" in kill else None,
-                "killed_address": b.replicas[1], "kill_at_tokens": kill.get("tokens"),
+    i = kill.get("index")
+    out.update({"killed": b.stack.verifier_name(i) if i is not None else None,
+                "killed_address": b.replicas[i] if i is not None else None,
+                "kill_at_tokens": kill.get("tokens"),
                 "reference_tokens": sum(len(s.ids) for s in ref),
                 "requests_reference": {x: mid.get(x, 0) - before.get(x, 0) for x in mid},
                 "requests_killed_run": {x: after.get(x, 0) - mid.get(x, 0) for x in after}})

@@ -136,6 +136,8 @@ def test_smoke_run_on_tiny_models(tmp_path, tiny_target, make_drafter):
     assert dr["failed"] == 0 and dr["requests_after_period"] >= 12
     assert dr["routed_to_other_after_mark"] > dr["routed_to_drained_after_mark"]
     fo = res["failover"]
-    assert fo["killed"] == "verifier1" and fo["reference_failed"] == 0
+    # the replica serving most of the streams was the one killed, so some had to move
+    assert fo["killed"] in ("verifier0", "verifier1") and fo["reference_failed"] == 0
+    assert fo["requests_killed_run"][fo["killed_address"]] >= 2, fo
     assert fo["failed"] == 0 and fo["identical"] == 4 and fo["resumed"] >= 1
     assert fo["resume_gap_p50_s"] is not None
