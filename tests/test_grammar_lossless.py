@@ -169,6 +169,29 @@ def test_a_fully_forced_schema_needs_no_drafter(engine, target_model, tokenizer)
     assert outs["off"][1][-1].stats.grammar_nodes == 0
 
 
+def test_a_forced_stretch_as_deep_as_the_block_asks_the_drafter_nothing(engine, target_model):
+    """A const schema with a drafter (blocks of BLOCK - 1 drafts): every step whose forced
+    stretch holds at least that many tokens verifies it without a draft call (a draft there
+    could only repeat it or be refused); only the tail, shorter than a block, asks the drafter.
+    Output and steps equal those without a drafter."""
+    schema = {"const": {"name": "a forced stretch", "tags": ["x", "y", "z"], "n": 12345}}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    want, plain = run(engine, target_model, PROMPTS[0], spec, "fixed", [], "deep-none", drafter=False)
+    proposer = ReferenceDrafter(target_model, {"deep": PROMPTS[0] + want}, block_size=BLOCK,
+                                name="ref-deep")
+    asked: list[int] = []
+    inner = proposer.propose
+    proposer.propose = lambda reqs: (asked.extend(r.block_size for r in reqs if r.block_size > 1),
+                                     inner(reqs))[1]
+    req = Request(request_id="deep", session_id="deep", prompt=list(PROMPTS[0]), max_tokens=MAX_NEW,
+                  proposer=proposer, spec_mode="fixed", grammar=spec)
+    events = list(engine.generate(req))
+    engine.close_session("deep")
+    assert [t for ev in events for t in ev.tokens] == want
+    assert len(events) == len(plain) >= 4          # several full forced steps
+    assert len(asked) <= 1, asked                  # at most the tail asked for drafts
+
+
 def test_forced_stretches_are_accepted_through_the_tree(engine, target_model, hf_target, tokenizer):
     spec = GRAMMARS["json"][0]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -65,6 +65,7 @@ class StepRow:
     taps: torch.Tensor | None = None         # [len(block), taps * H]; None: no taps asked
     verified: Verified | None = None
     masks: torch.Tensor | None = None        # [len(block), V] bool, its grammar's; None: no grammar
+    forced: list[int] | None = None          # tokens its grammar forces this step (None: none asked)
     grammar_nodes: int = 0                   # block tokens only its grammar proposed (forced)
     grammar_seconds: float = 0.0             # this step's seconds on its grammar (grammar_rows.GrammarTime)
 

@@ -45,7 +45,7 @@ from verifier_svc.core import EngineCore
 from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.drafter_sync import DrafterSync
 from verifier_svc.engine_gauges import EngineGauges
-from verifier_svc.grammar_rows import GrammarTime, constrain
+from verifier_svc.grammar_rows import GrammarTime, constrain, plan_forced
 from verifier_svc.policy import (
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_BUDGETS,
@@ -286,10 +286,13 @@ class VerifierEngine(EngineGauges):
         offers = self._offers(states)
         choice = self.policy.choose_shapes(states, plan.waiting, offers)
         rows = [StepRow(st, st.session.cached, sh, o) for st, sh, o in zip(states, choice.shapes, offers)]
+        for r in rows:
+            plan_forced(r)      # a grammar's forced stretch as deep as the block: no drafter
         items = [draft_item(r) for r in rows]
         td = time.perf_counter()
         # the drafter calls wait no longer than speculating is worth this step
-        drafts = self.sync.draft(items, self.policy.draft_budget(states, choice.shapes, choice.expectations))
+        drafts = self.sync.draft(items, self.policy.draft_budget(states, [r.shape for r in rows],
+                                                                 choice.expectations))
         draft_s = time.perf_counter() - td
         for r, d in zip(rows, drafts.outcomes):
             r.draft, r.sourced = d, sourced(r, d, len(rows), self.policy)

@@ -3,8 +3,10 @@ its grammar forces added as drafts (a third source beside the drafter and the su
 and the mask of every verified row, each with the grammar state of its own path
 (``dflash.core.grammar.GrammarState.walk``).
 
-Called by ``VerifierEngine.decode_step`` after the drafts and the tree are known and before the
-target's forward, so a refused draft never costs a node. Forced tokens need no drafter: a
+Called by ``VerifierEngine.decode_step`` twice: before drafting (:func:`plan_forced`: the
+forced stretch is known from the committed tokens alone, and where it reaches as deep as the
+drafter's block would, the drafter is not asked), and after the drafts and the tree are known,
+before the target's forward (:func:`constrain`), so a refused draft never costs a node. Forced tokens need no drafter: a
 request without one (speculation on, mode not ``off``) still verifies the grammar's forced
 stretch as a chain. They are verified like every draft (the masked target accepts them with
 the probability it gives them), so the output stays that of constrained decoding without
@@ -25,7 +27,7 @@ from verifier_svc.decode_state import StepRow
 from verifier_svc.suffix_drafts import GRAMMAR, Sourced
 from verifier_svc.tree import DraftTree
 
-__all__ = ["GrammarTime", "constrain", "with_forced"]
+__all__ = ["GrammarTime", "constrain", "plan_forced", "with_forced"]
 
 
 @dataclasses.dataclass
@@ -44,6 +46,27 @@ class GrammarTime:
                 self.seconds += r.grammar_seconds
 
 
+def plan_forced(r: StepRow) -> None:
+    """Before drafting: set ``r.forced``, the tokens row ``r``'s grammar forces after its
+    committed ones (at most a block's, and what ``max_tokens`` leaves), and where they are at
+    least as many as the drafts its shape asks for (``r.shape.k``), ask none (``k`` 0: the
+    drafter is not called for it, its context rides along on a later call). A draft there
+    could only repeat the forced tokens or be refused by the mask, and a chain that differs
+    from them is replaced by them anyway (:func:`constrain`): the call adds nothing and costs
+    the drafter's forward. Suffix candidates still join a suffix or hybrid shape's tree. Rows
+    without a grammar are left alone; the seconds go to ``r.grammar_seconds``."""
+    g = r.state.grammar
+    if g is None:
+        return
+    t0 = time.perf_counter()
+    st = r.state
+    room = st.req.max_tokens - st.emitted - 1      # drafts committable beside the bonus token
+    r.forced = g.forced(min(MAX_FORCED, room)) if st.mode != MODE_OFF else []
+    if r.shape.k and len(r.forced) >= r.shape.k:
+        r.shape = dataclasses.replace(r.shape, k=0)
+    r.grammar_seconds += time.perf_counter() - t0
+
+
 def constrain(r: StepRow) -> None:
     """Prune row ``r``'s drafts (chain) or tree by its grammar, add its forced tokens, and set
     ``r.masks`` (bool ``[block, V]``); the seconds it took go to ``r.grammar_seconds``. Rows
@@ -57,9 +80,7 @@ def constrain(r: StepRow) -> None:
 
 
 def _constrain(r: StepRow, g: GrammarState) -> None:
-    st = r.state
-    room = st.req.max_tokens - st.emitted - 1      # drafts committable beside the bonus token
-    forced = g.forced(min(MAX_FORCED, room)) if st.mode != MODE_OFF else []
+    forced = r.forced if r.forced is not None else []
     if r.sourced is not None:
         src = r.sourced
         if forced:
