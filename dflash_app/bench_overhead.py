@@ -170,8 +170,9 @@ def _throughput(res: dict) -> list[str]:
     lines = ["", f"## Unique prompts: {c['limit']} x {c['max_tokens']} tokens ({c['prompts']}), "
              f"{c['rounds']} rounds", "",
              f"Two replicas on one stack, each (verifier and drafter) with --threads "
-             f"{c['threads_per_replica']} of the {c['cores']} cores, both arms alike; replica 0 "
-             "cache on, replica 1 `--prefix-cache off`, each behind its own gateway; the arms "
+             f"{c['threads_per_replica']} of the {c['cores']} cores, both arms alike; replica "
+             f"{'1' if c.get('swap_replicas') else '0'} cache on, replica "
+             f"{'0' if c.get('swap_replicas') else '1'} `--prefix-cache off`, each behind its own gateway; the arms "
              "alternate, never at once; " + ("one tenant per arm and round." if c["shared_tenant"]
                                              else "every request its own tenant (no hit)."), "",
              "| clients | on tok/s (median; rounds) | off tok/s (median; rounds) | on / off | "

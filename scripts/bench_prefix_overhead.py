@@ -69,18 +69,20 @@ def common_verifier_args(a) -> list[str]:
 def start_arms(a, run_dir: Path) -> tuple[LocalStack, dict[str, str]]:
     """The two-replica stack and one gateway per arm (module docstring). Raises LaunchError."""
     base = free_run(10)             # replica r's verifier at base + r, its drafter at base + 2 + r
+    order = [1, 0] if a.swap_replicas else [0, 1]     # replica of arm ARMS[i]: order[i]
+    args = [["--prefix-cache", "on"], ["--prefix-cache", "off"]]
     cfg = StackConfig(target=a.target, drafters=[DrafterSpec(path=a.drafter, port=base + 2)],
                       verifier_port=base, gateway_port=base + 4, admin_port=base + 5, verifiers=2,
                       verifier_args=common_verifier_args(a),
-                      verifier_args_per_replica=[["--prefix-cache", "on"], ["--prefix-cache", "off"]],
+                      verifier_args_per_replica=[args[order.index(r)] for r in range(2)],
                       run_dir=str(run_dir / "arms"), health_timeout_s=900)
     stack = LocalStack(cfg)
     log(f"unique prompts: starting 2 drafters, 2 verifiers, 3 gateways (logs in {cfg.run_dir}) ...")
     stack.start()
     try:
-        gws = {arm: stack.add_gateway(f"gateway-{arm}", base + 6 + 2 * r, base + 7 + 2 * r,
-                                      verifiers=[stack.verifier_addrs[r]])
-               for r, arm in enumerate(ARMS)}
+        gws = {arm: stack.add_gateway(f"gateway-{arm}", base + 6 + 2 * i, base + 7 + 2 * i,
+                                      verifiers=[stack.verifier_addrs[order[i]]])
+               for i, arm in enumerate(ARMS)}
     except BaseException:
         stack.stop()
         raise
@@ -312,6 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--shared-tenant", action="store_true",
                    help="one tenant per arm and round (the chat template's prefix is reused) "
                         "instead of one per request (the cache never hits)")
+    g.add_argument("--swap-replicas", action="store_true",
+                   help="cache on in replica 1, off in replica 0 (a control: a ratio that moves "
+                        "with the swap is the replicas', not the cache's)")
     g = p.add_argument_group("memory")
     g.add_argument("--requests", type=at_least(1), help="requests (10000; --tiny 200)")
     g.add_argument("--min-len", type=at_least(1), default=32, help="shortest prompt, tokens")
@@ -347,7 +352,8 @@ def config(a, t0: float, run_dir: Path) -> dict:
     return {"target": a.target, "drafter": a.drafter, "tiny": a.tiny, "mode": a.mode,
             "prompts": a.prompts, "limit": a.limit, "max_tokens": a.max_tokens,
             "concurrency": a.concurrency, "rounds": a.rounds, "warmup": a.warmup,
-            "shared_tenant": a.shared_tenant, "batch_invariant": a.batch_invariant or "verifier default",
+            "shared_tenant": a.shared_tenant, "swap_replicas": a.swap_replicas,
+            "batch_invariant": a.batch_invariant or "verifier default",
             "cores": cores(), "threads_per_replica": max(1, cores() // 2), "commit": commit,
             "machine": platform.processor() or platform.machine(), "run_dir": str(run_dir),
             "wall_s": round(time.monotonic() - t0, 1)}
