@@ -28,10 +28,10 @@ only. Then, in this order:
    (the load went on). Replica 1 is undrained afterwards.
 3. **failover**: ``--streams`` concurrent greedy streams run once uninterrupted (the reference),
    then again with the verifier process of the replica serving most of them (replica 1 on a
-   tie) killed (SIGKILL) once ``--kill-at`` of the reference's tokens have arrived. Failed requests (target 0); streams that moved
-   (``usage.resumes`` > 0); streams whose token ids equal the reference's (target: all); per
-   moved stream the time to resume: from its last token before the kill to its first after
-   (p50, max), and from the kill to that first token.
+   tie) killed (SIGKILL) once ``--kill-at`` of the reference's tokens have arrived. Failed
+   requests (target 0); streams that moved (``usage.resumes`` > 0); streams whose token ids
+   equal the reference's (target: all); per moved stream the time to resume: from its last
+   token before the kill to its first after (p50, max), and from the kill to that first token.
 
 Output: ``replicas.json`` and ``replicas.md`` in ``--out``; progress on stderr.
 

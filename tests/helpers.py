@@ -1,8 +1,8 @@
 """Helpers shared by test modules (no test module imports another): reference decoding and
 token comparison for the lossless tests, ports and health for the process tests, address and
 environment helpers for the deployment tests, :func:`wait_until` for tests that wait for
-something to happen, :func:`fixed_os_randomness` for the statistical tests, and the in-process stack (:class:`Stack`, :func:`generate_ids`). Not a
-test module."""
+something to happen, :func:`fixed_os_randomness` for the statistical tests, and the in-process
+stack (:class:`Stack`, :func:`generate_ids`). Not a test module."""
 
 from __future__ import annotations
 
