@@ -80,9 +80,9 @@ def bench_stack_config(a):
     second mode on; ``--suffix-answers`` therefore runs each mode as its own tenant
     (:func:`mode_tenant`), whose candidates are its earlier answers to other prompts
     (docs/suffix.md, "Benchmarks")."""
-    from dflash_app.cli import _stack_config
+    from dflash_app.stack import stack_config
 
-    cfg = _stack_config(a)
+    cfg = stack_config(a)
     if not getattr(a, "suffix_answers", False):
         cfg.verifier_args = [*cfg.verifier_args, "--suffix-answer-tokens", "0"]
     if not getattr(a, "verifier_metrics", "") and "verifier" not in cfg.metrics_ports:
@@ -198,8 +198,8 @@ class Peer:
     def row(self, task_id: str, messages: list[dict]) -> dict:
         import torch
 
+        from dflash.train.eval_sets import encode_messages
         from dflash_app.hf_peer import record_acceptance
-        from dflash_app.humaneval import encode_messages
 
         ids = torch.tensor([encode_messages(self.tok, messages)])
         with record_acceptance() as matches:
@@ -503,7 +503,7 @@ def set_list(text: str) -> str:
 def add_parser(sub) -> None:
     from dflash.serving.argtypes import at_least, int_list, positive_float
     from dflash_app.bench_regret import SWEEP_SETS
-    from dflash_app.cli import _add_stack_args
+    from dflash_app.stack import add_stack_args
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
@@ -570,5 +570,5 @@ def add_parser(sub) -> None:
                    help="--workload shared-system: about this many tokens of system prompt")
     b.add_argument("--no-speculation", action="store_true",
                    help="--workload: every arm with speculation off")
-    _add_stack_args(b)
+    add_stack_args(b)
     b.set_defaults(func=cmd_bench)

@@ -45,8 +45,8 @@ def cmd_ep(a, prompts, out: Path) -> int:
     from tqdm import tqdm
 
     from dflash_app.bench import aggregate, run_gateway
-    from dflash_app.cli import _stack_config
     from dflash_app.launcher import LocalStack
+    from dflash_app.stack import stack_config
 
     sizes = [int(x) for x in a.ep_sizes.split(",") if x.strip()]
     rows: dict[str, list[dict]] = {}
@@ -54,7 +54,7 @@ def cmd_ep(a, prompts, out: Path) -> int:
         for ep in sizes:
             args = copy.copy(a)
             args.ep_size = ep
-            cfg = _stack_config(args)
+            cfg = stack_config(args)
             cfg.run_dir = str(Path(a.run_dir) / f"ep{ep}")
             with LocalStack(cfg) as stack:
                 for mode, spec in (("spec", True), ("off", False)):

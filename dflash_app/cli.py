@@ -19,85 +19,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from dflash.core.flags import DTYPE_FLAGS
 from dflash.serving.argtypes import at_least, positive_float
 from dflash.serving.authz import DEFAULT_TRUST_DOMAIN
+from dflash_app.stack import add_stack_args, default_target, stack_config
 
-if TYPE_CHECKING:   # imported where used: `dflash --help` stays light
-    from dflash_app.launcher import StackConfig
-
-REPO = Path(__file__).resolve().parents[1]
 DEV_HOSTS = ("localhost", "127.0.0.1", "::1")   # dflash.serving.tls.DEFAULT_HOSTS
-DEFAULT_DRAFTER = REPO / "models" / "smollm2-dflash-b16"
-
-
-def _default_target() -> str:
-    from dflash_app.target_setup import setup_target
-
-    return str(setup_target())
-
-
-def _tiny_models() -> tuple[str, str]:
-    """Random-weight tiny target + drafter under the cache dir (quick smoke runs). Built under
-    an exclusive lock: two `--tiny` runs at once (parallel tests) never read a half-written one."""
-    import fcntl
-
-    from dflash_app.target_setup import default_cache_dir
-    from dflash_app.testing import make_tiny_drafter, make_tiny_target
-
-    root = default_cache_dir() / "tiny"
-    t, d = root / "target", root / "drafter"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (t / "config.json").exists():
-            make_tiny_target(t)
-        if not (d / "config.json").exists():
-            make_tiny_drafter(d, t, block_size=8)
-    return str(t), str(d)
-
-
-def _stack_config(a) -> "StackConfig":
-    from dflash_app.launcher import DrafterSpec, StackConfig
-
-    if a.tiny:
-        target, drafter = _tiny_models()
-        drafters = [drafter]
-    else:
-        target = a.target or os.environ.get("DFLASH_TARGET") or _default_target()
-        drafters = a.drafter or [os.environ.get("DFLASH_DRAFTER") or str(DEFAULT_DRAFTER)]
-    specs = [DrafterSpec(path=p, port=a.drafter_port + i) for i, p in enumerate(drafters)]
-    ep = getattr(a, "ep_size", 1) or 1
-    return StackConfig(target=target, drafters=specs, gateway_port=a.gateway_port,
-                       http_port=getattr(a, "http_port", 0),
-                       verifier_port=a.verifier_port, dtype=a.dtype, run_dir=a.run_dir,
-                       verifier_args=(["--ep-size", str(ep)] if ep > 1 else [])
-                       + (["--suffix-corpus", a.suffix_corpus] if getattr(a, "suffix_corpus", "") else []),
-                       tls=getattr(a, "tls", False), verifiers=getattr(a, "verifiers", 1))
-
-
-def _add_stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model dir (default: SmolLM2-135M-Instruct, set up on demand)")
-    p.add_argument("--drafter", action="append", help="drafter dir; repeat for several versions "
-                   f"(default: {DEFAULT_DRAFTER.relative_to(REPO)})")
-    p.add_argument("--tiny", action="store_true", help="use tiny random-weight models (smoke test)")
-    p.add_argument("--gateway-port", type=int, default=50050)
-    p.add_argument("--verifier-port", type=int, default=50051)
-    p.add_argument("--drafter-port", type=int, default=50061, help="first drafter's port (+1 each)")
-    p.add_argument("--dtype", choices=DTYPE_FLAGS, default="auto",
-                   help="every model service's --dtype: auto (float32 on a CPU, but bfloat16 for "
-                        "drafters where the CPU has bf16 instructions; the checkpoint's on a GPU), "
-                        "bfloat16, float16 or float32")
-    p.add_argument("--run-dir", default="runs/up", help="where service logs go")
-    p.add_argument("--suffix-corpus", default="",
-                   help="the verifier's --suffix-corpus: token shards (e.g. data/train, the "
-                        "default drafter's training data) whose answers are suffix candidates "
-                        "for every tenant (docs/suffix.md)")
-    p.add_argument("--ep-size", type=int, default=1,
-                   help="expert-parallel ranks for the verifier (a mixture-of-experts target; "
-                        "dflash convert-moe makes one from a dense target)")
 
 
 def cmd_up(a) -> int:
@@ -107,7 +34,7 @@ def cmd_up(a) -> int:
     if a.prometheus:  # /metrics on every service + a local Prometheus (dflash_app/local_prometheus.py)
         from dflash_app.local_prometheus import PrometheusStack
         new_stack = PrometheusStack.from_path()  # none on PATH: exits, saying how to install it
-    cfg = _stack_config(a)
+    cfg = stack_config(a)
     if a.metrics:   # the compose layout of /metrics ports, what `dflash top` reads by default
         from dflash_app.local_prometheus import metrics_ports
         cfg.metrics_ports = metrics_ports(cfg)
@@ -264,10 +191,10 @@ def cmd_demo(a) -> int:
     from dflash.client import GatewayClient, build_request, summary_line
     from dflash.core.convert import stats_from_proto
     from dflash.core.stats import AcceptanceCounter
-    from dflash_app.humaneval import format_prompt, load_problems
+    from dflash.train.eval_sets import format_prompt, load_problems
     from dflash_app.launcher import LocalStack
 
-    cfg = _stack_config(a)
+    cfg = stack_config(a)
     if not a.tiny and not Path(cfg.drafters[0].path, "config.json").exists():
         print(f"no drafter at {cfg.drafters[0].path}; train one (python -m dflash.train) or pass "
               "--drafter", file=sys.stderr)
@@ -322,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the stack as local processes")
-    _add_stack_args(up)
+    add_stack_args(up)
     up.add_argument("--http-port", type=int, default=8000,
                     help="the gateway's OpenAI-compatible HTTP API port; 0 = off")
     up.add_argument("--verifiers", type=at_least(1), default=1,
@@ -355,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_gen_args(g)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="the main job: stack + HumanEval completions + acceptance")
-    _add_stack_args(d)
+    add_stack_args(d)
     d.add_argument("--tls", action="store_true",
                    help="mTLS on every link, with certificates made in <run-dir>/tls")
     d.add_argument("--http-port", type=int, default=8000,
@@ -365,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=128)
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("setup-target", help="fetch and convert SmolLM2-135M-Instruct (idempotent)")
-    s.set_defaults(func=lambda a: (_default_target(), 0)[1])
+    s.set_defaults(func=lambda a: (default_target(), 0)[1])
     c = sub.add_parser("certs", help="a development CA and per-service TLS certificates")
     c.add_argument("--out", required=True, help="directory for ca.pem, <role>.pem, "
                    "<role>-key.pem (gateway, verifier, drafter, client, admin)")

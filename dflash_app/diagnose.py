@@ -107,7 +107,7 @@ def draw_prompts(a) -> list[tuple[str, object]]:
 
 
 def _encode(tok, prompt, raw: bool) -> list[int]:
-    from dflash_app.humaneval import encode_messages
+    from dflash.train.eval_sets import encode_messages
 
     if isinstance(prompt, list):
         return encode_messages(tok, prompt)

@@ -158,10 +158,10 @@ def run_stack_flood(a: argparse.Namespace) -> FloodResult:
     """Start the stack ``a`` describes on free ports, flood it, stop it."""
     import socket
 
-    from dflash_app.cli import _tiny_models
     from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.stack import tiny_models
 
-    target, drafter = _tiny_models() if a.tiny else (a.target, a.drafter)
+    target, drafter = tiny_models() if a.tiny else (a.target, a.drafter)
     if not target or not drafter:
         raise SystemExit("--target and --drafter, or --tiny")
     socks = [socket.socket() for _ in range(6)]

@@ -28,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from dflash_app.target_setup import GGUF_SHA256, file_sha256
+from dflash.train.target_setup import GGUF_SHA256, file_sha256
 
 PREFIX = "gguf-part-"
 _NAME = re.compile(rf"{PREFIX}(\d+)-of-(\d+)\.([0-9a-f]{{16}})")

@@ -104,7 +104,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a) -> int:
-    from dflash_app.target_setup import default_cache_dir, setup_target
+    from dflash.train.target_setup import default_cache_dir, setup_target
 
     src = a.src or str(setup_target())
     dst = a.dst or str(default_cache_dir() / f"smollm2-135m-instruct-moe{a.experts}")

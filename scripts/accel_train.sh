@@ -139,7 +139,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODE=$( [[ $DRY == 1 ]] && echo "dry run: CPU, tiny random models" || echo "$DEVICE: SmolLM2-135M-Instruct" )
 
 # ---------------------------------------------------------------- 1. the GGUF parts
-SHA=$("$PY" -c "from dflash_app.target_setup import GGUF_SHA256; print(GGUF_SHA256)")
+SHA=$("$PY" -c "from dflash.train.target_setup import GGUF_SHA256; print(GGUF_SHA256)")
 if [[ $DRY == 1 && -n ${DFLASH_ACCEL_GGUF_SHA256:-} ]]; then
   SHA=$DFLASH_ACCEL_GGUF_SHA256          # the dry run's small fake file; never honoured on a device
 fi

@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", type=Path, default=None, help="folder for results.json + README.md")
     a = p.parse_args()
-    from dflash_app.target_setup import setup_target
+    from dflash.train.target_setup import setup_target
     from verifier_svc.target import TargetModel
 
     target = a.target or str(setup_target())

@@ -165,8 +165,8 @@ class Bench:
         return eng, f"127.0.0.1:{rt.port}"
 
     def generate(self, messages, addr: str | None, sid: str) -> dict:
+        from dflash.train.eval_sets import encode_messages
         from dflash.v1 import verifier_pb2
-        from dflash_app.humaneval import encode_messages
 
         ids = encode_messages(self.tok, messages)
         spec = verifier_pb2.SpeculationParams(enabled=addr is not None, drafter_address=addr or "")
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         a.prompts, a.fresh, a.rounds, a.steps = min(a.prompts, 12), min(a.fresh, 3), min(a.rounds, 2), min(a.steps, 20)
         a.max_tokens, a.throughput_prompts, a.threads, a.lr = min(a.max_tokens, 16), 4, 1, 3e-3
     elif not a.target:
-        from dflash_app.target_setup import target_dir
+        from dflash.train.target_setup import target_dir
 
         a.target = str(target_dir())
     write_report(run(a), out)

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     if not a.target:
-        from dflash_app.target_setup import target_dir
+        from dflash.train.target_setup import target_dir
 
         a.target = str(target_dir())
     out = Path(a.out)

@@ -546,12 +546,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from dflash_app.cli import DEFAULT_DRAFTER, _tiny_models
+    from dflash_app.stack import DEFAULT_DRAFTER, tiny_models
 
     if a.tiny and not a.target:
-        a.target, a.drafter = _tiny_models()
+        a.target, a.drafter = tiny_models()
     if not a.target:
-        from dflash_app.target_setup import setup_target
+        from dflash.train.target_setup import setup_target
         a.target = str(setup_target())
     a.target, a.drafter = (str(Path(x).resolve()) for x in (a.target, a.drafter or DEFAULT_DRAFTER))
     prompts = prompt_set(a.prompts)

@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash.train.target_setup import setup_target
 from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
-from dflash_app.target_setup import setup_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "chat", "data/bench/edit.jsonl")

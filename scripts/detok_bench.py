@@ -81,7 +81,7 @@ def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
     if path is None:
-        from dflash_app.target_setup import default_cache_dir
+        from dflash.train.target_setup import default_cache_dir
 
         smollm = default_cache_dir() / "smollm2-135m-instruct"
         if (smollm / "tokenizer.json").exists():

@@ -52,11 +52,11 @@ def main() -> int:
     out = ROOT / "docs" / "bench" / a.name
     out.mkdir(parents=True, exist_ok=True)
     if a.tiny:
-        from dflash_app.cli import _tiny_models
+        from dflash_app.stack import tiny_models
 
-        target, drafter = _tiny_models()
+        target, drafter = tiny_models()
     else:
-        from dflash_app.target_setup import setup_target
+        from dflash.train.target_setup import setup_target
 
         target = a.target or str(setup_target())
         drafter = a.drafter or str(ROOT / "models" / "smollm2-dflash-b16")

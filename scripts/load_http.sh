@@ -44,7 +44,7 @@ for _ in $(seq 600); do
   sleep 0.5
 done
 MODEL=$("$PY" -c "import json,urllib.request; print(json.load(urllib.request.urlopen('$URL/v1/models'))['data'][0]['id'])")
-TOKENIZER=$("$PY" -c "from dflash_app.target_setup import default_cache_dir; print(default_cache_dir() / 'tiny' / 'target')")
+TOKENIZER=$("$PY" -c "from dflash.train.target_setup import default_cache_dir; print(default_cache_dir() / 'tiny' / 'target')")
 echo "stack up: $URL/v1, model $MODEL; $REQUESTS requests at concurrency $CONCURRENCY"
 
 STREAM=()

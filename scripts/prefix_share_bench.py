@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_app.target_setup import target_dir  # noqa: E402
+from dflash.train.target_setup import target_dir  # noqa: E402
 from verifier_svc.engine import Request, VerifierEngine  # noqa: E402
 from verifier_svc.target import TargetModel  # noqa: E402
 

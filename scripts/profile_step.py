@@ -30,8 +30,8 @@ def timed(fn, reps):
 def main():
     from dflash.core.proposer import ProposalRequest
     from dflash.core.sampling import Sampling
-    from dflash_app.cli import DEFAULT_DRAFTER
-    from dflash_app.target_setup import setup_target
+    from dflash.train.target_setup import setup_target
+    from dflash_app.stack import DEFAULT_DRAFTER
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.target import TargetModel
 

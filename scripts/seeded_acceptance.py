@@ -22,10 +22,10 @@ import torch
 
 def main() -> None:
     from dflash.core.sampling import Sampling
+    from dflash.train.eval_sets import encode_messages
+    from dflash.train.target_setup import setup_target
     from dflash_app.bench_prompts import prompt_set
-    from dflash_app.cli import DEFAULT_DRAFTER
-    from dflash_app.humaneval import encode_messages
-    from dflash_app.target_setup import setup_target
+    from dflash_app.stack import DEFAULT_DRAFTER
     from drafter_svc.engine import DrafterEngine
     from verifier_svc.engine import Request, VerifierEngine
     from verifier_svc.target import TargetModel

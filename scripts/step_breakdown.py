@@ -26,7 +26,7 @@ import torch
 
 def main() -> None:
     from dflash.core.sampling import Sampling
-    from dflash_app.target_setup import setup_target
+    from dflash.train.target_setup import setup_target
     from verifier_svc.target import TargetModel
 
     p = argparse.ArgumentParser()

@@ -85,7 +85,7 @@ def main() -> None:
     if a.target:
         path = a.target
     else:
-        from dflash_app.target_setup import setup_target
+        from dflash.train.target_setup import setup_target
 
         path = setup_target()
     t = TargetModel(path, skinny_max_rows=a.skinny_max_rows, packed_linear=a.packed_linear,

@@ -36,11 +36,11 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_target():
-    """The real SmolLM2 target directory (``dflash_app.target_setup.setup_target``), built once
+    """The real SmolLM2 target directory (``dflash.train.target_setup.setup_target``), built once
     per machine; the lock keeps two test workers from building it at once."""
     import fcntl
 
-    from dflash_app.target_setup import setup_target, target_dir
+    from dflash.train.target_setup import setup_target, target_dir
 
     lock_path = target_dir().parent / ".setup.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,8 +54,8 @@ def smollm2_stack(smollm2_target, tmp_path_factory):
     """``dflash_app.launcher.LocalStack``: the SmolLM2 target and the committed drafter as
     separate processes (default flags), one per session. Tests that use it carry
     ``pytest.mark.xdist_group("smollm2")`` so that they share one worker, and one stack."""
-    from dflash_app.cli import DEFAULT_DRAFTER
     from dflash_app.launcher import DrafterSpec, LocalStack, StackConfig
+    from dflash_app.stack import DEFAULT_DRAFTER
 
     from helpers import free_ports
 

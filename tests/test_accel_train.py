@@ -84,7 +84,7 @@ def test_a_wrong_digest_or_a_damaged_part_is_refused(tmp_path, capsys):
 
 
 def test_target_setup_refuses_a_gguf_that_is_not_the_pinned_one(tmp_path):
-    from dflash_app.target_setup import setup_target
+    from dflash.train.target_setup import setup_target
 
     src, _ = _fake(tmp_path / "f.gguf")
     with pytest.raises(RuntimeError, match=r"--gguf .*f\.gguf: sha256 [0-9a-f]{64} != expected"):

@@ -109,7 +109,7 @@ def _rows(stack):
 def _target_logits(hf_target, tokenizer, messages, answer):
     """The target's raw logits float32 [len(answer), V] at each answer position, teacher-forced
     in one forward of prompt + answer."""
-    from dflash_app.humaneval import encode_messages
+    from dflash.train.eval_sets import encode_messages
 
     ids = encode_messages(tokenizer, messages)
     with torch.inference_mode():

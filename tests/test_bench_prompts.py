@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflash_app.bench_prompts import CHAT_EVAL, load_jsonl, prompt_set
+from dflash.train.eval_sets import CHAT_EVAL
+from dflash_app.bench_prompts import load_jsonl, prompt_set
 
 
 def test_named_sets():

@@ -415,7 +415,7 @@ def test_gpu_profile_runs_the_models_on_the_reserved_gpu_in_bf16(doc, monkeypatc
 
 
 def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
-    from dflash_app import target_setup
+    from dflash.train import target_setup
 
     services = active(doc, "cpu")
     ts = services["target-setup"]
@@ -433,7 +433,7 @@ def test_target_setup_fills_the_volume_the_services_read(doc, monkeypatch):
 
 
 def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
-    from dflash_app.cli import DEFAULT_DRAFTER
+    from dflash_app.stack import DEFAULT_DRAFTER
 
     services = active(doc, "cpu")
     for name in ("drafter-v1", "drafter-v2"):
@@ -450,7 +450,7 @@ def test_drafters_come_from_the_committed_models_folder(doc, monkeypatch):
 
 
 def test_committed_drafter_checkpoint_is_present():
-    from dflash_app.cli import DEFAULT_DRAFTER
+    from dflash_app.stack import DEFAULT_DRAFTER
 
     # the compose drafters mount it: a checkout without it cannot run the compose stack
     assert (DEFAULT_DRAFTER / "config.json").is_file(), f"{DEFAULT_DRAFTER} is missing"
@@ -776,7 +776,7 @@ def test_dflash_up_prometheus_without_binary_says_how_to_install(monkeypatch, ca
     from dflash_app import cli, local_prometheus
 
     monkeypatch.setattr(local_prometheus.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cli, "_stack_config", lambda a: pytest.fail("set up before checking"))
+    monkeypatch.setattr(cli, "stack_config", lambda a: pytest.fail("set up before checking"))
     with pytest.raises(SystemExit) as e:
         cli.main(["up", "--prometheus", "--tiny"])
     assert e.value.code == local_prometheus.INSTALL_HINT and "apt-get install prometheus" in e.value.code

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_app.cli import DEFAULT_DRAFTER
+from dflash_app.stack import DEFAULT_DRAFTER
 
 # the dense reference is the session's SmolLM2 stack (conftest.py), shared with
 # test_e2e_smollm2.py: the same worker
@@ -19,7 +19,7 @@ MAX_TOKENS = 32
 def _complete(gateway_addr):
     """(token ids, text, drafts) of the first N_PROMPTS HumanEval prompts, greedy, speculation on."""
     from dflash.client import GatewayClient, build_request
-    from dflash_app.humaneval import format_prompt, load_problems
+    from dflash.train.eval_sets import format_prompt, load_problems
 
     out = []
     client = GatewayClient(gateway_addr)

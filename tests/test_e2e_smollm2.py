@@ -23,7 +23,7 @@ def test_greedy_spec_equals_off_and_tau_floor(smollm2_stack):
     from dflash.client import GatewayClient, build_request
     from dflash.core.convert import stats_from_proto
     from dflash.core.stats import AcceptanceCounter
-    from dflash_app.humaneval import format_prompt, load_problems
+    from dflash.train.eval_sets import format_prompt, load_problems
 
     client = GatewayClient(smollm2_stack.gateway_addr)
     total = AcceptanceCounter()

@@ -1,7 +1,8 @@
 """dflash/ by layer: ``core`` (the algorithm) imports no other layer of dflash, ``serving``
 only ``core``, and the torch-free client nothing but the generated stubs. Across the packages,
-the import-linter contract in pyproject.toml (core <- serving <- services <- application) holds
-on the real tree and fails on a planted violation."""
+the import-linter contracts in pyproject.toml (core <- serving <- services <- application, the
+kernels at the bottom; no circle between dflash's sub-packages) hold on the real tree, name
+every package, and fail on a planted violation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ ALLOWED = {
     "client": {"client", "v1"},
     "recipe": {"core", "recipe"},
     "learn": {"core", "serving", "recipe", "learn", "v1"},
+    "train": {"core", "recipe", "train"},
 }
 
 
@@ -76,7 +79,19 @@ def _copy_packages(dest: Path) -> None:
 def test_the_tree_keeps_the_layer_contract():
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 kept, 0 broken" in result.stdout
+    assert "2 kept, 0 broken" in result.stdout
+
+
+def test_every_package_is_a_layer_once():
+    # with every package in exactly one layer (and siblings independent), an import between
+    # packages can only run down: no circle, and no package the contract does not see
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    named = [m.strip() for layer in layers for m in layer.replace(":", "|").split("|")]
+    subpackages = [f"dflash.{p.name}" for p in sorted(DFLASH.iterdir()) if (p / "__init__.py").is_file()]
+    want = [p for p in ROOT_PACKAGES if p != "dflash"] + subpackages
+    assert sorted(named) == sorted(want)
+    assert not any(":" in layer for layer in layers)       # no layer of mutually importing packages
 
 
 @pytest.mark.parametrize(
@@ -87,6 +102,9 @@ def test_the_tree_keeps_the_layer_contract():
         ("gateway/planted.py", "drafter_svc.engine"),              # one service into another
         ("verifier_svc/planted.py", "dflash_app.cli"),           # a service into the application
         ("dflash/client/planted.py", "dflash.core.errors"),        # the torch-free client into core
+        ("dflash/train/planted.py", "dflash_app.bench_prompts"),   # training into the application
+        ("kernels/planted.py", "dflash.core.flags"),               # the kernels into dflash
+        ("dflash/train/planted.py", "verifier_svc.policy"),        # training into a service
     ],
 )
 def test_a_planted_upward_import_breaks_the_contract(tmp_path, importer, imported):
@@ -96,3 +114,11 @@ def test_a_planted_upward_import_breaks_the_contract(tmp_path, importer, importe
     planted = importer.removesuffix(".py").replace("/", ".")
     assert result.returncode != 0, result.stdout
     assert f"{planted} -> {imported}" in result.stdout
+
+
+def test_a_planted_circle_between_sub_packages_breaks_the_contract(tmp_path):
+    _copy_packages(tmp_path)
+    (tmp_path / "dflash/core/planted.py").write_text("import dflash.serving.metrics\n")  # serving imports core
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert "No cycles are allowed in dflash." in result.stdout

@@ -149,8 +149,9 @@ def test_an_unmeasured_tree_is_scaled_by_the_trees_calibration_alone():
     assert p.accuracy == 0.25
     jobs = [job()]
     batch = Batch.of(jobs, [None])
-    ex = Expectations(p, jobs, batch.limits)
-    arms = Arms(p, batch, [Shape(0)], ex)
+    ex = Expectations(p.acceptance, jobs, batch.limits)
+    arms = Arms(batch, [Shape(0)], ex, acceptance=p.acceptance, costs=p.costs,
+                tree_budgets=p.tree_budgets, tree_max_batch=p.tree_max_batch)
     assert arms.raw(Arm(budget=7)) == [ex.raw(0, 7) - 1.0]
     assert ex.tree(0, 7) == ex.chain(0, 7) < ex.raw(0, 7)    # the deadline's figure: calibrated
     assert arms.gain(Arm(budget=7)) == 1.0 + ex.raw(0, 7) - 1.0   # trees' calibration: 1.0

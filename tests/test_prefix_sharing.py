@@ -104,7 +104,7 @@ def test_kv_pool_fork_copies_resident_and_spilled_sequences():
     for layer in range(2):
         pool.k[layer][row, :, :10] = torch.randn(2, 10, 4)
         pool.v[layer][row, :, :10] = torch.randn(2, 10, 4)
-    src._rec.length = 10
+    src.state.length = 10
     want = [(pool.k[i][row, :, :6].clone(), pool.v[i][row, :, :6].clone()) for i in range(2)]
     pool.fork(src, dst, 6)
     assert dst.get_seq_length() == 6 and not dst.resident

@@ -229,6 +229,16 @@ def test_service_flag_refuses_row_limits_below_auto(capsys):
     assert "--skinny-max-rows" in capsys.readouterr().err
 
 
+def test_the_product_modes_are_the_service_flags_choices():
+    # the kernels import nothing of dflash, so the torch-free flag list is written twice
+    from dflash.core.flags import PACKED_CHOICES
+
+    assert sk.PRODUCT_MODES == PACKED_CHOICES
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pytest.raises(ValueError, match="panel_linear: one of auto, on, off"):
+        sk.switch_linear(m, 0, "off", torch.device("cpu"), panel_linear="fast")
+
+
 def test_one_row_takes_the_two_copy_product_only_when_asked(two_threads):
     w, b = torch.randn(48, 32), torch.randn(48)
     x = torch.randn(1, 1, 32)

@@ -105,7 +105,7 @@ def test_truncated_and_foreign_shards_are_refused(tmp_path):
 
 
 def test_passage_prompts_deterministic_and_never_eval(tmp_path):
-    from dflash_app.bench_prompts import CHAT_EVAL
+    from dflash.train.eval_sets import CHAT_EVAL
 
     site = tmp_path / "site"
     (site / "pkg-1.0.dist-info").mkdir(parents=True)
@@ -128,8 +128,7 @@ def test_passage_prompts_deterministic_and_never_eval(tmp_path):
 
 
 def test_filters_drop_eval_prompts_and_duplicates():
-    from dflash_app.bench_prompts import CHAT_EVAL
-    from dflash_app.humaneval import load_problems
+    from dflash.train.eval_sets import CHAT_EVAL, load_problems
 
     assert chat_prompts.clean_instruction(CHAT_EVAL[0]) is None
     assert chat_prompts.clean_instruction(CHAT_EVAL[5].upper() + "!") is None
@@ -141,7 +140,7 @@ def test_filters_drop_eval_prompts_and_duplicates():
 
 def test_code_sources_are_deterministic_and_never_humaneval():
     from dflash.train.datagen import source_prompts
-    from dflash_app.humaneval import load_problems
+    from dflash.train.eval_sets import load_problems
 
     a = source_prompts("template", 20, seed=5)
     assert a == source_prompts("template", 20, seed=5) and a != source_prompts("template", 20, seed=6)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF, MODE_SUFFIX, SUFFIX_MODES
-from verifier_svc.acceptance import CHAIN, SUFFIX, TREE, session_table
-from verifier_svc.cost_model import bucket
-from verifier_svc.shapes import CANDIDATES, Arm, Decision, PolicyJob, Shape
+from verifier_svc.acceptance import CHAIN, SUFFIX, TREE, AcceptanceEstimator, session_table
+from verifier_svc.cost_model import StepCostModel, bucket
+from verifier_svc.decision import Decision
+from verifier_svc.shapes import CANDIDATES, Arm, PolicyJob, Shape
 from verifier_svc.suffix_drafts import SuffixOffer
-
-if TYPE_CHECKING:
-    from verifier_svc.policy import SpeculationPolicy
+from verifier_svc.suffix_value import hybrid_gain, suffix_cost
 
 
 def tree_shape(limit: int, budget: int) -> Shape:
@@ -95,11 +93,21 @@ class Batch:
 class Arms:
     """The arms open to one step's adaptive jobs, each valued (expected committed tokens of the
     whole batch) and priced (seconds of the step) at the batch's bucket. Every adaptive job
-    runs the same arm (one shape per step); the fixed jobs' blocks set its ``floor``."""
+    runs the same arm (one shape per step); the fixed jobs' blocks set its ``floor``.
 
-    def __init__(self, policy: SpeculationPolicy, batch: Batch, shapes: list[Shape],
-                 ex: Expectations):
-        self.policy, self.batch, self.ex, self.costs = policy, batch, ex, policy.costs
+    Args:
+        batch, shapes: the step's jobs and their pinned shapes (an adaptive job's: no drafts).
+        ex: the expected tokens the arms are valued with.
+        acceptance, costs: the policy's estimates (calibration, measured trees; step seconds).
+        tree_budgets: node budgets the tree arms may take; ``tree_max_batch``: steps of more
+            jobs than this get no tree arms (0: any).
+    """
+
+    def __init__(self, batch: Batch, shapes: list[Shape], ex: Expectations, *,
+                 acceptance: AcceptanceEstimator, costs: StepCostModel,
+                 tree_budgets: Sequence[int], tree_max_batch: int):
+        self.batch, self.ex, self.acceptance, self.costs = batch, ex, acceptance, costs
+        self.tree_budgets = tuple(tree_budgets)
         self.bucket, adaptive = batch.bucket, batch.adaptive
         self.floor = max(sh.verified for sh in shapes)
         self.top = max(batch.limits[i] for i in adaptive)
@@ -112,14 +120,14 @@ class Arms:
         # trees only when every adaptive job may verify that budget; a tree arm is priced by the
         # fit, or by its own measured cell until there is a fit
         cap = min(batch.budgets[i] for i in adaptive)
-        trees_ok = self.top and (not policy.tree_max_batch or len(shapes) <= policy.tree_max_batch)
-        budgets = [n for n in policy.tree_budgets if n <= cap and self._priced(n)] if trees_ok else []
+        trees_ok = self.top and (not tree_max_batch or len(shapes) <= tree_max_batch)
+        budgets = [n for n in self.tree_budgets if n <= cap and self._priced(n)] if trees_ok else []
         self.trees = [Arm(budget=n) for n in budgets]
         # suffix-only arms, valued from this step's candidates and never explored: every size up
         # to the largest tree budget, as mode suffix sizes its trees (SpeculationPolicy.
         # suffix_size): the few rows that usually pay are seldom a tree budget
         offered = any(batch.offers[i] is not None and batch.suffix_limits[i] for i in adaptive)
-        top_n = min(cap, max(policy.tree_budgets, default=0)) if trees_ok else 0
+        top_n = min(cap, max(self.tree_budgets, default=0)) if trees_ok else 0
         self.suffix = [Arm(budget=n, suffix_only=True) for n in range(1, top_n + 1)
                        if self._priced(n)] if offered else []
 
@@ -133,7 +141,7 @@ class Arms:
     def gain(self, arm: Arm) -> float:
         """Expected committed tokens of the whole batch under ``arm``: each adaptive job's
         :meth:`raw` extra tokens scaled by the calibration of the arm's family."""
-        acc = self.policy.acceptance.accuracy_of(family(arm))
+        acc = self.acceptance.accuracy_of(family(arm))
         return self.fixed_tokens + sum(1.0 + acc * x for x in self.raw(arm))
 
     def raw(self, arm: Arm) -> list[float]:
@@ -143,15 +151,16 @@ class Arms:
         if arm.suffix_only:
             return [offered(b.offers[i], n) - 1.0 for i in b.adaptive]
         if n:
-            return [ex.tree(i, n, calibrated=False) - 1.0 + self.policy.hybrid_gain(b.offers[i], ex.label(i), n,
-                                                                   b.suffix_limits[i])
+            return [ex.tree(i, n, calibrated=False) - 1.0
+                    + hybrid_gain(self.acceptance, self.tree_budgets, b.offers[i], ex.label(i), n,
+                                  b.suffix_limits[i])
                     for i in b.adaptive]
         return [ex.raw(i, min(arm.k, b.limits[i])) - 1.0 for i in b.adaptive]
 
     def price(self, arm: Arm) -> float:
         """Estimated seconds of the step under ``arm`` (a suffix-only tree: no drafter time)."""
         if arm.suffix_only:
-            return self.policy.suffix_cost(self.bucket, self.size(arm), self.model)
+            return suffix_cost(self.costs, self.bucket, self.size(arm), self.model)
         return self.costs.estimate(self.bucket, self.size(arm), self.model)
 
     def rate(self, arm: Arm) -> float:
@@ -159,7 +168,7 @@ class Arms:
 
     def untried(self, arm: Arm) -> bool:
         """Whether some adaptive job's drafter has no measured value for tree ``arm``."""
-        return any(self.policy.acceptance.tree_expected(self.ex.label(i), arm.budget) is None
+        return any(self.acceptance.tree_expected(self.ex.label(i), arm.budget) is None
                    for i in self.batch.adaptive)
 
     def decision(self, best: Arm, explored: bool) -> Decision:
@@ -175,15 +184,15 @@ class Expectations:
 
     ``raw(i, k)``: the request's table (the drafter's, moved towards the request's own counts,
     :func:`session_table`) at ``k`` drafts; ``chain(i, k)``: that scaled by the policy's
-    calibration, ``1 + accuracy * (raw - 1)``; ``tree(i, n)``: a tree of ``n`` nodes, measured
+    calibration (the chains', read once), ``1 + accuracy * (raw - 1)``; ``tree(i, n)``: a tree of ``n`` nodes, measured
     per drafter and budget, else the chain of ``min(n, limit)`` drafts. Tables are built once
     per drafter and job (``per_request`` False: the drafter's table for every job). The
     policy's choice of blocks and the drafters' deadline (:meth:`SpeculationPolicy.
     draft_budget`) both read them."""
 
-    def __init__(self, policy: SpeculationPolicy, jobs: Sequence[PolicyJob], limits: list[int],
+    def __init__(self, acceptance: AcceptanceEstimator, jobs: Sequence[PolicyJob], limits: list[int],
                  per_request: bool = True):
-        self.acceptance, self.accuracy = policy.acceptance, policy.accuracy
+        self.acceptance, self.accuracy = acceptance, acceptance.accuracy
         self.jobs, self.limits, self.per_request = jobs, limits, per_request
         self.top = max(limits, default=0)
         self._priors: dict[str, list[float]] = {}   # drafter label -> its E table

@@ -17,10 +17,11 @@ from dflash.core.grammar import GrammarState
 from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.speculation import MODE_OFF
 from dflash.core.stats import AcceptanceCounter
+from verifier_svc.decision import Decision
 from verifier_svc.drafter_sync import NONE, DraftOutcome
-from verifier_svc.policy import Decision, Shape
 from verifier_svc.request import Request
 from verifier_svc.sessions import Session
+from verifier_svc.shapes import Shape
 from verifier_svc.suffix_drafts import Sourced, SuffixOffer
 from verifier_svc.tree import DraftTree
 from verifier_svc.verification import Verified

@@ -48,7 +48,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.core.device import checkpoint_dtype, dtype_name, resolve_dtype
-from dflash.core.kv_pool import check_compact
+from dflash.core.kv_seq import check_compact
 from kernels.skinny_linear import DEFAULT_MAX_ROWS
 from verifier_svc.target import TargetModel, TargetUnavailable, check_parents
 from verifier_svc.target_layout import num_experts

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dflash.core.kv_pool import PoolStep
+
 log = logging.getLogger("dflash.verifier.graphs")
 
 #: Most tokens per row a captured forward takes: an anchor plus up to 31 drafts or tree nodes.
@@ -101,14 +103,12 @@ class GraphRunner:
     def _capture(self, g: _Graph, row0: int, want) -> None:
         """Warm up on a side stream (the forward writes the same K/V the replay will: the
         static inputs already hold this step's), then capture."""
-        from verifier_svc.target import _PoolStep
-
         t = self.target
         end = t.pool.capacity
 
         def forward():
             return t.model(input_ids=g.ids, attention_mask=g.mask, position_ids=g.pos,
-                           cache=_PoolStep(t.pool, row0, g.starts, end), use_cache=True,
+                           cache=PoolStep(t.pool, row0, g.starts, end), use_cache=True,
                            output_hidden_states=want, logits_to_keep=0)
 
         side = torch.cuda.Stream(device=t.device)

@@ -36,7 +36,7 @@ from verifier_svc.draft_wire import WireStats
 from verifier_svc.servicer import VerifierServicer
 
 if TYPE_CHECKING:
-    from verifier_svc.policy import Decision
+    from verifier_svc.decision import Decision
 
 
 @dataclasses.dataclass(frozen=True)

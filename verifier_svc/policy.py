@@ -29,14 +29,16 @@ from dflash.core.speculation import (
     MODE_SUFFIX,
     MODES,
 )
+from verifier_svc import suffix_value
 from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimator, session_table
 from verifier_svc.arms import Arms, Batch, Expectations, family, limits
-from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket, relative_rows
+from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
+from verifier_svc.decision import MIXED, Decision
 from verifier_svc.exploration import DEFAULT_EXPLORE_BACKOFF, Exploration
 from verifier_svc.mode_race import ModeRace
 from verifier_svc.race_arms import DEFAULT_RACE_ARMS, available, mode_shape, race_arms as race_arms_of, split_arm
-from verifier_svc.shapes import CANDIDATES, MIXED, Arm, Decision, PolicyJob, Shape, StepChoice, StepFeedback
-from verifier_svc.suffix_drafts import SuffixOffer, suffix_gain
+from verifier_svc.shapes import CANDIDATES, Arm, PolicyJob, Shape, StepChoice, StepFeedback
+from verifier_svc.suffix_drafts import SuffixOffer
 
 __all__ = ["MODES", "MIXED", "CANDIDATES", "DEFAULT_RACE_ARMS", "SESSION_PRIOR_STEPS", "Arm", "Decision",
            "PolicyJob", "Shape", "split_arm", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
@@ -50,9 +52,6 @@ DEFAULT_TREE_BUDGETS = (3, 7, 15)
 DEFAULT_TREE_BUDGET = 15
 #: Largest batch whose adaptive steps may verify trees (``--tree-max-batch``; 0: any).
 DEFAULT_TREE_MAX_BATCH = 1
-#: Floor of the drafter's marginal node value (expected tokens per node): a suffix candidate
-#: below it never displaces a drafter node.
-MIN_NODE_VALUE = 0.02
 
 
 class SpeculationPolicy:
@@ -227,8 +226,9 @@ class SpeculationPolicy:
             self._race_step = (batch.bucket, arm, tuple(batch.adaptive), race_explored)
             if arm != MODE_ADAPTIVE:
                 return self._race_choice(batch, shapes, arm, race_explored)
-        ex = Expectations(self, jobs, batch.limits)
-        arms = Arms(self, batch, shapes, ex)
+        ex = Expectations(self.acceptance, jobs, batch.limits)
+        arms = Arms(batch, shapes, ex, acceptance=self.acceptance, costs=self.costs,
+                    tree_budgets=self.tree_budgets, tree_max_batch=self.tree_max_batch)
         best, explored = self._pick(arms)
         for i in batch.adaptive:
             shapes[i] = batch.adaptive_shape(i, best)
@@ -309,52 +309,24 @@ class SpeculationPolicy:
         return Shape(0, n, True) if n else Shape(0)
 
     def suffix_size(self, offer: SuffixOffer | None, b: int, budget: int, limit: int) -> int:
-        """How many of ``offer``'s candidates to verify alone at batch bucket ``b``:
-        ``argmax_n expected(n) / suffix_cost(b, n)`` over ``0..budget`` (0: none pays)."""
-        if offer is None or not limit or not budget:
-            return 0
-        depths = offer.trie.depths
-        usable = sum(1 for j in offer.order[:budget] if depths[j] <= limit)
-        model = self.costs.fit()
-        best, best_rate = 0, 1.0 / max(self.suffix_cost(b, 0, model), 1e-9)
-        for n in range(1, usable + 1):
-            r = offer.expected(n) / max(self.suffix_cost(b, n, model), 1e-9)
-            if r > best_rate:
-                best, best_rate = n, r
-        return best
+        """How many of ``offer``'s candidates to verify alone at batch bucket ``b``
+        (:func:`verifier_svc.suffix_value.suffix_size`)."""
+        return suffix_value.suffix_size(self.costs, offer, b, budget, limit)
 
     def suffix_cost(self, b: int, n: int, model: Fit | None) -> float:
-        """Seconds of one cycle at bucket ``b`` verifying ``n`` suffix nodes without drafts:
-        the step without speculation plus the verify rows ``n`` adds
-        (:meth:`StepCostModel.verify_estimate`). Unmeasured, relative units of the same scale
-        (:func:`verifier_svc.cost_model.relative_rows`)."""
-        v0, vn = self.costs.verify_estimate(b, 0), self.costs.verify_estimate(b, n)
-        if v0 is None or vn is None or not (self.costs.measured(b, 0) or model is not None):
-            return relative_rows(n)
-        return self.costs.estimate(b, 0, model) + max(0.0, vn - v0)
+        """Seconds of one cycle at bucket ``b`` verifying ``n`` suffix nodes without drafts
+        (:func:`verifier_svc.suffix_value.suffix_cost`)."""
+        return suffix_value.suffix_cost(self.costs, b, n, model)
 
     def drafter_node_value(self, label: str, budget: int, limit: int) -> float:
-        """Expected tokens the drafter's last nodes of a ``budget``-node tree add, per node:
-        the measured tree values' slope below ``budget``, else the chain's at ``min(budget,
-        limit)`` (a suffix candidate displaces such a node only when it is worth more)."""
-        e_n = self.acceptance.tree_expected(label, budget)
-        if e_n is not None:
-            lower = [(n, self.acceptance.tree_expected(label, n)) for n in self.tree_budgets if n < budget]
-            known = [(n, v) for n, v in lower if v is not None]
-            n0, v0 = known[-1] if known else (0, 1.0)
-            return max(MIN_NODE_VALUE, (e_n - v0) / (budget - n0))
-        k = max(1, min(budget, limit))
-        table = self.acceptance.expected_table(label, k)
-        return max(MIN_NODE_VALUE, table[k] - table[k - 1])
+        """Expected tokens per node of the drafter's last nodes of a ``budget``-node tree
+        (:func:`verifier_svc.suffix_value.drafter_node_value`)."""
+        return suffix_value.drafter_node_value(self.acceptance, self.tree_budgets, label, budget, limit)
 
     def hybrid_gain(self, offer: SuffixOffer | None, label: str, budget: int, limit: int) -> float:
-        """What ``offer``'s candidates add to a ``budget``-node drafter tree: each one worth
-        more than the drafter's marginal node adds the difference (``suffix_gain``), scaled by
-        what recent hybrid trees realized of their prediction (``hybrid_factor``)."""
-        if offer is None or not limit:
-            return 0.0
-        theta = self.drafter_node_value(label, budget, limit)
-        return self.acceptance.hybrid_factor(label) * suffix_gain(offer, theta, limit, budget)
+        """What ``offer``'s candidates add to a ``budget``-node drafter tree
+        (:func:`verifier_svc.suffix_value.hybrid_gain`)."""
+        return suffix_value.hybrid_gain(self.acceptance, self.tree_budgets, offer, label, budget, limit)
 
     # ------------------------------------------------------------------ the drafters' deadline
     def draft_budget(self, jobs: Sequence[PolicyJob], shapes: Sequence[Shape],
@@ -371,6 +343,6 @@ class SpeculationPolicy:
         # the choice's own figures when it made them (adaptive jobs); otherwise the drafters'
         # tables alone: a per-request table for every session of a large batch costs too much
         # for a deadline estimate
-        ex = expectations or Expectations(self, jobs, limits(jobs), per_request=False)
+        ex = expectations or Expectations(self.acceptance, jobs, limits(jobs), per_request=False)
         tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)) / len(jobs)
         return self.costs.draft_budget(len(jobs), k, tokens)

@@ -16,7 +16,7 @@ from dflash.core.proposer import MAX_BLOCK_SIZE, Proposer
 from dflash.core.sampling import InvalidParam, Sampling
 from dflash.core.speculation import MAX_TREE_BUDGET, MODES
 from dflash.core.stats import AcceptanceCounter
-from verifier_svc.policy import Decision
+from verifier_svc.decision import Decision
 from verifier_svc.scheduler import SlowConsumer  # re-exported: defined where it is raised
 
 MAX_SESSION_ID_CHARS = 1024     # the gateway's own bound (--max-session-id-chars) is tighter

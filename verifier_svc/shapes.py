@@ -8,14 +8,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 from verifier_svc.acceptance import PositionCounts
+from verifier_svc.decision import Decision
 
 if TYPE_CHECKING:
     from verifier_svc.arms import Expectations
 
 # Candidate draft counts: dense where acceptance changes fastest, sparse in the tail.
 CANDIDATES = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 15, 23, 31, 47, 63)
-#: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
-MIXED = "mixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,23 +33,6 @@ class Shape:
     def verified(self) -> int:
         """Tokens after the anchor the target verifies (the cost model's ``k``)."""
         return self.budget if self.budget and (self.k or self.suffix) else self.k
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """One step's choice and the figures it was made from (for metrics and spans)."""
-
-    mode: str                       # MODE_ADAPTIVE if any session is adaptive, else the batch's
-                                    # mode (MIXED: several)
-    k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
-    batch: int
-    expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]
-    cost_seconds: float = 0.0       # estimated step seconds at k
-    explored: bool = False
-    waiting: int = 0                # prompts waiting for prefill (adaptive: no speculation)
-    budget: int = 0                 # tree node budget chosen (0: a chain of k drafts)
-    suffix: bool = False            # the chosen tree is of suffix candidates alone
-    arm: str = ""                   # the mode race's arm (verifier_svc/mode_race.py; "": no race)
 
 
 @dataclasses.dataclass(frozen=True)

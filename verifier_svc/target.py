@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dflash.core.checkpoint import target_fingerprint
 from dflash.core.device import DeviceError, checkpoint_dtype, resolve_device, resolve_dtype, to_device
-from dflash.core.kv_pool import KVPool, PoolSeq
+from dflash.core.kv_pool import KVPool, PoolSeq, PoolStep
 from dflash.core.taps import hidden_state_indices
 from kernels.invariant import register_attention
 from kernels.skinny_linear import (
@@ -207,7 +207,7 @@ class TargetModel:
     def _run(self, ids: torch.Tensor, row0: int, lens: list[int], want: list[int] | bool,
              logits_to_keep: int = 0, trees: list[list[int] | None] | None = None):
         """One model forward over pool rows ``row0..row0+b-1``: ids [b, q] (host) with row i's
-        tokens at positions ``lens[i]..``, K/V written into the pool in place (``_PoolStep``),
+        tokens at positions ``lens[i]..``, K/V written into the pool in place (``PoolStep``),
         a boolean mask (:meth:`AttentionLayout.inputs`). The inputs are built on the host and
         copied to the device without waiting for it (``to_device``); with CUDA graphs a decode
         or verify shape replays its captured graph instead (``verifier_svc.graphs``)."""
@@ -226,7 +226,7 @@ class TargetModel:
                                                                device="cpu"), dev)
         return self.model(input_ids=to_device(ids, dev), attention_mask=mask,
                           position_ids=to_device(pos, dev),
-                          cache=_PoolStep(self.pool, row0, starts, end), use_cache=True,
+                          cache=PoolStep(self.pool, row0, starts, end), use_cache=True,
                           output_hidden_states=want, logits_to_keep=logits_to_keep)
 
     def keep(self, cache: PoolSeq, start: int, offsets: list[int]) -> None:
@@ -382,19 +382,3 @@ def _whole(weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, DTensor):
             return weight.full_tensor()
     return weight
-
-
-class _PoolStep:
-    """The cache one forward hands transformers: each attention layer's ``update`` writes its
-    new K/V into pool rows ``row0..`` at their own lengths (``starts``) and attends over the
-    rows in place. Used only with an explicit mask and position ids, so transformers asks it
-    for nothing else."""
-
-    is_compileable = False
-
-    def __init__(self, pool: KVPool, row0: int, starts: torch.Tensor | int, end: int):
-        self.pool, self.row0, self.starts, self.end = pool, row0, starts, end
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states, self.end)

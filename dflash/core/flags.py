@@ -6,7 +6,8 @@ from __future__ import annotations
 DEVICE_FLAGS = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_FLAGS = ("auto", "bfloat16", "float16", "float32")
 #: ``--packed-linear``: oneDNN products on prepacked weights (``kernels.packed_linear``);
-#: "auto" = measured at start against the other CPU paths.
+#: "auto" = measured at start against the other CPU paths. The kernels' own list is
+#: ``kernels.skinny_linear.PRODUCT_MODES`` (kernels import nothing of dflash; a test pins both).
 PACKED_CHOICES = ("auto", "on", "off")
 #: ``--batch-invariant``: the batch-invariant kernels (``kernels.invariant``); "auto" = on where
 #: the CPU kernels build (``kernels.invariant.resolve``).

@@ -24,83 +24,14 @@ by the next call.
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 import time
-import weakref
 
 import torch
 
+from dflash.core.kv_seq import PoolSeq, SeqState, check_compact
+
 #: Capacity granularity: positions added per growth beyond what is asked for.
 ROOM = 256
-
-
-@dataclasses.dataclass(eq=False)
-class _Rec:
-    """A sequence's state, shared by its handle and the pool's row table."""
-
-    row: int = -1                                   # -1: not resident
-    length: int = 0
-    spilled: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # per layer [1, H, n, D]
-
-
-class PoolSeq:
-    """A handle on one sequence of a :class:`KVPool` (what a session holds as its cache).
-
-    Dropping the last reference frees its row. ``get_seq_length`` mirrors transformers'
-    caches so callers can read the cached length the same way.
-    """
-
-    def __init__(self, pool: "KVPool"):
-        self._rec = _Rec()
-        self.pool = pool
-        weakref.finalize(self, pool._orphaned.append, self._rec)
-
-    def get_seq_length(self) -> int:
-        return self._rec.length
-
-    @property
-    def resident(self) -> bool:
-        return self._rec.row >= 0
-
-    @property
-    def row(self) -> int:
-        return self._rec.row
-
-
-def check_compact(length: int, start: int, offsets: list[int]) -> list[int]:
-    """Validate a :meth:`KVPool.compact` of a sequence of ``length`` positions: ``0 <= start``,
-    ``offsets`` non-empty integers (anything ``operator.index`` takes), strictly increasing,
-    ``offsets[0] == 0`` (the anchor) and every ``start + offsets[m] < length`` (entries the
-    last forward wrote). Returns ``offsets`` as a list of Python ints.
-
-    Raises:
-        ValueError: naming ``start`` or ``offsets`` and the offending index.
-    """
-    try:
-        start = operator.index(start)
-    except TypeError:
-        raise ValueError(f"start: an int expected, got {start!r}") from None
-    if not 0 <= start <= length:
-        raise ValueError(f"start: {start} outside the sequence's [0, {length}] positions")
-    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__") or not len(offsets):
-        raise ValueError(f"offsets: a non-empty list of ints expected, got {offsets!r}")
-    out = []
-    for m, o in enumerate(offsets):
-        try:
-            out.append(operator.index(o))
-        except TypeError:
-            raise ValueError(f"offsets[{m}]: an int expected, got {o!r}") from None
-    if out[0] != 0:
-        raise ValueError(f"offsets[0]: must be 0 (the anchor), got {out[0]}")
-    for m in range(1, len(out)):
-        if out[m] <= out[m - 1]:
-            raise ValueError(f"offsets[{m}]: must be above offsets[{m - 1}] ({out[m - 1]}), "
-                             f"got {out[m]}")
-    if start + out[-1] >= length:
-        raise ValueError(f"offsets[-1]: position {start} + {out[-1]} is past the sequence's "
-                         f"{length} positions")
-    return out
 
 
 class KVPool:
@@ -132,8 +63,8 @@ class KVPool:
         self.shrunk = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self._rows: list[_Rec | None] = []          # row -> its sequence (None = free)
-        self._orphaned: list[_Rec] = []             # finalised handles, freed by the owner
+        self._rows: list[SeqState | None] = []          # row -> its sequence (None = free)
+        self._orphaned: list[SeqState] = []             # finalised handles, freed by the owner
         self.grown = 0                              # reallocations (a test bound)
 
     # ------------------------------------------------------------------ capacity
@@ -161,7 +92,7 @@ class KVPool:
 
     def new_seq(self) -> PoolSeq:
         """An empty sequence (it takes a row at its first write)."""
-        return PoolSeq(self)
+        return PoolSeq(self._orphaned.append)
 
     def _collect(self) -> None:
         freed = bool(self._orphaned)
@@ -239,7 +170,7 @@ class KVPool:
     def ensure_resident(self, seq: PoolSeq) -> int:
         """Give ``seq`` a row (loading it back if it was spilled); returns the row."""
         self._collect()
-        rec = seq._rec
+        rec = seq.state
         if rec.row >= 0:
             return rec.row
         row = self._free_row()
@@ -262,12 +193,12 @@ class KVPool:
         for s in seqs:
             self.ensure_resident(s)
         b = len(seqs)
-        taken = {s._rec.row for s in seqs if s._rec.row < b}
+        taken = {s.state.row for s in seqs if s.state.row < b}
         holes = iter(i for i in range(b) if i not in taken)
         for s in seqs:
-            if s._rec.row >= b:
-                self._swap(next(holes), s._rec.row)
-        return [s._rec.row for s in seqs]
+            if s.state.row >= b:
+                self._swap(next(holes), s.state.row)
+        return [s.state.row for s in seqs]
 
     def _swap(self, a: int, b: int) -> None:
         """Exchange rows ``a`` and ``b`` (copying only what their sequences hold)."""
@@ -292,7 +223,7 @@ class KVPool:
     def spill(self, seq: PoolSeq) -> None:
         """Move ``seq``'s K/V out of the pool into tensors of its own length; frees its row."""
         self._collect()
-        rec = seq._rec
+        rec = seq.state
         if rec.row < 0:
             return
         n = rec.length
@@ -311,7 +242,7 @@ class KVPool:
             ValueError: ``length`` outside ``[0, src's length]``, or ``src is dst``.
         """
         self._collect()
-        s, d = src._rec, dst._rec
+        s, d = src.state, dst.state
         if s is d:
             raise ValueError("dst: must be another sequence than src")
         if not 0 <= length <= s.length:
@@ -330,7 +261,7 @@ class KVPool:
 
     def set_length(self, seq: PoolSeq, length: int) -> None:
         """Crop ``seq`` to ``length`` positions (never lengthens)."""
-        rec = seq._rec
+        rec = seq.state
         length = max(0, min(length, rec.length))
         if rec.spilled is not None:
             rec.spilled = [(k[:, :, :length], v[:, :, :length]) for k, v in rec.spilled]
@@ -348,7 +279,7 @@ class KVPool:
         Raises:
             ValueError: naming ``start`` or ``offsets`` (:func:`check_compact`).
         """
-        rec = seq._rec
+        rec = seq.state
         offsets = check_compact(rec.length, start, offsets)
         n = len(offsets)
         first = next((m for m, o in enumerate(offsets) if o != m), n)
@@ -388,7 +319,7 @@ class KVPool:
     def advance(self, seqs: list[PoolSeq], counts: list[int]) -> None:
         """Lengths after a forward wrote ``counts[i]`` positions for ``seqs[i]``."""
         for s, n in zip(seqs, counts):
-            s._rec.length += n
+            s.state.length += n
 
     def views(self, row0: int, b: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer the in-place K/V views ``[b, H, length, D]`` of rows ``row0..row0+b-1``
@@ -400,3 +331,19 @@ class KVPool:
         """Free the rows of dropped handles now (and the buffers once no row is held) instead
         of at the next call: for an owner that drops sequences with no forward to follow."""
         self._collect()
+
+
+class PoolStep:
+    """The cache one forward hands transformers: each attention layer's ``update`` writes its
+    new K/V into pool rows ``row0..`` at their own lengths (``starts``) and attends over the
+    rows in place. Used only with an explicit mask and position ids, so transformers asks it
+    for nothing else."""
+
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, row0: int, starts: torch.Tensor | int, end: int):
+        self.pool, self.row0, self.starts, self.end = pool, row0, starts, end
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.write(layer_idx, self.row0, self.starts, key_states, value_states, self.end)

@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--feature-cache", default="runs/featcache",
                        help="local cache of taps and target distributions, rebuilt when missing")
         p.add_argument("--topk", type=int, default=16, help="target distribution kept per token")
-        p.add_argument("--target-dir", default=None, help="default: dflash_app.target_setup directory")
-        p.add_argument("--cache-dir", default=None, help="where dflash_app.target_setup builds the target")
+        p.add_argument("--target-dir", default=None, help="default: dflash.train.target_setup directory")
+        p.add_argument("--cache-dir", default=None, help="where dflash.train.target_setup builds the target")
         p.add_argument("--device", type=device_flag, default="cpu",
                        help="where the target, the drafter and each batch live: cpu (default), "
                             "cuda, cuda:N")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = resolve_device(args.device)       # a GPU that is not there: refused here
     if args.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    from dflash_app.target_setup import setup_target
+    from dflash.train.target_setup import setup_target
 
     target_dir = args.target_dir or str(setup_target(args.cache_dir))
     if args.cmd == "draft-vocab":       # for a drafter saved without one

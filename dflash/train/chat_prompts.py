@@ -12,7 +12,7 @@ Two sources, both deterministic per seed on the same environment:
   :func:`dflash.train.datagen.magpie_instructions`. This module only filters and deduplicates them.
 
 Nothing here is, or contains, a prompt of the evaluation chat set
-(:data:`dflash_app.bench_prompts.CHAT_EVAL`) or HumanEval: :func:`is_eval_prompt` filters both.
+(:data:`dflash.train.eval_sets.CHAT_EVAL`) or HumanEval: :func:`is_eval_prompt` filters both.
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ def _norm(text: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _eval_texts() -> frozenset[str]:
-    from dflash_app.bench_prompts import CHAT_EVAL
-    from dflash_app.humaneval import load_problems
+    from dflash.train.eval_sets import CHAT_EVAL, load_problems
 
     return frozenset(_norm(t) for t in list(CHAT_EVAL) + [p for _, p in load_problems()])
 

@@ -172,15 +172,15 @@ def source_prompts(source: str, n: int, seed: int) -> list[str]:
         import random
 
         from dflash.train.code_prompts import function_stubs
-        from dflash_app.humaneval import INSTRUCTION
+        from dflash.train.eval_sets import INSTRUCTION
 
         pool = function_stubs()
         if len(pool) < n:
             raise ValueError(f"num_prompts: only {len(pool)} function stubs available, asked for {n}")
         return [INSTRUCTION.format(prompt=p) for p in random.Random(seed).sample(pool, len(pool))[:n]]
     if source == "template":
+        from dflash.train.eval_sets import INSTRUCTION
         from dflash.train.prompts import make_prompts
-        from dflash_app.humaneval import INSTRUCTION
 
         return [INSTRUCTION.format(prompt=p) for p in make_prompts(n, seed=seed)]
     if source == "passage":
@@ -211,7 +211,7 @@ def length_sorted_batches(prompts: list[list[int]], batch_size: int, window: int
 
 
 def encode_user(tok, text: str) -> list[int]:
-    from dflash_app.humaneval import encode_messages
+    from dflash.train.eval_sets import encode_messages
 
     return encode_messages(tok, [{"role": "user", "content": text}])
 

@@ -24,7 +24,7 @@ from dflash.core.checkpoint import build_drafter
 from dflash.core.dflash2 import DFlash2Drafter, selector_rows
 from dflash.core.modeling import DFlashDrafter, TargetHead
 from dflash.core.taps import hidden_state_indices, tap_features
-from dflash_app.humaneval import encode_messages, encode_prompt, load_problems
+from dflash.train.eval_sets import CHAT_EVAL, encode_messages, encode_prompt, load_problems
 
 
 @dataclass
@@ -100,10 +100,8 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 def chat_prompts(n: int) -> list[list[dict]]:
-    """The first ``n`` prompts of the held-out chat set (:data:`dflash_app.bench_prompts.CHAT_EVAL`)."""
-    from dflash_app.bench_prompts import prompt_set
-
-    return [m for _, m in prompt_set("chat", n)]
+    """The first ``n`` prompts of the held-out chat set (:data:`dflash.train.eval_sets.CHAT_EVAL`)."""
+    return [[{"role": "user", "content": p}] for p in CHAT_EVAL[:n]]
 
 
 def drafter_from_ckpt(run_dir: str, target_dir: str) -> DFlashDrafter:
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.core.checkpoint import load_drafter, load_target_head
     from dflash.core.device import device_flag, resolve_device
     from dflash.train.data import load_target
-    from dflash_app.target_setup import target_dir as default_target_dir
+    from dflash.train.target_setup import target_dir as default_target_dir
 
     ap = argparse.ArgumentParser(description="held-out tau of a DFlash drafter")
     ap.add_argument("--drafter", default=None, help="drafter directory (z-lab format)")

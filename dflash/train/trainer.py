@@ -57,7 +57,7 @@ class TrainConfig:
     num_kv_heads: int = 3
     head_dim: int = 64
     num_taps: int = 5
-    mask_token_id: int = 4              # SmolLM2 "<reponame>" (see dflash_app.target_setup)
+    mask_token_id: int = 4              # SmolLM2 "<reponame>" (see dflash.train.target_setup)
     lr: float = 8e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.04
