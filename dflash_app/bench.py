@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash.core.stats import AcceptanceCounter
 from dflash_app.bench_lossless import NEAR_TIE_GAP, PROBE_TOP, compare, difference_lines, summary_line
 
@@ -156,7 +156,7 @@ def compare_to_off(rows: dict[str, list[dict]], addr: str, prompts: dict[str, li
 
     client = GatewayClient(addr)
     try:
-        return compare(rows, MODE_OFF, off_probe(client, prompts), near_tie=near_tie)
+        return compare(rows, SpecMode.OFF, off_probe(client, prompts), near_tie=near_tie)
     finally:
         client.close()
 
@@ -251,7 +251,7 @@ def aggregate(rows: list[dict]) -> dict:
 
 def markdown(results: dict) -> str:
     agg = results["aggregate"]
-    off = agg.get(MODE_OFF)
+    off = agg.get(SpecMode.OFF)
     same = results.get("identical_to_off", {})
     lines = ["| mode | prompts | tokens | tau | draft acc. rate | accepted: drafter / suffix | "
              "decode tok/s | TPOT ms | TTFT p50 ms | speedup vs off | greedy identical to off |",
@@ -349,9 +349,9 @@ def cmd_bench(a) -> int:
     if a.workload:
         return _workload(a, prompts, out)
     drafters = a.use_drafter or [""]
-    policies = [m for m in a.spec_modes.split(",") if m and m != MODE_OFF] or [""]
+    policies = [m for m in a.spec_modes.split(",") if m and m != SpecMode.OFF] or [""]
     modes = [("spec" + (f":{d}" if d else "") + (f"[{m}]" if len(policies) > 1 else ""), True, d, m)
-             for d in drafters for m in policies] + [(MODE_OFF, False, "", "")]
+             for d in drafters for m in policies] + [(SpecMode.OFF, False, "", "")]
     total = len(prompts) * (len(modes) + (1 if a.peer else 0))
     stack = None
     if a.start:
@@ -501,11 +501,22 @@ def set_list(text: str) -> str:
 
 
 def add_parser(sub) -> None:
-    from dflash.serving.argtypes import at_least, int_list, positive_float
-    from dflash_app.bench_regret import SWEEP_SETS
+    """``dflash bench``: its flags by what they drive (the run, the many-users sweep, the
+    prefix cache's workloads) and the stack it may start."""
     from dflash_app.stack import add_stack_args
 
     b = sub.add_parser("bench", help="speculation on vs off (+ the transformers peer) on a prompt set")
+    _add_run_args(b)
+    _add_load_args(b)
+    _add_workload_args(b)
+    add_stack_args(b)
+    b.set_defaults(func=cmd_bench)
+
+
+def _add_run_args(b: argparse.ArgumentParser) -> None:
+    """Where the bench runs, on which prompts, and the on/off comparison's own flags."""
+    from dflash.serving.argtypes import at_least, positive_float
+
     b.add_argument("--gateway", default="127.0.0.1:50050", help="a running gateway (or --start)")
     b.add_argument("--start", action="store_true", help="start the stack (dflash up) for the run")
     b.add_argument("--prompts", default="humaneval",
@@ -526,6 +537,13 @@ def add_parser(sub) -> None:
                    help="with --start: keep recent answers as suffix candidates, each mode its "
                         "own tenant (off by default: each prompt runs once per mode, and in one "
                         "tenant a mode would copy the answer an earlier mode gave)")
+
+
+def _add_load_args(b: argparse.ArgumentParser) -> None:
+    """The many-users sweep (``--concurrency`` / ``--sweep``) and the modes compared."""
+    from dflash.serving.argtypes import at_least, int_list
+    from dflash_app.bench_regret import SWEEP_SETS
+
     b.add_argument("--concurrency", type=int_list(1), default="",
                    help="comma-separated concurrent clients (e.g. 1,2,4,8,16,32): the many-users "
                         "sweep (load.json/md/png) instead of the on/off comparison")
@@ -556,6 +574,12 @@ def add_parser(sub) -> None:
     b.add_argument("--ep-sizes", default="",
                    help="comma-separated expert-parallel sizes (e.g. 1,2): a stack per size on the "
                         "--target MoE, tokens/s, tau and EP overhead per step side by side (ep.json/md)")
+
+
+def _add_workload_args(b: argparse.ArgumentParser) -> None:
+    """The prefix cache's workloads (``--workload``)."""
+    from dflash.serving.argtypes import at_least
+
     b.add_argument("--workload", choices=("multiturn", "shared-system"), default=None,
                    help="the prefix cache's workloads (docs/prefix-cache.md): conversations that "
                         "resend their history, or one long system prompt before many users' "
@@ -570,5 +594,3 @@ def add_parser(sub) -> None:
                    help="--workload shared-system: about this many tokens of system prompt")
     b.add_argument("--no-speculation", action="store_true",
                    help="--workload: every arm with speculation off")
-    add_stack_args(b)
-    b.set_defaults(func=cmd_bench)

@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash.core.speculation import (
-    MODE_ADAPTIVE,
-    MODE_OFF,
     MODES,  # noqa: F401  (the sweep's modes; tests read them here)
+    SpecMode,
 )
 from dflash.core.stats import AcceptanceCounter
 
@@ -48,8 +47,8 @@ def _one(client, messages, *, max_tokens: int, mode: str, drafter: str) -> dict:
 
     name, budget = split_mode(mode)
     req = build_request(messages=messages, max_tokens=max_tokens,
-                        speculation=mode != MODE_OFF, drafter=drafter,
-                        speculation_mode="" if mode == MODE_OFF else name, tree_budget=budget)
+                        speculation=mode != SpecMode.OFF, drafter=drafter,
+                        speculation_mode="" if mode == SpecMode.OFF else name, tree_budget=budget)
     c = client.complete(req, timeout=3600)
     st = stats_from_proto(c.acceptance)
     n = c.usage.completion_tokens
@@ -134,14 +133,14 @@ def identical_to_off(levels: list[dict], probe, *, near_tie: float) -> None:
     gap is measured only where the batch-1 probe reproduces the batched off output)."""
     from dflash_app.bench_lossless import compare
 
-    offs = {(x["concurrency"], x.get("repeat", 0)): x for x in levels if x["mode"] == MODE_OFF}
+    offs = {(x["concurrency"], x.get("repeat", 0)): x for x in levels if x["mode"] == SpecMode.OFF}
     for x in levels:
         off = offs.get((x["concurrency"], x.get("repeat", 0)))
-        if x["mode"] == MODE_OFF or off is None:
+        if x["mode"] == SpecMode.OFF or off is None:
             continue
         rows = {m: [{"task_id": t, "token_ids": ids} for t, ids in y["outputs"].items()]
-                for m, y in ((MODE_OFF, off), ("spec", x))}
-        x["identical_to_off"] = compare(rows, MODE_OFF, probe, near_tie=near_tie)["spec"]
+                for m, y in ((SpecMode.OFF, off), ("spec", x))}
+        x["identical_to_off"] = compare(rows, SpecMode.OFF, probe, near_tie=near_tie)["spec"]
 
 
 def _cells(levels: list[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -205,14 +204,14 @@ def markdown(levels: list[dict]) -> str:
     best = []
     for c in conc:
         agg = {m: _mean(by[(m, c)], "agg_tok_s") for m in modes if (m, c) in by}
-        if MODE_ADAPTIVE in agg and len(agg) > 1:
-            other = max((m for m in agg if m != MODE_ADAPTIVE), key=agg.get)
-            line = (f"c={c}: adaptive {agg[MODE_ADAPTIVE] / agg[other]:.2f}x the better of the others ({other})"
-                    + (f", {agg[MODE_ADAPTIVE] / agg[MODE_OFF]:.2f}x off" if agg.get(MODE_OFF) and other != MODE_OFF else ""))
-            if len(by[(MODE_ADAPTIVE, c)]) > 1:
-                line += (f", run-to-run spread ±{100 * _spread(by[(MODE_ADAPTIVE, c)]):.0f}% / "
+        if SpecMode.ADAPTIVE in agg and len(agg) > 1:
+            other = max((m for m in agg if m != SpecMode.ADAPTIVE), key=agg.get)
+            line = (f"c={c}: adaptive {agg[SpecMode.ADAPTIVE] / agg[other]:.2f}x the better of the others ({other})"
+                    + (f", {agg[SpecMode.ADAPTIVE] / agg[SpecMode.OFF]:.2f}x off" if agg.get(SpecMode.OFF) and other != SpecMode.OFF else ""))
+            if len(by[(SpecMode.ADAPTIVE, c)]) > 1:
+                line += (f", run-to-run spread ±{100 * _spread(by[(SpecMode.ADAPTIVE, c)]):.0f}% / "
                          f"±{100 * _spread(by[(other, c)]):.0f}%")
-                paired = _paired(by[(MODE_ADAPTIVE, c)], by[(other, c)])
+                paired = _paired(by[(SpecMode.ADAPTIVE, c)], by[(other, c)])
                 if len(paired) > 1:
                     line += ", per round " + " / ".join(f"{r:.2f}x" for r in paired)
             best.append(line)
@@ -221,7 +220,7 @@ def markdown(levels: list[dict]) -> str:
     from dflash_app.bench_regret import race_line
 
     for x in levels:
-        line = race_line(x.get("race"), x["tokens"]) if x["mode"] == MODE_ADAPTIVE else ""
+        line = race_line(x.get("race"), x["tokens"]) if x["mode"] == SpecMode.ADAPTIVE else ""
         if line:
             lines.append(f"\nc={x['concurrency']} round {x.get('repeat', 0)}: {line}")
     diffs = {f"c={x['concurrency']} {x['mode']} round {x.get('repeat', 0)}": x["identical_to_off"]
@@ -300,15 +299,15 @@ def run_levels(a, prompts, out: Path) -> list[dict]:
                     run_level(a.gateway, prompts, concurrency=1, requests_per_client=1,
                               max_tokens=8, mode=m, drafter=drafter)
                 per_client = max(-(-a.requests // c), min_per_client)
-                before = scrape_race(metrics) if metrics and m == MODE_ADAPTIVE else None
+                before = scrape_race(metrics) if metrics and m == SpecMode.ADAPTIVE else None
                 x = run_level(a.gateway, prompts, concurrency=c, requests_per_client=per_client,
                               max_tokens=a.max_tokens, mode=m, drafter=drafter)
-                if metrics and m == MODE_ADAPTIVE:
+                if metrics and m == SpecMode.ADAPTIVE:
                     x["race"] = race_delta(before, scrape_race(metrics))
                 x["repeat"] = rep
                 levels.append(x)
                 _report(x, out, config, levels)
-    if MODE_OFF in modes:
+    if SpecMode.OFF in modes:
         from dflash.client import GatewayClient
         from dflash_app.bench import off_probe
 

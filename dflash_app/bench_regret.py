@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF
+from dflash.core.speculation import SpecMode
 
 #: ``--sweep``'s prompt sets (the edit set: ``scripts/make_edit_prompts.py``) and modes.
 SWEEP_SETS = ("chat", "humaneval", "data/bench/edit.jsonl")
@@ -169,18 +169,18 @@ def sweep_markdown(results: dict[str, list[dict]]) -> str:
             by.setdefault((x["mode"], x["concurrency"]), []).append(x)
         for c in sorted({x["concurrency"] for x in levels}):
             tok = {m: sum(x["agg_tok_s"] for x in runs) / len(runs) for (m, cc), runs in by.items() if cc == c}
-            r = regret(tok, MODE_ADAPTIVE)
+            r = regret(tok, SpecMode.ADAPTIVE)
             if r is None:
                 continue
             best, v, ratio = r
-            off = f"{tok[MODE_ADAPTIVE] / tok[MODE_OFF]:.2f}x" if tok.get(MODE_OFF) else "-"
-            races = [x["race"] for x in by.get((MODE_ADAPTIVE, c), []) if x.get("race")]
+            off = f"{tok[SpecMode.ADAPTIVE] / tok[SpecMode.OFF]:.2f}x" if tok.get(SpecMode.OFF) else "-"
+            races = [x["race"] for x in by.get((SpecMode.ADAPTIVE, c), []) if x.get("race")]
             steps = sum(sum(d["steps"].values()) for d in races)
             expl = f"{100 * sum(d['explored_steps'] for d in races) / steps:.0f}%" if steps else "-"
             same = [x["identical_to_off"] for (m, cc), runs in by.items() if cc == c
                     for x in runs if "identical_to_off" in x]
             ident = f"{sum(d['identical'] for d in same)}/{sum(d['total'] for d in same)}" if same else "-"
-            lines.append(f"| {s} | {c} | {best} | {v:.1f} | {tok[MODE_ADAPTIVE]:.1f} | {off} | "
+            lines.append(f"| {s} | {c} | {best} | {v:.1f} | {tok[SpecMode.ADAPTIVE]:.1f} | {off} | "
                          f"{ratio:.3f}x | {expl} | {ident} |")
     return "\n".join(lines) + "\n"
 
@@ -203,7 +203,7 @@ def sweep_plot(results: dict[str, list[dict]], path: Path) -> None:
                     pts.setdefault(x["concurrency"], []).append(x["agg_tok_s"])
             conc = sorted(pts)
             ax.plot(conc, [sum(pts[c]) / len(pts[c]) for c in conc], marker="o", label=m,
-                    linewidth=2.5 if m == MODE_ADAPTIVE else 1.2)
+                    linewidth=2.5 if m == SpecMode.ADAPTIVE else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("aggregate tokens/s")

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash_app.diagnose_modes import RACE_ROW, Context, Priced, best_speculative, price_modes, should_match
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES
@@ -77,7 +77,7 @@ def measure_costs(target, proposer, prompt: list[int], block_size: int, *,
     from verifier_svc.engine import Request, VerifierEngine
 
     costs = StepCostModel()
-    engine = VerifierEngine(target, spec_mode=MODE_OFF, tree_budgets=(), threads=threads)
+    engine = VerifierEngine(target, spec_mode=SpecMode.OFF, tree_budgets=(), threads=threads)
     try:
         for _ in engine.generate(Request(request_id="diagnose-overhead", prompt=list(prompt),
                                          max_tokens=OVERHEAD_STEPS, ignore_eos=True)):

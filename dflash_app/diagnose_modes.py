@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODE_HYBRID, MODE_SUFFIX
+from dflash.core.speculation import MAX_TREE_BUDGET, SpecMode
 from verifier_svc.acceptance import TREE_MEASURED_STEPS
 from verifier_svc.cost_model import StepCostModel
 from verifier_svc.policy import CANDIDATES, DEFAULT_RACE_ARMS, SpeculationPolicy
@@ -63,7 +63,7 @@ class Context:
 
     def policy(self, tree_budgets: Sequence[int] = ()) -> SpeculationPolicy:
         """A fresh adaptive policy holding these costs and this acceptance (no exploration)."""
-        p = SpeculationPolicy(MODE_ADAPTIVE, explore_every=0,
+        p = SpeculationPolicy(SpecMode.ADAPTIVE, explore_every=0,
                               tree_budgets=[n for n in tree_budgets if n in self.trees])
         p.costs = self.costs
         p.observe_acceptance(LABEL, list(self.blocks))
@@ -142,7 +142,7 @@ def _suffix(ctx: Context) -> list[Priced]:
     """Mode suffix (its ``--tree-budget`` nodes at most, as many as pay each step)."""
     if ctx.replay is None:
         return []
-    r = ctx.replay.run(ctx.policy(), MODE_SUFFIX, tree_budget=ctx.tree_budget)
+    r = ctx.replay.run(ctx.policy(), SpecMode.SUFFIX, tree_budget=ctx.tree_budget)
     return [_replayed(ctx, "suffix", r, r.choice())]     # "off": it never speculated
 
 
@@ -152,16 +152,16 @@ def _hybrids(ctx: Context) -> list[Priced]:
         return []
     policy = ctx.policy(tuple(ctx.trees))
     sizes = sorted(n for n in set(ctx.tree_budgets) | {ctx.tree_budget} if n in ctx.trees)
-    return [_replayed(ctx, f"hybrid:{n}", ctx.replay.run(policy, MODE_HYBRID, n))
+    return [_replayed(ctx, f"hybrid:{n}", ctx.replay.run(policy, SpecMode.HYBRID, n))
             for n in sizes]
 
 
 def _adaptive(ctx: Context) -> list[Priced]:
     policy = ctx.policy(ctx.tree_budgets)
     if ctx.replay is not None:      # as served: suffix arms, and hybrid trees
-        r = ctx.replay.run(policy, MODE_ADAPTIVE, tree_budget=ctx.tree_budget)
+        r = ctx.replay.run(policy, SpecMode.ADAPTIVE, tree_budget=ctx.tree_budget)
         return [_replayed(ctx, "adaptive", r, r.choice())]
-    job = SimpleNamespace(mode=MODE_ADAPTIVE, block_limit=ctx.block_size, emitted=0, stats=None,
+    job = SimpleNamespace(mode=SpecMode.ADAPTIVE, block_limit=ctx.block_size, emitted=0, stats=None,
                           tree_budget=max(ctx.tree_budgets, default=0) or MAX_TREE_BUDGET, suffix_limit=0,
                           req=SimpleNamespace(max_tokens=1 << 30, proposer=SimpleNamespace(
                               card=SimpleNamespace(label=LABEL))))
@@ -176,7 +176,7 @@ def _adaptive(ctx: Context) -> list[Priced]:
 #: The row of adaptive as served with the mode race (``--mode-race on``, the default).
 RACE_ROW = "adaptive (race)"
 #: What the report means by a fixed mode: every row a user could pin (adaptive's are not).
-PINNED = lambda r: not r.mode.startswith(MODE_ADAPTIVE)   # noqa: E731
+PINNED = lambda r: not r.mode.startswith(SpecMode.ADAPTIVE)   # noqa: E731
 
 
 def race_arms(ctx: Context) -> list[str]:

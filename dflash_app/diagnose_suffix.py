@@ -34,7 +34,7 @@ import functools
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_HYBRID, MODE_SUFFIX
+from dflash.core.speculation import SpecMode, suffix_depth
 from dflash.core.stats import AcceptanceCounter
 from dflash.core.suffix import SuffixIndex
 from verifier_svc.cost_model import StepCostModel, relative_rows
@@ -183,24 +183,24 @@ class SuffixReplay:
         nodes (0: the verifier's ``tree_budget`` for suffix and hybrid, the largest of the
         policy's budgets for adaptive), choices and prices from ``policy``. Cached per mode,
         budget and cost model (the same costs give the same replay)."""
-        if mode not in (MODE_SUFFIX, MODE_HYBRID, MODE_ADAPTIVE):
+        if mode not in (SpecMode.SUFFIX, SpecMode.HYBRID, SpecMode.ADAPTIVE):
             raise ValueError(f"mode: {mode!r} is not suffix, hybrid or adaptive")
         key = (mode, budget, tree_budget, id(policy.costs))
         if key in self._cache:
             return self._cache[key]
         # hybrid's shapes and trees do not depend on the costs: other costs only reprice them
-        base = self._cache.get((mode, budget, tree_budget, None)) if mode == MODE_HYBRID else None
+        base = self._cache.get((mode, budget, tree_budget, None)) if mode == SpecMode.HYBRID else None
         if base is not None:
             model = policy.costs.fit()
             out = dataclasses.replace(base, seconds=sum(_price(policy, sh, model) for sh in base.chosen))
         else:
-            nodes = budget or (tree_budget if mode != MODE_ADAPTIVE else
+            nodes = budget or (tree_budget if mode != SpecMode.ADAPTIVE else
                                max(policy.tree_budgets, default=tree_budget))
             out = Replayed()
             cal, answers = SuffixCalibration(), self.settings.answers()
             for s in self.streams:
                 self._stream(policy, mode, nodes, s, cal, answers, out)
-            if mode == MODE_HYBRID:
+            if mode == SpecMode.HYBRID:
                 self._cache[(mode, budget, tree_budget, None)] = out
         self._cache[key] = out
         return out
@@ -217,8 +217,7 @@ class SuffixReplay:
         depth = B - 1 if self.settings.enabled else 0      # a job's suffix_limit with a drafter
         a, emitted, model = P, 1, policy.costs.fit()
         while a < len(toks) - 1 and emitted < self.max_tokens:
-            left = self.max_tokens - emitted - 1
-            limit = max(0, min(depth, left))
+            limit = suffix_depth(depth, self.max_tokens, emitted)
             offer = offer_for(index, answers.indexes(TENANT), limit, cal, rates) if limit else None
             job = SimpleNamespace(mode=mode, block_limit=B if drafter else 1, emitted=emitted,
                                   stats=stats, tree_budget=nodes, suffix_limit=depth,

@@ -22,7 +22,7 @@ import grpc
 from dflash.core.convert import FINISH_NAME, sampling_from_proto, sampling_to_proto
 from dflash.core.errors import FieldError
 from dflash.core.sampling import InvalidParam, Sampling
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_OFF, MODES
+from dflash.core.speculation import MAX_TREE_BUDGET, MODES, SpecMode
 from dflash.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from gateway.chat_template import chat_ids, check_template_kwargs
 from gateway.generation import Cancel, merge, sample_stream
@@ -269,7 +269,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 enabled=entry is not None, drafter_address=entry.address if entry else "",
                 block_size=r.block_size, tree_budget=r.tree_budget,
                 # speculation turned off is off: no suffix drafts either
-                mode=MODE_OFF if r.HasField("speculation") and not r.speculation
+                mode=SpecMode.OFF if r.HasField("speculation") and not r.speculation
                 else r.speculation_mode))
 
     def _fit_window(self, request: gateway_pb2.GenerateRequest, prompt_len: int

@@ -292,7 +292,7 @@ def measure_memory(a, run_dir: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from dflash.core.speculation import MODE_OFF, MODES
+    from dflash.core.speculation import MODES, SpecMode
     from dflash.serving.argtypes import at_least, int_list, positive_float
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -337,8 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, tiny if a.tiny else full)
     mode = a.mode.partition(":")[0]
-    if mode not in MODES or mode == MODE_OFF:
-        p.error(f"--mode: one of {', '.join(m for m in MODES if m != MODE_OFF)}, got {a.mode!r}")
+    if mode not in MODES or mode == SpecMode.OFF:
+        p.error(f"--mode: one of {', '.join(m for m in MODES if m != SpecMode.OFF)}, got {a.mode!r}")
     if not 0 <= a.reuse <= 1:
         p.error(f"--reuse: must be in [0, 1], got {a.reuse}")
     if a.min_len > a.max_len:

@@ -114,11 +114,11 @@ def client_session_id(session_id: str) -> str:
 def chains(choose):
     """A policy ``choose_shapes`` stand-in from a ``choose``-style function (jobs, waiting) ->
     drafts per job: chains of those lengths, no trees."""
-    from dflash.core.speculation import MODE_FIXED
+    from dflash.core.speculation import SpecMode
     from verifier_svc.policy import Decision, Shape, StepChoice
 
     return lambda jobs, waiting=0, offers=None: StepChoice(
-        [Shape(k) for k in choose(jobs, waiting)], Decision(mode=MODE_FIXED, k=-1, batch=len(jobs)))
+        [Shape(k) for k in choose(jobs, waiting)], Decision(mode=SpecMode.FIXED, k=-1, batch=len(jobs)))
 
 
 @dataclasses.dataclass(eq=False)

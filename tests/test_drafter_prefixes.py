@@ -13,7 +13,7 @@ import torch
 
 from dflash.core.proposer import DraftError, FallbackReason, Proposal, ProposalRequest
 from dflash.core.sampling import Sampling
-from dflash.core.speculation import MODE_FIXED, MODE_TREE
+from dflash.core.speculation import SpecMode
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.drafter_client import RemoteProposer
 from verifier_svc.engine import Request, VerifierEngine
@@ -166,7 +166,7 @@ def test_a_prefix_not_held_is_a_miss_and_the_store_is_bounded(make):
         make(prefix_mb=-1)
 
 
-def _turns(engine, proposer, between=lambda: None, mode=MODE_FIXED):
+def _turns(engine, proposer, between=lambda: None, mode=SpecMode.FIXED):
     """Turn 1, then turn 2 resending the conversation (no session_id); turn 2's tokens."""
     def run(rid, prompt):
         evs = list(engine.generate(Request(request_id=rid, prompt=prompt, max_tokens=N,
@@ -187,7 +187,7 @@ def _calls(engine, rid="turn2"):
     return [c for c in engine.calls if c[0] == f"req-{rid}"]
 
 
-@pytest.mark.parametrize("mode", [MODE_FIXED, MODE_TREE])
+@pytest.mark.parametrize("mode", [SpecMode.FIXED, SpecMode.TREE])
 def test_a_restarted_drafter_is_sent_everything_and_drafts_the_same(target_model, hf_target,
                                                                      make, mode):
     """The same two turns twice: with the drafter holding turn 1's context (turn 2 starts
@@ -222,7 +222,7 @@ def test_a_restarted_drafter_is_sent_everything_and_drafts_the_same(target_model
     assert (hits2, misses2) == (0, 1)
     drafts = [c[4] for c in hit_calls]
     assert drafts == [c[4] for c in miss_calls[1:]] and any(d[0] for d in drafts)
-    assert (mode == MODE_TREE) == any(d[1] is not None for d in drafts)
+    assert (mode == SpecMode.TREE) == any(d[1] is not None for d in drafts)
 
 
 def test_the_wire_carries_keeps_prefix_keys_and_misses(target_model, hf_target, make):
@@ -236,7 +236,7 @@ def test_the_wire_carries_keeps_prefix_keys_and_misses(target_model, hf_target, 
     rt.server.start()
     rt.set_serving(True)
     proposer = RemoteProposer(f"127.0.0.1:{rt.port}", drafter.card, timeout_s=30.0)
-    engine = VerifierEngine(target_model, spec_mode=MODE_FIXED,
+    engine = VerifierEngine(target_model, spec_mode=SpecMode.FIXED,
                             prefix_cache=new_prefix_cache(target_model.pool, 64.0))
     try:
         turn, got = _turns(engine, proposer)
@@ -248,7 +248,7 @@ def test_the_wire_carries_keeps_prefix_keys_and_misses(target_model, hf_target, 
         drafter.prefixes.clear()                       # evicted (or the process restarted)
         evs = list(engine.generate(Request(request_id="again", prompt=turn, max_tokens=N,
                                            ignore_eos=True, proposer=proposer,
-                                           spec_mode=MODE_FIXED, tenant="t")))
+                                           spec_mode=SpecMode.FIXED, tenant="t")))
         assert_same_tokens(hf_target, turn, [t for ev in evs for t in ev.tokens], want)
         assert drafter.prefix_misses == 1 and engine.drafter_prefix_misses == 1
         mine = _calls(drafter, "again")
@@ -262,13 +262,13 @@ def test_the_wire_carries_keeps_prefix_keys_and_misses(target_model, hf_target, 
 
 def test_another_tenant_never_starts_from_a_kept_context(target_model, make):
     drafter = make()
-    engine = VerifierEngine(target_model, spec_mode=MODE_FIXED,
+    engine = VerifierEngine(target_model, spec_mode=SpecMode.FIXED,
                             prefix_cache=new_prefix_cache(target_model.pool, 64.0))
     try:
         for rid, tenant in (("a", "A"), ("b", "B"), ("a2", "A")):
             list(engine.generate(Request(request_id=rid, prompt=PROMPT, max_tokens=4,
                                          ignore_eos=True, proposer=drafter,
-                                         spec_mode=MODE_FIXED, tenant=tenant)))
+                                         spec_mode=SpecMode.FIXED, tenant=tenant)))
         keys = {c[3] for c in drafter.calls if c[3]}
         assert engine.drafter_prefix_hits == 1 and len(keys) == 1    # A's second request only
         assert drafter.prefix_entries == 2                          # A's and B's, apart

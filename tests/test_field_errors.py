@@ -4,8 +4,11 @@ modes and finish reasons as named constants with their wire values. Unit tests, 
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from dflash.core import errors, finish, speculation
 from dflash.core.convert import FINISH, FINISH_NAME
@@ -95,10 +98,38 @@ def test_verifier_maps_invalid_and_precondition():
 
 def test_mode_constants_keep_their_wire_values():
     assert speculation.MODES == ("off", "fixed", "adaptive", "tree", "suffix", "hybrid")
-    assert (speculation.MODE_OFF, speculation.MODE_FIXED, speculation.MODE_ADAPTIVE,
-            speculation.MODE_TREE, speculation.MODE_SUFFIX, speculation.MODE_HYBRID) == speculation.MODES
+    assert [m.value for m in speculation.SpecMode] == list(speculation.MODES)
+    # a member is its wire string wherever it goes: compared, formatted, in JSON
+    assert speculation.SpecMode("tree") is speculation.SpecMode.TREE == "tree"
+    assert f"{speculation.SpecMode.HYBRID}" == str(speculation.SpecMode.HYBRID) == "hybrid"
+    assert json.dumps({speculation.SpecMode.OFF: [speculation.SpecMode.SUFFIX]}) == '{"off": ["suffix"]}'
+    # ... on the wire (the gateway sets a member into SpeculationParams.mode) and in a label
+    wire = verifier_pb2.SpeculationParams(mode=speculation.SpecMode.OFF).SerializeToString()
+    assert wire == verifier_pb2.SpeculationParams(mode="off").SerializeToString()
+    registry = CollectorRegistry()
+    Counter("steps", "steps by mode", ["mode"], registry=registry).labels(speculation.SpecMode.ADAPTIVE).inc()
+    assert 'steps_total{mode="adaptive"} 1.0' in generate_latest(registry).decode()
     assert set(speculation.TREE_MODES) == {"tree", "adaptive", "suffix", "hybrid"}
     assert set(speculation.SUFFIX_MODES) == {"suffix", "hybrid", "adaptive"}
+
+
+def test_the_other_vocabularies_keep_their_values():
+    # metric labels, span attributes, capture-file metadata and log lines carry these strings
+    from dflash.learn.gate import METRICS, GateMetric
+    from dflash.learn.store import SPLITS, Split, split_of
+    from verifier_svc.acceptance import ARM_FAMILIES, Family
+    from verifier_svc.decision import StepMode
+    from verifier_svc.suffix_drafts import DraftSource
+
+    assert ARM_FAMILIES == ("chain", "tree", "suffix") and Family("tree") is Family.TREE
+    assert StepMode.MIXED == "mixed"
+    assert METRICS == ("served", "teacher_forced") and GateMetric("served") is GateMetric.SERVED
+    assert SPLITS == ("train", "heldout") and [split_of(s) for s in (0, 1, 20)] == ["heldout", "train", "heldout"]
+    assert split_of(7) is Split.TRAIN
+    # a node's sources are bits: several may propose one node, the root has none
+    assert (DraftSource.DRAFTER, DraftSource.SUFFIX, DraftSource.GRAMMAR) == (1, 2, 4)
+    both = DraftSource(0) | DraftSource.DRAFTER | DraftSource.SUFFIX
+    assert both == 3 and both & DraftSource.SUFFIX and not both & DraftSource.GRAMMAR
 
 
 def test_finish_reasons_and_the_wire_table_agree():

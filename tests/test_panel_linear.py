@@ -255,7 +255,7 @@ def test_greedy_speculation_on_panels_is_identical_to_decoding(tiny_target):
     target, token for token."""
     import random
 
-    from dflash.core.speculation import MODE_OFF
+    from dflash.core.speculation import SpecMode
     from verifier_svc.engine import Request, VerifierEngine
     from verifier_svc.target import TargetModel
 
@@ -267,7 +267,7 @@ def test_greedy_speculation_on_panels_is_identical_to_decoding(tiny_target):
     spec = VerifierEngine(TargetModel(tiny_target, panel_linear="on", skinny_max_rows=0),
                           spec_mode="suffix")
     base = VerifierEngine(TargetModel(tiny_target, panel_linear="on", skinny_max_rows=0),
-                          spec_mode=MODE_OFF)
+                          spec_mode=SpecMode.OFF)
     try:
         rng = random.Random(5)
         for _ in range(3):

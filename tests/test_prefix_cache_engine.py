@@ -20,7 +20,7 @@ import pytest
 
 from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.sampling import Sampling
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_FIXED, MODE_HYBRID, MODE_OFF, MODE_SUFFIX, MODE_TREE
+from dflash.core.speculation import SpecMode
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.prefix_reuse import new_prefix_cache
@@ -53,7 +53,7 @@ def _engine(target, cache=True, mb=64.0, **kw):
                           **kw)
 
 
-def _run(engine, prompt, *, rid="r", tenant="", proposer=None, mode=MODE_OFF, sampling=None,
+def _run(engine, prompt, *, rid="r", tenant="", proposer=None, mode=SpecMode.OFF, sampling=None,
          sid="", n=N):
     evs = list(engine.generate(Request(request_id=rid, prompt=prompt, max_tokens=n,
                                        ignore_eos=True, proposer=proposer, spec_mode=mode,
@@ -62,8 +62,8 @@ def _run(engine, prompt, *, rid="r", tenant="", proposer=None, mode=MODE_OFF, sa
     return [t for ev in evs for t in ev.tokens], evs[0].cached_prompt_tokens
 
 
-MODES = [(MODE_OFF, False), (MODE_FIXED, True), (MODE_TREE, True), (MODE_ADAPTIVE, True),
-         (MODE_HYBRID, True), (MODE_SUFFIX, False)]
+MODES = [(SpecMode.OFF, False), (SpecMode.FIXED, True), (SpecMode.TREE, True), (SpecMode.ADAPTIVE, True),
+         (SpecMode.HYBRID, True), (SpecMode.SUFFIX, False)]
 
 
 @pytest.mark.parametrize("mode,with_drafter", MODES, ids=[m for m, _ in MODES])
@@ -94,7 +94,7 @@ def test_greedy_identical_with_the_cache_on_off_and_on_a_hit(target, hf_target, 
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_seeded_sampled_identical_hit_vs_miss(target, drafter, with_drafter):
     proposer = drafter if with_drafter else None
-    mode = MODE_FIXED if with_drafter else MODE_OFF
+    mode = SpecMode.FIXED if with_drafter else SpecMode.OFF
     sampling = Sampling(temperature=1.0, seed=17)
     on, off = _engine(target, spec_mode=mode), _engine(target, cache=False, spec_mode=mode)
     try:
@@ -122,7 +122,7 @@ def test_another_tenant_never_hits_and_the_owner_still_does(target_model):
 def test_a_declared_shared_prefix_serves_every_tenant(target_model, hf_target):
     system = PROMPT[:32]
     cache = new_prefix_cache(target_model.pool, 64, shared=[system])
-    engine = VerifierEngine(target_model, prefix_cache=cache, spec_mode=MODE_OFF)
+    engine = VerifierEngine(target_model, prefix_cache=cache, spec_mode=SpecMode.OFF)
     try:
         assert _run(engine, system + [5, 6, 7], rid="a", tenant="A")[1] == 0
         q = system + [9, 9, 4, 4]
@@ -162,7 +162,7 @@ def test_a_cancelled_request_leaves_nothing_and_its_session_lets_go(target_model
         assert cache.pinned_bytes > 0
         gone = {"now": False}
         gen = engine.generate(Request(request_id="t2", session_id="S", prompt=PROMPT + [1, 2],
-                                      max_tokens=50, ignore_eos=True, spec_mode=MODE_OFF),
+                                      max_tokens=50, ignore_eos=True, spec_mode=SpecMode.OFF),
                               cancelled=lambda: gone["now"])
         assert next(gen).cached_prompt_tokens == len(PROMPT)       # its pin taken back
         gone["now"] = True
@@ -172,7 +172,7 @@ def test_a_cancelled_request_leaves_nothing_and_its_session_lets_go(target_model
         # goes, as without the cache)
         assert _run(engine, PROMPT + [1, 2], rid="x")[1] == 0
         one_shot = engine.generate(Request(request_id="c", prompt=[9] * 40, max_tokens=50,
-                                           ignore_eos=True, spec_mode=MODE_OFF),
+                                           ignore_eos=True, spec_mode=SpecMode.OFF),
                                    cancelled=lambda: True)
         list(one_shot)
         assert _run(engine, [9] * 41, rid="y")[1] == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.core.speculation import MODE_FIXED
+from dflash.core.speculation import SpecMode
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
 from verifier_svc.prefix_reuse import new_prefix_cache
@@ -68,7 +68,7 @@ def counted(target_model, make_drafter, tiny_target, monkeypatch):
     monkeypatch.setattr(target_model, "forward_batch", forward_batch)
     drafter = Counted(DrafterEngine.from_pretrained(make_drafter(block_size=4), tiny_target,
                                                     device="cpu", context_threads=0))
-    engine = VerifierEngine(target_model, spec_mode=MODE_FIXED,
+    engine = VerifierEngine(target_model, spec_mode=SpecMode.FIXED,
                             prefix_cache=new_prefix_cache(target_model.pool, 64.0))
     index = engine.prefix_cache._index = Probes()
 
@@ -78,7 +78,7 @@ def counted(target_model, make_drafter, tiny_target, monkeypatch):
         index.probes = 0
         evs = list(engine.generate(Request(request_id=rid, prompt=PROMPT, max_tokens=N,
                                            ignore_eos=True, proposer=drafter,
-                                           spec_mode=MODE_FIXED, tenant=tenant)))
+                                           spec_mode=SpecMode.FIXED, tenant=tenant)))
         done = (list(forwards), index.probes, list(drafter.items))
         return [t for ev in evs for t in ev.tokens], evs[0].cached_prompt_tokens, done
 

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash.core.suffix import SEPARATOR
 from dflash.core.token_shards import DataError
 from dflash.train.tokdata import TokenSeq, TokenStore
@@ -89,7 +89,7 @@ def test_a_continuation_only_in_the_corpus_is_accepted_and_output_is_unchanged(t
     held = list(corpus.tokens)
     engine = VerifierEngine(target, spec_mode="suffix", answers=AnswerStore(max_tokens=0, corpus=corpus))
     bare = VerifierEngine(target, spec_mode="suffix", answers=AnswerStore(max_tokens=0))
-    base = VerifierEngine(target, spec_mode=MODE_OFF)
+    base = VerifierEngine(target, spec_mode=SpecMode.OFF)
     try:
         prompt = order[7:8]
         want, _ = run(base, prompt, V)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash.v1 import verifier_pb2
 from drafter_svc.engine import DrafterEngine
 from verifier_svc.engine import Request, VerifierEngine
@@ -42,7 +42,7 @@ def run(engine: VerifierEngine, prompt: list[int], n: int, **kw) -> tuple[list[i
 def test_a_continuation_only_in_the_prompt_is_accepted_through_the_tree():
     target, order = cycle_target()
     engine = VerifierEngine(target, spec_mode="suffix")
-    base = VerifierEngine(target, spec_mode=MODE_OFF)
+    base = VerifierEngine(target, spec_mode=SpecMode.OFF)
     try:
         prompt = order[:] + order[:3]          # the cycle once, in the prompt only
         want, _ = run(base, prompt, 60)

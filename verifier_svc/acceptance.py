@@ -7,12 +7,12 @@ expected to commit.
   the bonus token included (:meth:`AcceptanceEstimator.expected_table`);
 * per request: the drafter's table moved towards the request's own per-position counts, the
   drafter's rates weighing as ``SESSION_PRIOR_STEPS`` steps (:func:`session_table`);
-* calibration: per drafter arm family (:data:`CHAIN`, :data:`TREE`: the drafter's trees,
+* calibration: per drafter arm family (``Family.CHAIN``, ``Family.TREE``: the drafter's trees,
   hybrid or not), committed / expected extra tokens of the recent adaptive steps that ran one
   of them, by which the policy scales that family's expected extra tokens
   (:meth:`AcceptanceEstimator.accuracy_of`; ``accuracy`` is the chains'). An arm is run when
   its estimate is high, so its steps commit less than estimated on average (the winner's
-  curse; docs/suffix.md). Suffix trees alone (:data:`SUFFIX`) are calibrated by their
+  curse; docs/suffix.md). Suffix trees alone (``Family.SUFFIX``) are calibrated by their
   candidates' own cells instead (``verifier_svc.suffix_drafts.SuffixCalibration``, per match
   length, depth, support and share, scaled per session), which condition on what the choice
   selects by; a family ratio on top counted the same shortfall twice;
@@ -31,6 +31,7 @@ How the policy weighs these against step cost: ``verifier_svc/policy.py``.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Collection, Protocol, Sequence
 
 from verifier_svc.cost_model import EMA
@@ -39,10 +40,19 @@ from verifier_svc.cost_model import EMA
 SESSION_PRIOR_STEPS = 4.0
 # Tree steps of one (label, budget) before its measured mean replaces the chain-based prior.
 TREE_MEASURED_STEPS = 3
-# Arm families. The drafter's are each calibrated on the adaptive steps that ran one of their
-# arms; suffix trees alone by their candidates' cells (SuffixCalibration), not twice.
-CHAIN, TREE, SUFFIX = "chain", "tree", "suffix"
-ARM_FAMILIES = (CHAIN, TREE, SUFFIX)
+
+
+class Family(StrEnum):
+    """An arm's calibration family. The drafter's (chains, trees) are each calibrated on the
+    adaptive steps that ran one of their arms; suffix trees alone by their candidates' cells
+    (SuffixCalibration), not twice."""
+
+    CHAIN = "chain"
+    TREE = "tree"
+    SUFFIX = "suffix"
+
+
+ARM_FAMILIES = tuple(Family)
 # Adaptive steps of one arm family before its committed / expected ratio scales its arms, and
 # the ratio's floor (a family is never valued at less than a quarter of its estimate).
 CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR = 5, 0.25
@@ -110,9 +120,9 @@ class AcceptanceEstimator:
         self._rates: dict[str, list[EMA]] = {}   # label -> per-position unconditional acceptance
         # calibration, per arm family: extra tokens the steps were expected to add
         # (uncalibrated) and what they committed beyond the bonus token, EMAs per step
-        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in (CHAIN, TREE)}
+        self._calibration = {f: (EMA(alpha), EMA(alpha)) for f in (Family.CHAIN, Family.TREE)}
         # the step about to run: its family and, per job index, its expected extra tokens
-        self._pending: tuple[str, dict[int, float]] | None = None
+        self._pending: tuple[Family, dict[int, float]] | None = None
         self._trees: dict[tuple[str, int], EMA] = {}   # (label, budget) -> committed per tree step
         self._hybrid: dict[str, tuple[EMA, EMA]] = {}   # label -> (predicted, realized) gain per step
 
@@ -206,11 +216,11 @@ class AcceptanceEstimator:
 
     # ------------------------------------------------------------------ calibration
     def expect(self, indices: Sequence[int], extra: float | Sequence[float],
-               family: str = CHAIN) -> None:
+               family: Family = Family.CHAIN) -> None:
         """The step about to run is speculative with an arm of ``family``: jobs ``indices``
         (positions in the step's job list) are expected to commit ``extra`` tokens beyond the
         bonus (before this family's calibration): a total spread evenly over them, or one
-        figure per job in the order of ``indices``; a :data:`SUFFIX` step teaches nothing here
+        figure per job in the order of ``indices``; a ``Family.SUFFIX`` step teaches nothing here
         (its candidates' cells learn from the walk). Raises ValueError for another family."""
         if self._calibrated(family) is None:
             self._pending = None
@@ -239,27 +249,27 @@ class AcceptanceEstimator:
         exp_e.add(sum(expected[i] for i in idx))
         com_e.add(sum(max(committed[i] - 1, 0) for i in idx))
 
-    def accuracy_of(self, family: str) -> float:
+    def accuracy_of(self, family: Family) -> float:
         """Committed / expected extra tokens of the recent adaptive steps that ran an arm of
         ``family`` (1.0 until ``CALIBRATION_MIN_STEPS`` were seen), clamped to
         [``CALIBRATION_FLOOR``, 1.5]. Per-request estimates run
         above what steps commit under load (acceptance falls within an answer faster than its
         counts follow), by as much as the margin between speculating and not. 1.0 for
-        :data:`SUFFIX` (calibrated per candidate cell)."""
+        ``Family.SUFFIX`` (calibrated per candidate cell)."""
         emas = self._calibrated(family)
         if emas is None:
             return 1.0
         exp_e, com_e = emas
         return ema_ratio(com_e, exp_e, CALIBRATION_MIN_STEPS, CALIBRATION_FLOOR)
 
-    def _calibrated(self, family: str) -> tuple[EMA, EMA] | None:
-        """``family``'s (expected, committed) EMAs; None for :data:`SUFFIX`, which has none.
+    def _calibrated(self, family: Family) -> tuple[EMA, EMA] | None:
+        """``family``'s (expected, committed) EMAs; None for ``Family.SUFFIX``, which has none.
         Raises ValueError for a name not in :data:`ARM_FAMILIES`."""
         if family not in ARM_FAMILIES:
-            raise ValueError(f"family: one of {ARM_FAMILIES}, got {family!r}")
+            raise ValueError(f"family: one of {', '.join(ARM_FAMILIES)}, got {family!r}")
         return self._calibration.get(family)
 
     @property
     def accuracy(self) -> float:
-        """The chains' calibration (:meth:`accuracy_of` ``CHAIN``)."""
-        return self.accuracy_of(CHAIN)
+        """The chains' calibration (:meth:`accuracy_of` ``Family.CHAIN``)."""
+        return self.accuracy_of(Family.CHAIN)

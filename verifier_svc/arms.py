@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dflash.core.speculation import MODE_ADAPTIVE, MODE_OFF, MODE_SUFFIX, SUFFIX_MODES
-from verifier_svc.acceptance import CHAIN, SUFFIX, TREE, AcceptanceEstimator, session_table
+from dflash.core.speculation import SUFFIX_MODES, SpecMode, suffix_depth
+from verifier_svc.acceptance import AcceptanceEstimator, Family, session_table
 from verifier_svc.cost_model import StepCostModel, bucket
 from verifier_svc.decision import Decision
 from verifier_svc.shapes import CANDIDATES, Arm, PolicyJob, Shape
@@ -28,10 +28,10 @@ def offered(offer: SuffixOffer | None, n: int) -> float:
     return offer.expected(n) if offer is not None else 1.0
 
 
-def family(arm: Arm) -> str:
+def family(arm: Arm) -> Family:
     """The calibration family of ``arm`` (``verifier_svc.acceptance``): suffix trees alone,
     the drafter's trees, or chains."""
-    return SUFFIX if arm.suffix_only else TREE if arm.budget else CHAIN
+    return Family.SUFFIX if arm.suffix_only else Family.TREE if arm.budget else Family.CHAIN
 
 
 def hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
@@ -41,17 +41,17 @@ def hybrid_shape(limit: int, budget: int, suffix: bool) -> Shape:
     return Shape(sh.k, sh.budget, True) if sh.budget and suffix else sh
 
 
-def job_mode(j: PolicyJob, suffix_limit: int) -> str:
+def job_mode(j: PolicyJob, suffix_limit: int) -> SpecMode:
     """The mode a job speculates in this step: a job without a drafter speculates from suffix
     candidates in the modes that may (``SUFFIX_MODES``), else not at all."""
     if j.req.proposer is not None:
         return j.mode
-    return MODE_SUFFIX if j.mode in SUFFIX_MODES and suffix_limit else MODE_OFF
+    return SpecMode.SUFFIX if j.mode in SUFFIX_MODES and suffix_limit else SpecMode.OFF
 
 
 def suffix_limits(jobs: Sequence[PolicyJob]) -> list[int]:
     """Deepest suffix candidate each job may verify this step (its tokens left)."""
-    return [max(0, min(j.suffix_limit, j.req.max_tokens - j.emitted - 1)) for j in jobs]
+    return [suffix_depth(j.suffix_limit, j.req.max_tokens, j.emitted) for j in jobs]
 
 
 def limits(jobs: Sequence[PolicyJob]) -> list[int]:
@@ -68,7 +68,7 @@ class Batch:
     budgets: list[int]
     suffix_limits: list[int]
     offers: list[SuffixOffer | None]
-    modes: list[str]
+    modes: list[SpecMode]
     adaptive: list[int]
     bucket: int
 
@@ -78,7 +78,7 @@ class Batch:
         modes = [job_mode(j, slimits[i]) for i, j in enumerate(jobs)]
         return cls(limits(jobs), [j.tree_budget for j in jobs], slimits,
                    list(offers) if offers is not None else [None] * len(jobs), modes,
-                   [i for i, m in enumerate(modes) if m == MODE_ADAPTIVE], bucket(len(jobs)))
+                   [i for i, m in enumerate(modes) if m == SpecMode.ADAPTIVE], bucket(len(jobs)))
 
     def adaptive_shape(self, i: int, arm: Arm) -> Shape:
         """Adaptive job ``i``'s shape under ``arm`` (within its own limits)."""
@@ -112,7 +112,7 @@ class Arms:
         self.floor = max(sh.verified for sh in shapes)
         self.top = max(batch.limits[i] for i in adaptive)
         self.fixed_tokens = sum(ex.shape(i, sh) for i, sh in enumerate(shapes)
-                                if batch.modes[i] != MODE_ADAPTIVE)
+                                if batch.modes[i] != SpecMode.ADAPTIVE)
         self.model = self.costs.fit()
         cands = [k for k in CANDIDATES if k <= self.top] + ([self.top] if self.top not in CANDIDATES else [])
         self.chains = [Arm(k) for k in cands]
@@ -173,7 +173,7 @@ class Arms:
 
     def decision(self, best: Arm, explored: bool) -> Decision:
         cost = self.price(best) if self._priced(best.rows) else 0.0
-        return Decision(mode=MODE_ADAPTIVE, k=best.k if not best.budget else self.top,
+        return Decision(mode=SpecMode.ADAPTIVE, k=best.k if not best.budget else self.top,
                         batch=len(self.batch.limits), expected_tokens=self.gain(best),
                         cost_seconds=cost, explored=explored, budget=best.budget,
                         suffix=best.suffix_only)

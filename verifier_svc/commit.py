@@ -19,7 +19,7 @@ from verifier_svc.decode_state import DecodeState, StepRow, StepTiming
 from verifier_svc.policy import StepFeedback
 from verifier_svc.request import StepEvent
 from verifier_svc.scheduler import StepPlan
-from verifier_svc.suffix_drafts import DRAFTER, GRAMMAR, AnswerStore, Sourced, SuffixCalibration, observe_walk
+from verifier_svc.suffix_drafts import AnswerStore, DraftSource, Sourced, SuffixCalibration, observe_walk
 from verifier_svc.target_protocol import Target
 from verifier_svc.tree import TreeVerified
 from verifier_svc.verification import Verified
@@ -106,7 +106,7 @@ def _grammar_accepted(r: StepRow, v: Verified) -> int:
         return 0
     if isinstance(v, TreeVerified):
         assert r.sourced is not None            # a tree row has its sources
-        return sum(1 for j in v.path if r.sourced.sources[j] == GRAMMAR)
+        return sum(1 for j in v.path if r.sourced.sources[j] == DraftSource.GRAMMAR)
     return v.accepted                          # a forced chain: every draft is the grammar's
 
 
@@ -179,4 +179,4 @@ def log_step(plan: StepPlan, joining: bool, fb: StepFeedback, timing: StepTiming
 def _no_drafter_node(src: Sourced | None) -> bool:
     """Whether a step's tree holds no drafter node (suffix candidates alone): it says nothing
     of the drafter's acceptance."""
-    return src is not None and not any(s & DRAFTER for s in src.sources[1:])
+    return src is not None and not any(s & DraftSource.DRAFTER for s in src.sources[1:])

@@ -5,17 +5,23 @@ it without the policy that makes it (``verifier_svc.policy``) and all that the p
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 
-#: ``Decision.mode`` of a step without adaptive sessions whose sessions' modes differ.
-MIXED = "mixed"
+from dflash.core.speculation import SpecMode
+
+
+class StepMode(StrEnum):
+    """``Decision.mode`` where no one speculation mode names the step."""
+
+    MIXED = "mixed"     # no adaptive session, and the sessions' modes differ
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """One step's choice and the figures it was made from (for metrics and spans)."""
 
-    mode: str                       # MODE_ADAPTIVE if any session is adaptive, else the batch's
-                                    # mode (MIXED: several)
+    mode: SpecMode | StepMode       # ADAPTIVE if any session is adaptive, else the batch's
+                                    # mode (StepMode.MIXED: several)
     k: int                          # drafts chosen for adaptive sessions (-1: none adaptive)
     batch: int
     expected_tokens: float = 0.0    # sum over adaptive sessions of E_i[k]

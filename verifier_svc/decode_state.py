@@ -15,7 +15,7 @@ import torch
 
 from dflash.core.grammar import GrammarState
 from dflash.core.logits_processors import LogitsProcessor
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.decision import Decision
 from verifier_svc.drafter_sync import NONE, DraftOutcome
@@ -37,7 +37,7 @@ class DecodeState:
     processor: LogitsProcessor | None = None  # the request's penalties; None: none asked
     grammar: GrammarState | None = None      # its output constraint's matcher; None: none asked
     stops: frozenset[int] = frozenset()
-    mode: str = MODE_OFF                     # speculation mode of this request
+    mode: SpecMode = SpecMode.OFF            # speculation mode of this request
     block_limit: int = 1                     # largest block (anchor + drafts) it may verify
     tree_budget: int = 0                     # largest tree (nodes) it may verify; 0: chains only
     suffix_limit: int = 0                    # deepest suffix candidate it may verify; 0: none

@@ -38,7 +38,7 @@ from dflash.core.finish import FINISH_CANCELLED
 from dflash.core.grammar import GrammarCache, GrammarTokenizer
 from dflash.core.logits_processors import LogitsProcessor
 from dflash.core.sampling import InvalidParam
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_FIXED
+from dflash.core.speculation import MAX_TREE_BUDGET, SpecMode
 from dflash.core.stats import AcceptanceCounter
 from verifier_svc.commit import commit_row, log_step, step_feedback
 from verifier_svc.core import EngineCore
@@ -106,7 +106,7 @@ class VerifierEngine(EngineGauges):
     """
 
     def __init__(self, target: Target, *, session_ttl_s: float = 600.0, max_sessions: int = 256,
-                 spec_mode: str = MODE_FIXED, prefill_chunk: int = 256, max_batch: int = 64,
+                 spec_mode: str = SpecMode.FIXED, prefill_chunk: int = 256, max_batch: int = 64,
                  context_flush: int = 8, max_unread: int = 4096, threads: int = 0,
                  tree_budget: int = DEFAULT_TREE_BUDGET, tree_budgets: tuple[int, ...] = DEFAULT_TREE_BUDGETS,
                  tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, mode_race: bool = False,

@@ -16,7 +16,7 @@ calls it.
 
 from __future__ import annotations
 
-from verifier_svc.acceptance import CHAIN, TREE
+from verifier_svc.acceptance import Family
 from verifier_svc.shapes import Arm
 
 #: Most steps between explorations around one best arm, as a multiple of ``every``.
@@ -29,7 +29,7 @@ def leader(arm: Arm) -> tuple[str, int]:
     with every step's candidates)."""
     if arm.suffix_only or not (arm.k or arm.budget):
         return "none", 0
-    return (TREE, arm.budget) if arm.budget else (CHAIN, arm.k)
+    return (Family.TREE, arm.budget) if arm.budget else (Family.CHAIN, arm.k)
 
 
 class Exploration:

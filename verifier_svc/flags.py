@@ -7,7 +7,7 @@ import argparse
 import os
 
 from dflash.core.device import DeviceError, add_device_args
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_ADAPTIVE, MODES
+from dflash.core.speculation import MAX_TREE_BUDGET, MODES, SpecMode
 from dflash.serving.argtypes import at_least, in_range, int_list, one_of, positive_float, split_host_port
 from dflash.serving.server import add_common_args, add_compute_args, add_upstream_tls_args
 from verifier_svc.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_BUDGETS, DEFAULT_TREE_MAX_BATCH
@@ -68,7 +68,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     """The default speculation policy and its draft trees."""
     env = os.environ.get
-    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", MODE_ADAPTIVE), type=one_of(MODES),
+    p.add_argument("--spec-mode", default=env("DFLASH_SPEC_MODE", SpecMode.ADAPTIVE), type=one_of(MODES),
                    help="default speculation policy: off, fixed (always the block size), adaptive "
                         "(block length or tree budget per step from measured acceptance and "
                         "cost), tree (always a DDTree of --tree-budget nodes), suffix (trees of "

@@ -22,9 +22,9 @@ import torch
 
 from dflash.core.grammar import MAX_FORCED, GrammarState
 from dflash.core.logits_processors import chain_parents
-from dflash.core.speculation import MAX_TREE_BUDGET, MODE_OFF
+from dflash.core.speculation import MAX_TREE_BUDGET, SpecMode
 from verifier_svc.decode_state import StepRow
-from verifier_svc.suffix_drafts import GRAMMAR, Sourced
+from verifier_svc.suffix_drafts import DraftSource, Sourced
 from verifier_svc.tree import DraftTree
 
 __all__ = ["GrammarTime", "constrain", "plan_forced", "with_forced"]
@@ -61,7 +61,7 @@ def plan_forced(r: StepRow) -> None:
     t0 = time.perf_counter()
     st = r.state
     room = st.req.max_tokens - st.emitted - 1      # drafts committable beside the bonus token
-    r.forced = g.forced(min(MAX_FORCED, room)) if st.mode != MODE_OFF else []
+    r.forced = g.forced(min(MAX_FORCED, room)) if st.mode != SpecMode.OFF else []
     if r.shape.k and len(r.forced) >= r.shape.k:
         r.shape = dataclasses.replace(r.shape, k=0)
     r.grammar_seconds += time.perf_counter() - t0
@@ -87,7 +87,7 @@ def _constrain(r: StepRow, g: GrammarState) -> None:
             src = with_forced(src, forced[:max(0, MAX_TREE_BUDGET - len(src.tree.tokens))])
         keep, r.masks = g.walk(src.tree.tokens, src.tree.parents)
         r.sourced = _kept(src, keep)
-        r.grammar_nodes = sum(1 for s in r.sourced.sources[1:] if s == GRAMMAR)
+        r.grammar_nodes = sum(1 for s in r.sourced.sources[1:] if s == DraftSource.GRAMMAR)
         return
     d = r.draft
     drafts: list[int] = d.tokens.tolist()
@@ -108,7 +108,7 @@ def _constrain(r: StepRow, g: GrammarState) -> None:
 
 def with_forced(src: Sourced, forced: list[int]) -> Sourced:
     """``src``'s tree with the path ``forced`` from the root merged in: nodes on it gain the
-    :data:`GRAMMAR` source, new nodes are appended (parents before children)."""
+    ``DraftSource.GRAMMAR`` source, new nodes are appended (parents before children)."""
     tokens, parents = list(src.tree.tokens), list(src.tree.parents)
     depths, sources = list(src.tree.depths), list(src.sources)
     children: dict[tuple[int, int], int] = {}
@@ -121,10 +121,10 @@ def with_forced(src: Sourced, forced: list[int]) -> Sourced:
             tokens.append(t)
             parents.append(at)
             depths.append(depths[at] + 1)
-            sources.append(GRAMMAR)
+            sources.append(DraftSource.GRAMMAR)
             nxt = len(tokens)
         else:
-            sources[nxt] |= GRAMMAR
+            sources[nxt] |= DraftSource.GRAMMAR
         at = nxt
     return Sourced(DraftTree(tokens=tokens, parents=parents, depths=depths), sources,
                    dict(src.trie_nodes), src.gain)

@@ -26,7 +26,7 @@ from opentelemetry import context as otel_context, propagate, trace
 
 from dflash.core.convert import FINISH_NAME
 from dflash.core.finish import FINISH_CANCELLED
-from dflash.core.speculation import MODE_OFF
+from dflash.core.speculation import SpecMode
 from dflash.serving import semconv as sc
 from dflash.serving.metrics import NO_DRAFTER, PolicyGauges, SessionGauges, VerifierMetrics
 from dflash.serving.speclog import SpecDecodingLogger
@@ -116,7 +116,7 @@ class VerifierObserver:
             wire_s = None
         # a request without a drafter speculates only from suffix candidates, in its mode
         mode = (req.spec_mode or self.engine.spec_mode) if proposer is not None or ev.suffix_nodes \
-            else MODE_OFF
+            else SpecMode.OFF
         view = StepView(label=label, fallback=ev.fallback, verify_s=ev.verify_seconds,
                         draft_s=draft_s, wire_s=wire_s,
                         context_bytes=wire.context_bytes if wire else None,

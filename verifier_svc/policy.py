@@ -23,24 +23,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Sequence
 
-from dflash.core.speculation import (
-    MODE_ADAPTIVE,
-    MODE_FIXED,
-    MODE_SUFFIX,
-    MODES,
-)
+from dflash.core.speculation import MODES, SpecMode
 from verifier_svc import suffix_value
-from verifier_svc.acceptance import SESSION_PRIOR_STEPS, TREE, AcceptanceEstimator, session_table
+from verifier_svc.acceptance import SESSION_PRIOR_STEPS, AcceptanceEstimator, Family, session_table
 from verifier_svc.arms import Arms, Batch, Expectations, family, limits
 from verifier_svc.cost_model import Fit, StepCostModel, _Cell, bucket
-from verifier_svc.decision import MIXED, Decision
+from verifier_svc.decision import Decision, StepMode
 from verifier_svc.exploration import DEFAULT_EXPLORE_BACKOFF, Exploration
 from verifier_svc.mode_race import ModeRace
 from verifier_svc.race_arms import DEFAULT_RACE_ARMS, available, mode_shape, race_arms as race_arms_of, split_arm
 from verifier_svc.shapes import CANDIDATES, Arm, PolicyJob, Shape, StepChoice, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer
 
-__all__ = ["MODES", "MIXED", "CANDIDATES", "DEFAULT_RACE_ARMS", "SESSION_PRIOR_STEPS", "Arm", "Decision",
+__all__ = ["MODES", "StepMode", "CANDIDATES", "DEFAULT_RACE_ARMS", "SESSION_PRIOR_STEPS", "Arm", "Decision",
            "PolicyJob", "Shape", "split_arm", "SpeculationPolicy", "StepChoice", "StepFeedback", "bucket", "session_table"]
 
 #: Node budgets the adaptive policy tries (``--tree-budgets``): small enough that a verify
@@ -76,7 +71,7 @@ class SpeculationPolicy:
             for an arm that is no mode.
     """
 
-    def __init__(self, mode: str = MODE_FIXED, *, alpha: float = 0.05, explore_every: int = 25,
+    def __init__(self, mode: str = SpecMode.FIXED, *, alpha: float = 0.05, explore_every: int = 25,
                  explore_backoff: int = DEFAULT_EXPLORE_BACKOFF,
                  tree_budgets: Sequence[int] = DEFAULT_TREE_BUDGETS,
                  tree_max_batch: int = DEFAULT_TREE_MAX_BATCH, race: bool = False,
@@ -87,7 +82,7 @@ class SpeculationPolicy:
             raise ValueError(f"tree_budgets: every budget must be >= 1, got {list(tree_budgets)}")
         if tree_max_batch < 0:
             raise ValueError(f"tree_max_batch: must be >= 0, got {tree_max_batch}")
-        self.mode = mode
+        self.mode = SpecMode(mode)
         self.tree_budgets = tuple(sorted(set(tree_budgets)))
         self.tree_max_batch = tree_max_batch
         self.alpha = alpha
@@ -216,15 +211,15 @@ class SpeculationPolicy:
         shapes = [self._pinned_shape(batch, i) for i in range(len(jobs))]
         if not batch.adaptive:
             modes = set(batch.modes)
-            return StepChoice(shapes, Decision(mode=batch.modes[0] if len(modes) == 1 else MIXED,
+            return StepChoice(shapes, Decision(mode=batch.modes[0] if len(modes) == 1 else StepMode.MIXED,
                                                k=-1, batch=len(jobs)))
         if waiting:
-            return StepChoice(shapes, Decision(mode=MODE_ADAPTIVE, k=0, batch=len(jobs),
+            return StepChoice(shapes, Decision(mode=SpecMode.ADAPTIVE, k=0, batch=len(jobs),
                                                waiting=waiting))
         if self.race is not None:
             arm, race_explored = self.race.pick(batch.bucket, available(self.race.order, batch))
             self._race_step = (batch.bucket, arm, tuple(batch.adaptive), race_explored)
-            if arm != MODE_ADAPTIVE:
+            if arm != SpecMode.ADAPTIVE:
                 return self._race_choice(batch, shapes, arm, race_explored)
         ex = Expectations(self.acceptance, jobs, batch.limits)
         arms = Arms(batch, shapes, ex, acceptance=self.acceptance, costs=self.costs,
@@ -234,11 +229,11 @@ class SpeculationPolicy:
             shapes[i] = batch.adaptive_shape(i, best)
         # a speculative arm valued by measurements teaches its family's calibration; a tree
         # not yet measured is valued by the chain's prior, which would skew the ratio for good
-        if (best.k > 0 or best.budget) and not (family(best) == TREE and arms.untried(best)):
+        if (best.k > 0 or best.budget) and not (family(best) == Family.TREE and arms.untried(best)):
             self.acceptance.expect(batch.adaptive, arms.raw(best), family(best))
         d = arms.decision(best, explored)
         if self._race_step is not None:
-            d = dataclasses.replace(d, arm=MODE_ADAPTIVE, explored=explored or self._race_step[3])
+            d = dataclasses.replace(d, arm=SpecMode.ADAPTIVE, explored=explored or self._race_step[3])
         return StepChoice(shapes, d, ex)
 
     def _race_choice(self, batch: Batch, shapes: list[Shape], arm: str, explored: bool) -> StepChoice:
@@ -246,7 +241,7 @@ class SpeculationPolicy:
             shapes[i] = self.arm_shape(arm, batch, i)
         played = [shapes[i] for i in batch.adaptive]
         return StepChoice(shapes, Decision(
-            mode=MODE_ADAPTIVE, k=max(sh.k for sh in played), batch=len(shapes),
+            mode=SpecMode.ADAPTIVE, k=max(sh.k for sh in played), batch=len(shapes),
             explored=explored, budget=max(sh.budget for sh in played),
             suffix=all(sh.suffix and not sh.k for sh in played if sh.budget), arm=arm))
 
@@ -258,7 +253,7 @@ class SpeculationPolicy:
         """Adaptive job ``i``'s shape when the step plays race arm ``arm``: the shape the
         job would have pinned in that mode."""
         mode, n = split_arm(arm)
-        return mode_shape(mode, n or batch.budgets[i] if mode == MODE_SUFFIX else n, batch, i,
+        return mode_shape(mode, n or batch.budgets[i] if mode == SpecMode.SUFFIX else n, batch, i,
                           self.suffix_shape)
 
     def _pick(self, arms: Arms) -> tuple[Arm, bool]:

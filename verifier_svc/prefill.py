@@ -13,15 +13,7 @@ import torch
 from dflash.core.finish import FINISH_LENGTH, FINISH_STOP
 from dflash.core.logits_processors import token_logprobs
 from dflash.core.sampling import Sampling, coupled_choice, position_noise, probs_from_logits, sample_from
-from dflash.core.speculation import (
-    DEFAULT_SUFFIX_DEPTH,
-    MODE_HYBRID,
-    MODE_OFF,
-    MODE_SUFFIX,
-    MODE_TREE,
-    SUFFIX_MODES,
-    TREE_MODES,
-)
+from dflash.core.speculation import DEFAULT_SUFFIX_DEPTH, SUFFIX_MODES, TREE_MODES, SpecMode
 from verifier_svc.decode_state import DecodeState
 from verifier_svc.request import Request, StepEvent
 from verifier_svc.sessions import Session
@@ -29,27 +21,27 @@ from verifier_svc.target_protocol import Target
 
 
 def speculation_limits(req: Request, default_mode: str, *, trees: bool, suffix: bool,
-                       tree_budget: int, tree_budgets: Sequence[int]) -> tuple[str, int, int, int]:
+                       tree_budget: int, tree_budgets: Sequence[int]) -> tuple[SpecMode, int, int, int]:
     """A request's speculation mode and limits: ``(mode, block_limit, tree_budget,
     suffix_limit)`` (``DecodeState``'s fields), from its own settings, its drafter's card and
     the engine's defaults (``trees``/``suffix``: the target may verify them at all)."""
-    mode = req.spec_mode or default_mode
+    mode = SpecMode(req.spec_mode or default_mode)      # both validated: the request, the engine
     block_limit, budget, suffix_limit = 1, 0, 0
-    if req.proposer is not None and mode != MODE_OFF:
+    if req.proposer is not None and mode != SpecMode.OFF:
         card = req.proposer.card
         block_limit = min(req.block_size or card.block_size, card.block_size)
         if trees and mode in TREE_MODES:
             budget = req.tree_budget or (
-                tree_budget if mode in (MODE_TREE, MODE_HYBRID, MODE_SUFFIX)
+                tree_budget if mode in (SpecMode.TREE, SpecMode.HYBRID, SpecMode.SUFFIX)
                 else max(tree_budgets, default=0))
-    if suffix and mode != MODE_OFF and (req.proposer is not None or mode in SUFFIX_MODES):
+    if suffix and mode != SpecMode.OFF and (req.proposer is not None or mode in SUFFIX_MODES):
         # with a drafter, suffix candidates are its fallback in every mode (a failed call
         # still speculates); without one, the modes that may speculate from them alone
         suffix_limit = block_limit - 1 if req.proposer is not None else \
             (req.block_size - 1 if req.block_size else DEFAULT_SUFFIX_DEPTH)
         if not budget:
             budget = req.tree_budget or (
-                tree_budget if mode in (MODE_SUFFIX, MODE_HYBRID)
+                tree_budget if mode in (SpecMode.SUFFIX, SpecMode.HYBRID)
                 else max(tree_budgets, default=tree_budget))
     return mode, block_limit, budget, suffix_limit
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dflash.core.proposer import MAX_TOP_K
-from dflash.core.speculation import MODE_SUFFIX
+from dflash.core.speculation import SpecMode, suffix_depth
 from verifier_svc.decode_state import DecodeState, StepRow
 from verifier_svc.drafter_sync import DraftItem, DraftOutcome
 from verifier_svc.policy import Shape, SpeculationPolicy, bucket
 from verifier_svc.suffix_drafts import (
-    DRAFTER,
     AnswerStore,
+    DraftSource,
     Sourced,
     SuffixCalibration,
     SuffixOffer,
@@ -37,7 +37,7 @@ def suffix_offers(states: list[DecodeState], answers: AnswerStore,
     tenant's ``answers`` (None: it may verify none, or none matched)."""
     out = []
     for st in states:
-        depth = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
+        depth = suffix_depth(st.suffix_limit, st.req.max_tokens, st.emitted)
         s = st.session
         out.append(offer_for(s.suffix, answers.indexes(st.req.tenant), depth,
                              calibration, s.suffix_rates) if depth > 0 else None)
@@ -54,7 +54,7 @@ def draft_item(r: StepRow) -> DraftItem:
                      anchor=s.tokens[-1], k=sh.k,
                      # mode suffix never asks the drafter: it gets no context updates
                      # either; a later turn that drafts sends all it lacks in one call
-                     room=st.mode != MODE_SUFFIX and st.block_limit > 1
+                     room=st.mode != SpecMode.SUFFIX and st.block_limit > 1
                      and req.max_tokens - st.emitted > 1,
                      sampling=req.sampling.for_drafter(), trace_context=ctx,
                      top_k=min(sh.budget, MAX_TOP_K) if sh.budget and sh.k else 0,
@@ -68,7 +68,7 @@ def sourced(r: StepRow, d: DraftOutcome, batch: int, policy: SpeculationPolicy) 
     ``d``: its drafter's answer; ``batch``: the step's jobs (the fallback's size is priced at
     that batch)."""
     st, sh, offer = r.state, r.shape, r.offer
-    limit = min(st.suffix_limit, st.req.max_tokens - st.emitted - 1)
+    limit = suffix_depth(st.suffix_limit, st.req.max_tokens, st.emitted)
     tree = drafter_tree(sh, d)
     label = st.req.proposer.card.label if st.req.proposer is not None else ""
     out = merge_sources(sh, tree, offer, limit,
@@ -90,7 +90,7 @@ def merge_sources(sh: Shape, tree: DraftTree | None, offer: SuffixOffer | None, 
     if tree is not None:
         if sh.suffix and offer is not None and limit > 0:
             return hybrid_tree(tree, offer, sh.budget, theta(), limit)
-        return Sourced(tree, [0] + [DRAFTER] * len(tree.tokens), {})
+        return Sourced(tree, [DraftSource(0)] + [DraftSource.DRAFTER] * len(tree.tokens), {})
     if offer is not None and limit > 0 and sh.suffix and not sh.k:
         return suffix_tree(offer, sh.budget, limit)
     return None

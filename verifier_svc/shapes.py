@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
+from dflash.core.speculation import SpecMode
 from verifier_svc.acceptance import PositionCounts
 from verifier_svc.decision import Decision
 
@@ -111,7 +112,7 @@ class _Request(Protocol):
 class PolicyJob(Protocol):
     """What :meth:`SpeculationPolicy.choose` reads of a job (``verifier_svc.scheduler.Job``)."""
 
-    mode: str                       # one of MODES
+    mode: SpecMode                  # the request's mode
     block_limit: int                # the request's block size (drafts + 1)
     emitted: int                    # tokens emitted so far
     @property

@@ -19,8 +19,8 @@ candidate probabilities, and the trees they become (alone, or merged into a draf
 * :class:`AnswerStore`: recent answers per tenant (bounded in tokens, least recently used
   tenants dropped first); a tenant's lookups read only its own answers.
 
-Sources of a tree's nodes (``sources[j]`` per block index, bits): :data:`DRAFTER`, :data:`SUFFIX`,
-:data:`GRAMMAR` (tokens a grammar forces, ``verifier_svc/grammar_rows.py``), or several; a node
+Sources of a tree's nodes (``sources[j]`` per block index, a :class:`DraftSource`): the drafter,
+the suffix index, a grammar (tokens it forces, ``verifier_svc/grammar_rows.py``), or several; a node
 the drafter proposed counts as the drafter's in the per-source statistics (``suffix`` and
 ``grammar`` count what only that source added).
 """
@@ -31,16 +31,23 @@ import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from enum import IntFlag
 
 from dflash.core.suffix import MAX_MATCH, SEPARATOR, SuffixIndex, SuffixTrie, build_trie
 from verifier_svc.tree import DraftTree
 
-__all__ = ["DRAFTER", "SUFFIX", "GRAMMAR", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
+__all__ = ["DraftSource", "SuffixCalibration", "SessionRates", "SuffixOffer", "AnswerStore", "cell",
            "suffix_tree", "hybrid_tree", "suffix_gain", "match_bucket", "Sourced"]
 
-DRAFTER = 1
-SUFFIX = 2
-GRAMMAR = 4
+
+class DraftSource(IntFlag):
+    """Who proposed a tree node (bits: several may propose the same node; 0: none, the root)."""
+
+    DRAFTER = 1
+    SUFFIX = 2
+    GRAMMAR = 4
+
+
 #: Upper ends of the match-length buckets (tokens): 1, 2, 3-4, 5-8, 9-16.
 MATCH_BUCKETS = (1, 2, 4, 8, MAX_MATCH)
 #: Upper ends of the depth buckets: 1, 2-3, 4-7, 8+.
@@ -188,24 +195,24 @@ class Sourced:
     (block index -> trie node, for :func:`observe_walk`)."""
 
     tree: DraftTree
-    sources: list[int]
+    sources: list[DraftSource]
     trie_nodes: dict[int, int]
     gain: float = 0.0       # a hybrid tree: its suffix candidates' :func:`suffix_gain`
 
     def suffix_only(self, path: Sequence[int]) -> int:
         """Accepted nodes of ``path`` (block indices) that only the suffix index proposed."""
-        return sum(1 for j in path if self.sources[j] == SUFFIX)
+        return sum(1 for j in path if self.sources[j] == DraftSource.SUFFIX)
 
     @property
     def suffix_nodes(self) -> int:
-        return sum(1 for s in self.sources[1:] if s & SUFFIX)
+        return sum(1 for s in self.sources[1:] if s & DraftSource.SUFFIX)
 
     def drafter_prefix(self, path: Sequence[int]) -> int:
         """Accepted path nodes before the first node no drafter proposed: what the drafter's
         own tree would have committed of this path."""
         n = 0
         for j in path:
-            if not self.sources[j] & DRAFTER:
+            if not self.sources[j] & DraftSource.DRAFTER:
                 break
             n += 1
         return n
@@ -239,7 +246,7 @@ def hybrid_tree(drafter: DraftTree, offer: SuffixOffer | None, budget: int, thre
     that fits, a suffix node equal to a drafter node costs nothing."""
     chosen = sorted(offer.above(threshold, limit)[:budget]) if offer is not None else []
     if offer is None or not chosen:
-        return Sourced(drafter, [0] + [DRAFTER] * len(drafter.tokens), {})
+        return Sourced(drafter, [DraftSource(0)] + [DraftSource.DRAFTER] * len(drafter.tokens), {})
     n_d = len(drafter.tokens)
     gain = suffix_gain(offer, threshold, limit, budget)
     for m in range(min(n_d, budget), -1, -1):
@@ -260,7 +267,7 @@ def _merge(drafter: DraftTree | None, offer: SuffixOffer, chosen: list[int]) -> 
     tokens = list(drafter.tokens) if drafter else []
     parents = list(drafter.parents) if drafter else [-1]
     depths = list(drafter.depths) if drafter else [0]
-    sources = [0] + [DRAFTER] * len(tokens)
+    sources = [DraftSource(0)] + [DraftSource.DRAFTER] * len(tokens)
     children: list[dict[int, int]] = [{} for _ in parents]
     for j in range(len(tokens), 0, -1):         # the first of equal siblings is the walk's
         children[parents[j]][tokens[j - 1]] = j
@@ -275,12 +282,12 @@ def _merge(drafter: DraftTree | None, offer: SuffixOffer, chosen: list[int]) -> 
             tokens.append(tok)
             parents.append(parent)
             depths.append(depths[parent] + 1)
-            sources.append(0)
+            sources.append(DraftSource(0))
             children.append({})
             found = len(tokens)
             children[parent][tok] = found
         j = found
-        sources[j] |= SUFFIX
+        sources[j] |= DraftSource.SUFFIX
         where[t] = j
         trie_nodes[j] = t
     return Sourced(DraftTree(tokens=tokens, parents=parents, depths=depths), sources, trie_nodes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -34,7 +35,16 @@ from dflash.learn.walk import chain_walk
 from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
 from dflash.recipe.loss import batch_loss
 
-METRICS = ("served", "teacher_forced")
+
+class GateMetric(StrEnum):
+    """What the gate's acceptance figures measure (module docstring): the served chain
+    replayed, or teacher-forced blocks."""
+
+    SERVED = "served"
+    TEACHER_FORCED = "teacher_forced"
+
+
+METRICS = tuple(GateMetric)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +57,7 @@ class ConvScore:
 
 
 def score(drafter: DFlashDrafter, head: TargetHead, convs: list[dict[str, torch.Tensor]], *,
-          metric: str = "served", vocab: torch.Tensor | None = None, anchors_per_conv: int = 8,
+          metric: GateMetric = GateMetric.SERVED, vocab: torch.Tensor | None = None, anchors_per_conv: int = 8,
           gamma: float = 7.0, chunk: int = 1024) -> list[ConvScore]:
     """Acceptance of ``drafter`` on each conversation (dicts of
     ``dflash.learn.store.CaptureStore.read``) that has a valid anchor, by ``metric`` (see the
@@ -56,10 +66,10 @@ def score(drafter: DFlashDrafter, head: TargetHead, convs: list[dict[str, torch.
     by the conversation's ``seq``, so two drafters meet the same blocks.
 
     Raises ValueError naming ``metric`` for an unknown one."""
-    if metric == "served":
+    if metric == GateMetric.SERVED:
         return [ConvScore(w.seq, float(w.accepted), w.steps)
                 for w in chain_walk(drafter, head, convs, vocab=vocab) if w.steps]
-    if metric != "teacher_forced":
+    if metric != GateMetric.TEACHER_FORCED:
         raise ValueError(f"metric: {metric!r} is not one of {', '.join(METRICS)}")
     return _teacher_forced(drafter, head, convs, anchors_per_conv=anchors_per_conv, gamma=gamma,
                            chunk=chunk)
@@ -101,7 +111,7 @@ class GateResult:
     losses: int
     margin: float
     confidence: float
-    metric: str = "served"  # what the figures measure (``score``'s metric)
+    metric: GateMetric = GateMetric.SERVED  # what the figures measure (``score``'s metric)
     replay: float | None = None   # the serving version's replayed / served τ (:func:`replay_check`)
     replay_conversations: int = 0
 
@@ -133,7 +143,7 @@ def replay_check(convs: list[dict], serving: list[ConvScore], label: str, *,
 
 def gate(serving: list[ConvScore], candidate: list[ConvScore], *, margin: float = 0.02,
          confidence: float = 0.95, min_conversations: int = 5, resamples: int = 2000,
-         seed: int = 0, metric: str = "served") -> GateResult:
+         seed: int = 0, metric: GateMetric = GateMetric.SERVED) -> GateResult:
     """Paired bootstrap over conversations (see the module docstring): release when the gain
     is at least ``margin`` and its one-sided ``confidence`` lower bound is above 0; ``metric``
     names the measure the scores were taken by, for the log.

@@ -19,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
+from dflash.learn.store import SPLITS, Split
 from dflash.serving.threads import claim
 
 log = logging.getLogger("dflash.learn")
@@ -62,7 +63,7 @@ class IdleLearner:
             if self.busy() or self.learner.step >= self.learner.cfg.max_steps:
                 continue
             try:
-                if not self.learner.store.counts()["train"]:
+                if not self.learner.store.counts()[Split.TRAIN]:
                     continue
                 if self.learner.run(self.steps_per_round, self.busy):
                     self.rounds += 1
@@ -99,7 +100,7 @@ class _Collector:
         convs = GaugeMetricFamily("dflash_learn_store_conversations",
                                   "Captured conversations kept, per split.", labels=["split"])
         c = ln.store.counts()
-        for split in ("train", "heldout"):
+        for split in SPLITS:
             convs.add_metric([split], c[split])
         size = GaugeMetricFamily("dflash_learn_store_bytes", "Bytes of the capture store.")
         size.add_metric([], c["bytes"])

@@ -24,8 +24,8 @@ import torch
 
 from dflash.core.checkpoint import load_drafter, load_target_head, save_drafter
 from dflash.core.draft_vocab import load_draft_vocab
-from dflash.learn.gate import METRICS, REPLAY_TOLERANCE, GateResult, gate, replay_check, score
-from dflash.learn.store import CaptureStore
+from dflash.learn.gate import METRICS, REPLAY_TOLERANCE, GateMetric, GateResult, gate, replay_check, score
+from dflash.learn.store import CaptureStore, Split
 from dflash.recipe import ckpt
 from dflash.recipe.blocks import build_batch, sample_anchors, valid_anchors
 from dflash.recipe.loss import batch_loss
@@ -49,7 +49,7 @@ class LearnConfig:
     ckpt_every: int = 25            # optimizer steps between checkpoints
     eval_every: int = 50            # optimizer steps between held-out points of the curve
     margin: float = 0.02            # the least relative τ gain the gate releases (lower bound > 0 too)
-    gate_metric: str = "served"     # the gate's measure: "served" (replayed chain) or "teacher_forced"
+    gate_metric: GateMetric = GateMetric.SERVED   # the gate's measure: the replayed chain or teacher-forced
     vocab_subset: bool = True       # softmax over the ids seen in the captured answers ...
     full_vocab_after: float = 0.8   # ... until this fraction of max_steps, then the full one
     seed: int = 0
@@ -88,7 +88,7 @@ class Learner:
         self.step, self.seconds, self.loss = 0, 0.0, float("nan")
         self.curve: list[dict] = []
         self.train_convs: list[dict[str, torch.Tensor]] = []
-        self._cache: dict[str, dict] = {"train": {}, "heldout": {}}   # files read, by split
+        self._cache: dict[Split, dict] = {Split.TRAIN: {}, Split.HELDOUT: {}}   # files read, by split
         self._softmax: tuple[torch.Tensor, torch.Tensor] | None = None
         self.run_dir = self.dir / "run"
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ class Learner:
     # ------------------------------------------------------------------ data
     def reload(self) -> int:
         """Re-read the training split (conversations written meanwhile); returns its size."""
-        self.train_convs = [c for c in self.store.read("train", self._cache["train"])
+        self.train_convs = [c for c in self.store.read(Split.TRAIN, self._cache[Split.TRAIN])
                             if len(valid_anchors(c["loss_mask"]))]
         self._softmax = None
         if self.cfg.vocab_subset and self.train_convs:
@@ -117,7 +117,7 @@ class Learner:
         return self._softmax
 
     def heldout(self) -> list[dict[str, torch.Tensor]]:
-        return self.store.read("heldout", self._cache["heldout"])
+        return self.store.read(Split.HELDOUT, self._cache[Split.HELDOUT])
 
     # ------------------------------------------------------------------ training
     def lr_now(self) -> float:
@@ -172,7 +172,7 @@ class Learner:
     def log_heldout(self) -> dict:
         """The candidate's held-out τ now, teacher-forced (the cheap measure: a point every
         ``eval_every`` steps), appended to the curve (``heldout_curve.csv``)."""
-        sc = score(self.drafter, self.head, self.heldout(), metric="teacher_forced", gamma=self.cfg.gamma)
+        sc = score(self.drafter, self.head, self.heldout(), metric=GateMetric.TEACHER_FORCED, gamma=self.cfg.gamma)
         blocks = sum(s.blocks for s in sc)
         point = {"step": self.step, "seconds": round(self.seconds, 1), "conversations": len(sc),
                  "tau": round(1 + sum(s.accepted for s in sc) / max(1, blocks), 4),
@@ -196,7 +196,7 @@ class Learner:
         serving = score(self.serving, self.head, held, **kw)
         cand = score(self.drafter, self.head, held, **kw)
         res = gate(serving, cand, margin=self.cfg.margin, metric=self.cfg.gate_metric)
-        walks = serving if self.cfg.gate_metric == "served" else score(
+        walks = serving if self.cfg.gate_metric == GateMetric.SERVED else score(
             self.serving, self.head, [c for c in held if "served" in c], vocab=self.vocab)
         check = replay_check(held, walks, self.base)
         if check is None:

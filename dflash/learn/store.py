@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -33,6 +34,21 @@ from safetensors.torch import load_file, save
 
 HELDOUT_EVERY = 20
 _NAME = re.compile(r"^conv_(\d{8})\.safetensors$")
+
+
+class Split(StrEnum):
+    """Which part of the captured conversations one belongs to (its file's ``split``)."""
+
+    TRAIN = "train"
+    HELDOUT = "heldout"
+
+
+SPLITS = tuple(Split)
+
+
+def split_of(seq: int) -> Split:
+    """The split of conversation ``seq``: every ``HELDOUT_EVERY``-th is held out."""
+    return Split.HELDOUT if seq % HELDOUT_EVERY == 0 else Split.TRAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +133,7 @@ class CaptureStore:
         if seq is None:
             seq = self.new_seq()
         with self._lock:
-            meta = {"split": "heldout" if seq % HELDOUT_EVERY == 0 else "train",
+            meta = {"split": split_of(seq).value,
                     "target_fingerprint": self.fingerprint,
                     "target_layer_ids": json.dumps(list(self.layer_ids))}
             if served is not None:
@@ -142,18 +158,18 @@ class CaptureStore:
             p.unlink(missing_ok=True)
             total -= size
 
-    def read(self, split: str, cache: dict | None = None) -> list[dict[str, torch.Tensor]]:
-        """Conversations of ``split`` ("train" or "heldout"), oldest first, as
+    def read(self, split: Split, cache: dict | None = None) -> list[dict[str, torch.Tensor]]:
+        """Conversations of ``split``, oldest first, as
         ``{input_ids, loss_mask, taps, seq}`` dicts; files that do not parse or belong to
         another target are skipped. ``cache`` (a dict the caller keeps between calls): only
         files new or changed since the last call are read. Raises ValueError naming ``split``
         for another value."""
-        if split not in ("train", "heldout"):
+        if split not in SPLITS:
             raise ValueError(f"split: 'train' or 'heldout', got {split!r}")
         cache = {} if cache is None else cache
         out, seen = [], set()
         for seq, p in self.files():
-            if (seq % HELDOUT_EVERY == 0) != (split == "heldout"):
+            if split_of(seq) != split:
                 continue
             try:
                 st = p.stat()
@@ -195,7 +211,7 @@ class CaptureStore:
                 size += p.stat().st_size
             except FileNotFoundError:
                 pass
-        return {"train": len(files) - held, "heldout": held, "bytes": size}
+        return {Split.TRAIN.value: len(files) - held, Split.HELDOUT.value: held, "bytes": size}
 
 
 def _metadata(path: Path) -> dict | None:
