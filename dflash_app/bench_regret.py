@@ -7,7 +7,7 @@ concurrency sweep on several prompt sets with one plot (docs/batching.md, "The m
 * exploration: the race's counters on the verifier's ``/metrics``
   (``dflash_spec_policy_race_*``), read before and after the cells that ran adaptive: the share
   of its steps and of its seconds that explored, and the tokens that cost against each batch
-  bucket's best estimate (negative: exploring paid).
+  bucket's best arm on the same text (negative: exploring paid).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ mid-stream (the batch grows and drains, acceptance drops)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from dflash.core.suffix import SuffixTrie
 from verifier_svc.mode_race import ModeRace
 from verifier_svc.policy import DEFAULT_RACE_ARMS, SpeculationPolicy, split_arm
+from verifier_svc.race_state import ONE_BLOCK_NOISE, PRIOR_STEPS, Block, LeaderLevel, OpenBlock, pair_sample
 from verifier_svc.shapes import Shape, StepFeedback
 from verifier_svc.suffix_drafts import SuffixOffer
 
@@ -194,10 +196,12 @@ def test_race_schedule_blocks_and_elimination():
         arm, _ = r.pick(1, ["a", "b", "c"])
         seen.append(arm)
         r.observe(1, arm, rates[arm], 1.0, 1)
-    # blocks of 4 consecutive steps, each arm once before any twice
-    assert seen[:12] == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    # blocks of 4 consecutive steps, each other arm's between two of the reference's (the
+    # first arm), each once before any twice
+    assert seen[:20] == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["c"] * 4 + ["a"] * 4
     assert r.leader(1) == "a"
     assert "b" not in seen[12:]                     # out after its first look
+    assert r.relative(1) == pytest.approx({"a": 1.0, "b": 0.5, "c": 0.95})
 
 
 def test_race_arms_are_checked():
@@ -211,3 +215,37 @@ def test_race_arms_are_checked():
     # without trees the tree arms of the default list drop out
     p = SpeculationPolicy("adaptive", tree_budgets=(), race=True, race_arms=DEFAULT_RACE_ARMS)
     assert p.race is not None and all(":" not in a for a in p.race.order)
+
+
+def test_block_noise_pair_samples_and_the_leaders_level():
+    # a block's noise: its steps' spread around its rate, shrunk towards the prior
+    steady, noisy = OpenBlock(), OpenBlock()
+    for i in range(12):
+        steady.add(2.0, 0.1, 1)
+        noisy.add(2.0 + (1.0 if i % 2 else -1.0), 0.1, 1)
+    quiet, loud = steady.close(), noisy.close()
+    assert quiet.rate() == pytest.approx(20.0) and loud.rate() == pytest.approx(20.0)
+    assert quiet.var == pytest.approx(PRIOR_STEPS * ONE_BLOCK_NOISE ** 2 / (PRIOR_STEPS + 11))
+    assert loud.var > 10 * quiet.var
+    # a sample: the block's rate over the reference's around it; a move between the two
+    # reference blocks (the text changed) widens it by half the move
+    before, after = Block(20.0, 1.0, 0.01), Block(10.0, 1.0, 0.01)
+    x, var = pair_sample(Block(12.0, 1.0, 0.01), before, after)
+    assert x == pytest.approx(math.log(12.0 / 15.0))
+    assert var == pytest.approx(0.01 + 0.02 / 4 + (math.log(0.5) / 2) ** 2)
+    _, flat = pair_sample(Block(12.0, 1.0, 0.01), before, Block(20.0, 1.0, 0.01))
+    assert flat == pytest.approx(0.015)
+    # the leader's level: once it has seen its usual swing, a block within it is no drop; one
+    # three swings below is, once (the level moves down to it)
+    lv = LeaderLevel()
+    rng = random.Random(1)
+    for _ in range(96):
+        x = math.log(20.0) + rng.gauss(0.0, 0.2)
+        lv.dropped(x, x)
+    assert lv.level == pytest.approx(math.log(20.0), abs=0.1)
+    assert math.sqrt(lv.swing) == pytest.approx(0.2, rel=0.35)
+    mild = math.log(20.0) - 0.1
+    assert not lv.dropped(mild, mild)
+    low = math.log(20.0) - 0.6
+    assert lv.dropped(low, low)
+    assert not lv.dropped(low, low)

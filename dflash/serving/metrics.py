@@ -178,7 +178,7 @@ class PolicyGauges:
     * ``dflash_spec_policy_race_steps_total{arm}``, ``..._race_explored_steps_total``,
       ``..._race_explored_seconds_total``, ``..._race_seconds_total`` and the gauge
       ``..._race_explore_cost_tokens``: the steps the race chose, those that explored,
-      their seconds, and the tokens exploring cost against each bucket's best estimate;
+      their seconds, and the tokens exploring cost against each bucket's best arm;
     * ``dflash_verifier_batch_sessions``: sessions in the decode batch now.
     """
 
@@ -220,9 +220,9 @@ class PolicyGauges:
                                           "Mode race: seconds of every raced step."), st.total_seconds)):
             c.add_metric([], v)
             yield c
-        # a gauge: exploring can pay (negative cost) when the best estimate is stale
+        # a gauge: exploring can pay (negative cost) when the best arm's rate is stale
         cost = GaugeMetricFamily("dflash_spec_policy_race_explore_cost_tokens",
-                                 "Mode race: tokens exploring cost against the best estimate, so far.")
+                                 "Mode race: tokens exploring cost against the best arm on the same text, so far.")
         cost.add_metric([], st.explore_cost_tokens)
         yield cost
 
